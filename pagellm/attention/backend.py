@@ -1,0 +1,67 @@
+"""The attention backend interface: one flat batch, a paged KV cache, several implementations."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each sequence's queries sit in the flat batch and where its KV lives in the cache.
+
+    A batch holds `num_seqs` sequences; sequence i contributes the query tokens
+    `query_start_loc[i]:query_start_loc[i+1]` of the flat batch, which are the *last* tokens of
+    its context of `seq_lens[i]` tokens (earlier ones are already in the cache).
+    """
+
+    num_tokens: int
+    """Number of real tokens in the flat batch (rows past it are padding)."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int32 on the device: prefix sums of query lengths."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int32 on the device: context length including this step's tokens."""
+    block_table: torch.Tensor
+    """[num_seqs, max_num_blocks_per_seq] int32 on the device: physical block ids, padded."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64 on the device: cache slot (block_id * block_size + offset) per token; -1 = don't write."""
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: np.ndarray
+    """Host copy of `query_start_loc`, so backends can plan without a device sync."""
+    seq_lens_cpu: np.ndarray
+    """Host copy of `seq_lens`."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+"""(key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer of a flat batch over a paged KV cache."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend.
+
+        query [num_tokens, num_heads, head_dim]; key/value [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim]. With `kv_cache=None` (the memory-profiling
+        pass before the cache exists) every sequence must be a prompt starting at position 0, and
+        attention is causal within each sequence.
+        """

@@ -1,0 +1,143 @@
+"""Engine arguments (the user-facing knobs, named as in vLLM) and the configuration resolved from them."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+_GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything `LLM(...)` and `pagellm serve` accept about the engine."""
+
+    model: str | None = None
+    """GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct."""
+    load_format: str = "auto"
+    """auto | gguf | safetensors | dummy (random seeded weights, for benchmarks)."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16 | float16. auto: float32 on CPU; the checkpoint's 16-bit type (else bfloat16) on GPU."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    seed: int = 0
+    """Seed of the random weights (dummy) and of sampling for requests without their own seed."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens. None: the model's max_position_embeddings."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use in all (weights, activations, KV cache)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: min(4 GiB, a quarter of RAM)."""
+    num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks (tests, debugging)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes across requests."""
+    max_num_seqs: int = 256
+    """Most sequences in one step."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU."""
+    attention_backend: str | None = None
+    """Attention implementation by name; None picks the best for the device."""
+    tensor_parallel_size: int = 1
+    """GPUs per model replica (only 1 is supported so far)."""
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def validate(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_positive("max_model_len", self.max_model_len)
+        _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs a token each step")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+
+    def create_engine_config(self) -> "EngineConfig":
+        self.validate()
+        device = _resolve_device(self.device)
+        source = resolve_model(self.model, self.load_format)
+        arch = source.arch
+        max_model_len = self.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings "
+                f"({arch.max_position_embeddings})")
+        on_gpu = device.type == "cuda"
+        max_num_batched_tokens = self.max_num_batched_tokens or max(8192 if on_gpu else 2048, self.max_num_seqs)
+        return EngineConfig(
+            args=self,
+            source=source,
+            device=device,
+            dtype=_resolve_dtype(self.dtype, device, arch.torch_dtype),
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attention_backend=self.attention_backend or "torch",
+        )
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """EngineArgs after resolving the model, device, dtype and defaults."""
+
+    args: EngineArgs
+    source: ModelSource
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_batched_tokens: int
+    attention_backend: str
+
+    def default_cpu_kv_cache_bytes(self) -> int:
+        total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return min(4 * _GiB, total_ram // 4)
+
+
+def _check_positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    return dev
+
+
+def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[_DTYPE_ALIASES.get(dtype, dtype)]
+    if device.type == "cpu":
+        # Reduced-precision matmuls on CPU are slower than float32 on most machines.
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return _DTYPES[checkpoint_dtype]
+    return torch.bfloat16

@@ -1,0 +1,33 @@
+"""Content hashes of full KV blocks, chained so a hash names the whole prefix up to its block."""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+_ROOT = b"pagellm-prefix-root"
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    """SHA-256 of (parent hash, token ids, extra keys such as a cache salt or adapter id).
+
+    A cryptographic hash, not Python's `hash`: a collision would silently serve another
+    prompt's KV, and 64-bit hashes of attacker-chosen prompts are not safe.
+    """
+    h = hashlib.sha256(parent if parent is not None else _ROOT)
+    h.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+) -> None:
+    """Append the hashes of every full block of `token_ids` not hashed yet."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(hashes), num_full):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))

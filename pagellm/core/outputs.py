@@ -1,0 +1,79 @@
+"""Messages between the scheduler and the workers, and from the engine core to its caller."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen (or a preempted one that restarts from scratch)."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt plus any tokens generated before a preemption."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the workers already hold: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's work, as a diff against what the workers already hold."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens to compute per request, in batch order."""
+    total_num_scheduled_tokens: int
+    freed_req_ids: set[str]
+    """Requests whose worker-side state must be dropped (finished, aborted or preempted)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """The token sampled for each request that reached the end of its known tokens this step."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens of one request, and its end if it ended."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters the metrics and the progress log read."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens_total: int = 0
+    """Tokens run through the model, recomputation after preemption included."""
+    num_generation_tokens: int = 0

@@ -1,0 +1,99 @@
+"""The scheduler's view of one request."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagellm.core.hashing import BlockHash, extend_block_hashes
+from pagellm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI/vLLM finish_reason: stop, length or abort."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Tokens so far, how many of them have KV in the cache, and why it stopped."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int
+    """Generation cap after clamping to the model's context length."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Isolates this request's prefix-cache entries from requests with another salt."""
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first scheduling (-1: not scheduled yet)."""
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def extra_keys(self) -> tuple:
+        return (self.cache_salt,) if self.cache_salt is not None else ()
+
+    def update_block_hashes(self, block_size: int) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int) -> bool:
+        """After appending `token_id`: set a finished status if generation must end."""
+        sp = self.sampling_params
+        if not sp.ignore_eos and token_id in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in sp.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = token_id
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return self.status.is_finished

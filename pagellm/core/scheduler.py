@@ -1,0 +1,200 @@
+"""One scheduler, one token budget per step: running requests first, then waiting ones.
+
+There are no prefill and decode phases. Each request has `num_computed_tokens` and wants to reach
+`num_tokens`; a step hands out at most `max_num_batched_tokens` tokens to at most `max_num_seqs`
+requests. Chunked prefill and prefix-cache hits fall out of that. When blocks run out, the most
+recently admitted running request is preempted and later recomputed.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pagellm.core.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits) -> None:
+        self.limits = limits
+        self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """In admission order: the last one is the first to be preempted."""
+        self._freed_req_ids: set[str] = set()
+        """Requests the workers must forget at the next step."""
+        self._known_to_workers: set[str] = set()
+        self.num_preemptions = 0
+        self.num_scheduled_tokens_total = 0
+        self.num_generation_tokens = 0
+
+    # -- requests in and out ------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort). Unknown or already finished ids are ignored."""
+        ended = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._release(request)
+            ended.append(request)
+        return ended
+
+    def _release(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_to_workers:
+            self._known_to_workers.discard(request.request_id)
+            self._freed_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            cached_reqs.append(CachedRequestData(
+                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+            i += 1
+
+        # Admitting new work right after a preemption would only thrash.
+        while (self.waiting and budget > 0 and not preempted_now
+               and len(self.running) < self.limits.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._known_to_workers.add(request.request_id)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                token_ids=list(request.all_token_ids),
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling_params=request.sampling_params,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens,
+            ))
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.limits.max_num_batched_tokens - budget,
+            freed_req_ids=self._freed_req_ids,
+        )
+        self._freed_req_ids = set()
+        # The tokens handed out are counted as computed now, so the next schedule() (possibly
+        # overlapped with this step's execution) starts from the right place.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        if request.request_id in self._known_to_workers:
+            self._known_to_workers.discard(request.request_id)
+            self._freed_req_ids.add(request.request_id)
+
+    def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free what finished."""
+        results = []
+        for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            request.append_token(token_id)
+            self.num_generation_tokens += 1
+            finished = request.check_stop(token_id, self.limits.max_model_len)
+            results.append(EngineCoreOutput(
+                req_id, [token_id], request.status.finish_reason, request.stop_reason,
+                max(request.num_cached_tokens, 0)))
+            if finished:
+                self.running.remove(request)
+                self._release(request)
+        return results
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_stats.queries,
+            prefix_cache_hits=self.kv.prefix_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens_total=self.num_scheduled_tokens_total,
+            num_generation_tokens=self.num_generation_tokens,
+        )

@@ -1,0 +1,75 @@
+"""The architecture description of a decoder-only model, independent of where it was loaded from.
+
+Built from a Hugging Face `config.json` dict or from GGUF metadata. Deliberately not a
+`transformers.PretrainedConfig`: importing transformers costs seconds of start-up time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    """Shape and numerics of a decoder-only transformer."""
+
+    architecture: str
+    """Hugging Face architecture name, e.g. `LlamaForCausalLM`."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    """Hugging Face `rope_scaling` dict (`rope_type` / `type`: default, linear, llama3)."""
+    torch_dtype: str | None = None
+    """The dtype the checkpoint was trained/saved in, used by `dtype="auto"`."""
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """The raw config dict, for architecture-specific fields the model class reads itself."""
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelArchConfig":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model architecture {archs or d.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = d.get("rope_scaling")
+        # transformers >= 5 moves rope_theta / rope_scaling into `rope_parameters`.
+        rope_params = d.get("rope_parameters") or {}
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = rope_params
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            rope_scaling=rope_scaling,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hf_config=dict(d),
+        )

@@ -1,0 +1,1 @@
+"""Turning logits into tokens, vectorized over the batch on the device."""

@@ -1,0 +1,125 @@
+"""The worker's persistent view of the requests it runs, and the flat batch built from it each step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagellm.attention.backend import AttentionMetadata
+from pagellm.core.outputs import SchedulerOutput
+from pagellm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """Everything about one request the worker needs across steps."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    """One step's model inputs: all scheduled tokens back to back, no padding."""
+
+    input_ids: torch.Tensor
+    """[num_tokens] int64."""
+    positions: torch.Tensor
+    """[num_tokens] int64."""
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    """[num_sampling] int64: rows of the hidden states whose next token is sampled."""
+    sampling_req_ids: list[str]
+    """The requests behind `logits_indices`, in the same order."""
+
+
+class RequestStates:
+    """Applies each SchedulerOutput diff and lays out the step's flat batch."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.states: dict[str, CachedRequestState] = {}
+
+    def update(self, so: SchedulerOutput) -> None:
+        for req_id in so.freed_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.states[new.req_id] = CachedRequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in so.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def build(self, so: SchedulerOutput) -> FlatBatch:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.states[r] for r in req_ids]
+        num_reqs = len(states)
+        query_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_lens = num_computed + query_lens
+
+        # Positions without a per-token loop: each token's offset inside its request's chunk.
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
+
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        for i, s in enumerate(states):
+            start, end = s.num_computed_tokens, s.num_computed_tokens + int(query_lens[i])
+            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = s.token_ids[start:end]
+            block_table[i, :len(s.block_ids)] = s.block_ids
+        slot_mapping = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
+
+        # A request samples when this step reaches the end of its known tokens (a finished
+        # prefill or a decode); a mid-prompt chunk does not.
+        token_counts = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
+        sampling_rows = np.flatnonzero(seq_lens == token_counts)
+        logits_indices = query_start_loc[sampling_rows + 1] - 1
+
+        dev = self.device
+        attn_metadata = AttentionMetadata(
+            num_tokens=num_tokens,
+            query_start_loc=_to_device(query_start_loc, torch.int32, dev),
+            seq_lens=_to_device(seq_lens, torch.int32, dev),
+            block_table=_to_device(block_table, torch.int32, dev),
+            slot_mapping=_to_device(slot_mapping, torch.int64, dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.astype(np.int32),
+            seq_lens_cpu=seq_lens.astype(np.int32),
+        )
+        return FlatBatch(
+            input_ids=_to_device(input_ids, torch.int64, dev),
+            positions=_to_device(positions, torch.int64, dev),
+            attn_metadata=attn_metadata,
+            logits_indices=_to_device(logits_indices, torch.int64, dev),
+            sampling_req_ids=[req_ids[i] for i in sampling_rows],
+        )
+
+    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        for req_id, token_id in zip(req_ids, token_ids):
+            self.states[req_id].token_ids.append(token_id)
+
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
