@@ -1,0 +1,1 @@
+"""The step loop (EngineCore) and the caller-facing engine around it (LLMEngine)."""

@@ -1,0 +1,70 @@
+"""LLMEngine: add requests, step, read outputs. For callers that stream or drive their own loop."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from pagellm.config import EngineArgs, EngineConfig
+from pagellm.core.outputs import SchedulerStats
+from pagellm.engine.core import EngineCore
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.processor import InputProcessor, PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.source)
+        self.processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._request_counter = itertools.count()
+        logger.info("engine ready in %.2f s", time.perf_counter() - start)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def next_request_id(self) -> str:
+        return str(next(self._request_counter))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (naming the field) on invalid input."""
+        request, text = self.processor.process(request_id, prompt, params or SamplingParams())
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids,
+                                          request.sampling_params.skip_special_tokens, request.arrival_time)
+
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self.engine_core.abort_requests(ids)
+        return self.output_processor.abort(ids)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that produced tokens (cumulative outputs)."""
+        return self.output_processor.process(self.engine_core.step())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        stats = self.engine_core.stats()
+        return stats.num_running_reqs + stats.num_waiting_reqs
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.stats()
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights)")
+        return self.tokenizer

@@ -1,0 +1,83 @@
+"""Input processing: prompt -> token ids, validation, and the scheduler's Request."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Union
+
+from pagellm.config import EngineConfig
+from pagellm.core.request import Request
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+PromptType = Union[str, Mapping]
+"""A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt)."""
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.generation_config = config.source.generation_config
+        self.vocab_size = config.source.arch.vocab_size
+        self.eos_token_ids = frozenset(_eos_ids(config, tokenizer))
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text if any, prompt token ids)."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, Mapping) and "prompt" in prompt:
+            text, token_ids = prompt["prompt"], None
+        else:
+            raise ValueError(
+                f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got {type(prompt).__name__}")
+        if token_ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (dummy weights): pass prompt_token_ids instead of text")
+            token_ids = self.tokenizer.encode(text)
+        return text, token_ids
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> tuple[Request, str | None]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.tokenize(prompt)
+        self._validate_prompt(token_ids)
+        params = params.apply_model_defaults(self.generation_config)
+        room = self.config.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+        )
+        return request, text
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if len(token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.config.max_model_len}: "
+                f"shorten it or raise max_model_len (at least one token must be generated)")
+
+
+def _eos_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:
+    ids = set(config.source.arch.eos_token_ids)
+    eos = config.source.generation_config.get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,114 @@
+"""The offline API, as vLLM's `LLM`: generate() and chat() over a batch, with a progress bar."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagellm.config import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.processor import PromptType
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text from prompts with one in-process engine.
+
+    Takes the engine arguments of `EngineArgs` as keywords (`dtype`, `max_model_len`,
+    `max_num_seqs`, `max_num_batched_tokens`, `block_size`, `gpu_memory_utilization`,
+    `enable_prefix_caching`, `seed`, `load_format`, ...). With no model, the embedded
+    SmolLM2-135M-Instruct is used.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType] | Sequence[int],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A list of ints is one tokenized prompt."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if _is_conversation(messages) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                          chat_template=chat_template, **(chat_template_kwargs or {}))
+            for conv in conversations
+        ]
+        # The template already carries any BOS token: don't let the tokenizer add a second one.
+        token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
+                         for p in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                request_id = engine.next_request_id()
+                engine.add_request(request_id, prompt, sp)
+                ids.append(request_id)
+        except ValueError:
+            engine.abort_request(ids)  # a bad prompt in the batch must not leave the rest queued
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+
+def _is_conversation(messages: Any) -> bool:
+    return isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+        return [{"prompt_token_ids": list(prompts)}]
+    if isinstance(prompts, Sequence):
+        return [{"prompt_token_ids": list(p)} if isinstance(p, Sequence) and not isinstance(p, str) else p
+                for p in prompts]
+    raise ValueError(f"prompts must be a string, a prompt dict, token ids, or a list of these, got {type(prompts).__name__}")
+
+
+def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries but there are {n} prompts")
+    return params

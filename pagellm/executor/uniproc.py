@@ -1,0 +1,21 @@
+"""A single worker in the engine's own process."""
+from __future__ import annotations
+
+from pagellm.config import EngineConfig
+from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.worker import Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.worker.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.worker.determine_num_blocks()
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.worker.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(so)
