@@ -1,0 +1,168 @@
+"""GGUF checkpoints: metadata -> Hugging Face-style config, tensors -> dequantized HF-named weights."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagellm.loader.gguf_file import GGUFFile, GGUFTensorInfo
+from pagellm.model_arch import ModelArchConfig
+
+# general.architecture -> (HF architecture, HF model_type).
+_GGUF_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+# llama.cpp's converter permutes the q/k rows of these architectures for its rotary convention.
+_PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """A Hugging Face `config.json`-style dict built from the file's metadata."""
+    md = gguf.metadata
+    arch = md.get("general.architecture")
+    name = str(md.get("general.name", ""))
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf.path!r}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+    hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
+    if arch == "llama" and "mistral" in name.lower():
+        # llama.cpp files Mistral under the llama architecture; only the name tells them apart.
+        hf_arch, model_type = "MistralForCausalLM", "mistral"
+    tensor_names = {t.name for t in gguf.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(
+            f"{gguf.path!r} stores per-frequency rope factors (rope_freqs, Llama 3.1+ rope scaling), "
+            "which pagellm does not read from GGUF yet; load the safetensors checkpoint instead"
+        )
+
+    def key(suffix: str, default: Any = None) -> Any:
+        return md.get(f"{arch}.{suffix}", default)
+
+    num_heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    vocab_size = key("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))
+    if num_heads is None or hidden is None or not vocab_size:
+        raise ValueError(f"{gguf.path!r}: GGUF metadata lacks head count, embedding length or vocabulary size")
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv", num_heads),
+        "head_dim": key("attention.key_length") or key("rope.dimension_count") or hidden // num_heads,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length", 4096),
+        # llama.cpp drops output.weight when the head shares the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "hidden_act": "silu",
+    }
+    scaling_type = key("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        rope_scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": key("rope.scaling.factor", 1.0)}
+        if key("rope.scaling.original_context_length") is not None:
+            rope_scaling["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
+        config["rope_scaling"] = rope_scaling
+    for hf_key, gguf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("pad_token_id", "padding_token_id"),
+    ):
+        if f"tokenizer.ggml.{gguf_key}" in md:
+            config[hf_key] = md[f"tokenizer.ggml.{gguf_key}"]
+    return config
+
+
+def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict[str, Any]]:
+    """`(arch, generation_config)` of a GGUF file, from its metadata only."""
+    with GGUFFile(path) as gguf:
+        config = gguf_to_hf_config(gguf)
+    generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    return ModelArchConfig.from_hf_dict(config), generation_config
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor, or None for tensors HF does not have."""
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _LAYER_NAME.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_TENSORS:
+        return None
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+
+
+def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation.
+
+    Within each head llama.cpp stores rows as interleaved (real, imag) pairs; HF keeps the first
+    half of the head's rows as one rotary half and the second half as the other.
+    """
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, float32 CPU tensor)` for every weight, dequantized one tensor at a time."""
+    with GGUFFile(path) as gguf:
+        config = gguf_to_hf_config(gguf)
+        permuted = gguf.metadata["general.architecture"] in _PERMUTED_QK_ARCHITECTURES
+        heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+        for info in gguf.tensors:
+            name = hf_tensor_name(info.name)
+            if name is None:
+                raise ValueError(f"{path!r}: GGUF tensor {info.name!r} has no Hugging Face counterpart pagellm knows")
+            tensor = _dequantize(gguf, info).reshape(info.shape)
+            module = name.rsplit(".", 1)[0].split(".", 3)[-1]
+            if permuted and module in heads:
+                tensor = unpermute_rotary_rows(tensor, heads[module])
+            yield name, tensor.contiguous()
+
+
+def _dequantize(gguf: GGUFFile, info: GGUFTensorInfo) -> torch.Tensor:
+    """One tensor as float32, in memory of its own (not a view of the file map)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        qtype = GGMLQuantizationType(info.ggml_type)
+    except ValueError:
+        raise ValueError(f"{gguf.path!r}: tensor {info.name!r} has unknown GGML type {info.ggml_type}") from None
+    try:
+        array = dequantize(gguf.tensor_bytes(info), qtype)
+    except NotImplementedError as e:
+        raise ValueError(f"{gguf.path!r}: cannot dequantize tensor {info.name!r}: {e}") from None
+    # F32 comes back as a view of the read-only file map; torch needs memory it may own.
+    if not array.flags.writeable or array.dtype != np.float32:
+        array = np.array(array, dtype=np.float32)
+    return torch.from_numpy(array)

@@ -1,0 +1,115 @@
+"""Real model configs for `--load-format dummy` benchmarks, so no checkpoint is needed to size a run.
+
+Values are those of the models' published `config.json` files; keys are Hugging Face ids plus short
+aliases. A preset carries no tokenizer: benchmark callers pass token ids.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+_LLAMA_3_1_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+
+_QWEN2_5_7B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+_QWEN3_8B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
+    "meta-llama/Llama-3.1-8B": {**_LLAMA_3_1_8B, "eos_token_id": 128001},
+    "llama-3.1-8b": _LLAMA_3_1_8B,
+    "Qwen/Qwen2.5-7B-Instruct": _QWEN2_5_7B,
+    "Qwen/Qwen2.5-7B": {**_QWEN2_5_7B, "eos_token_id": 151643},
+    "qwen2.5-7b": _QWEN2_5_7B,
+    "Qwen/Qwen3-8B": _QWEN3_8B,
+    "qwen3-8b": _QWEN3_8B,
+}
+
+# Generation defaults published next to the configs; only what the engine reads (stop ids).
+_GENERATION_EOS: dict[str, list[int]] = {
+    "meta-llama/Llama-3.1-8B-Instruct": [128001, 128008, 128009],
+    "llama-3.1-8b": [128001, 128008, 128009],
+    "meta-llama/Llama-3.1-8B": [128001],
+    "Qwen/Qwen2.5-7B-Instruct": [151645, 151643],
+    "qwen2.5-7b": [151645, 151643],
+    "Qwen/Qwen2.5-7B": [151643],
+    "Qwen/Qwen3-8B": [151645, 151643],
+    "qwen3-8b": [151645, 151643],
+}
+
+
+def get_preset(name: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """`(config, generation_config)` of a preset, matched case-insensitively, or None if unknown."""
+    key = next((k for k in PRESETS if k.lower() == name.lower()), None)
+    if key is None:
+        return None
+    config = PRESETS[key]
+    generation_config = {"bos_token_id": config["bos_token_id"], "eos_token_id": _GENERATION_EOS[key]}
+    return copy.deepcopy(config), generation_config

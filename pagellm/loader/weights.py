@@ -1,0 +1,27 @@
+"""One entry point for a source's weights, whatever the format."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from pagellm.loader.gguf_loader import iter_gguf_weights
+from pagellm.loader.safetensors_loader import iter_safetensors_weights
+from pagellm.loader.source import ModelSource
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_parameter_name, CPU tensor)` pairs, one tensor in memory at a time.
+
+    GGUF weights come dequantized to float32 with q/k rows in Hugging Face order; safetensors
+    weights keep their stored dtype. A tied `lm_head.weight` is not yielded when the checkpoint
+    does not store it.
+    """
+    if source.load_format == "gguf":
+        return iter_gguf_weights(source.path)
+    if source.load_format == "safetensors":
+        return iter_safetensors_weights(source.path)
+    raise ValueError(
+        f"source {source.path!r} has load_format {source.load_format!r}, which has no weights to read; "
+        "use initialize_dummy_weights for dummy sources"
+    )

@@ -1,0 +1,150 @@
+"""The engine's tokenizer: a `tokenizers.Tokenizer` plus special tokens and the chat template.
+
+Loaded from a GGUF file's metadata or a Hugging Face directory's `tokenizer.json`; never through
+`transformers`, whose import and conversion cost seconds of start-up time.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+from pagellm.loader.gguf_file import GGUFFile
+from pagellm.loader.source import ModelSource
+from pagellm.tokenizer.chat_template import render_chat_template
+from pagellm.tokenizer.gguf_tokenizer import build_gguf_tokenizer
+
+
+class Tokenizer:
+    """Encode, decode (whole or streamed) and render chat prompts for one model."""
+
+    __slots__ = ("backend", "vocab_size", "bos_token", "eos_token", "unk_token", "pad_token",
+                 "bos_token_id", "eos_token_id", "all_special_ids", "chat_template")
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token, self.eos_token, self.unk_token, self.pad_token = bos_token, eos_token, unk_token, pad_token
+        self.bos_token_id = self._token_id(bos_token)
+        self.eos_token_id = self._token_id(eos_token)
+        named = {self._token_id(t) for t in (bos_token, eos_token, unk_token, pad_token)} - {None}
+        added = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
+        self.all_special_ids: set[int] = named | added
+        self.chat_template = chat_template
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text map to their ids."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        """A fresh incremental detokenizer; feed it with `stream.step(tokenizer.backend, token_id)`.
+
+        It holds back bytes of an incomplete UTF-8 character, so `step` returns None until the
+        character is complete.
+        """
+        return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The prompt text for `conversation`, rendered like `transformers`' `apply_chat_template`."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass `chat_template` (a Jinja string) "
+                "or send a plain-text prompt instead of chat messages"
+            )
+        names = ("bos_token", "eos_token", "unk_token", "pad_token")
+        special_tokens = {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        return render_chat_template(template, conversation, add_generation_prompt, special_tokens, **kwargs)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer | None:
+    """The source's tokenizer; None when there is none (a dummy preset, or a dummy config-only folder)."""
+    path = source.path
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        with GGUFFile(path) as gguf:
+            spec = build_gguf_tokenizer(gguf.metadata, path)
+        return Tokenizer(
+            spec.backend,
+            bos_token=spec.bos_token,
+            eos_token=spec.eos_token,
+            unk_token=spec.unk_token,
+            pad_token=spec.pad_token,
+            chat_template=spec.chat_template,
+        )
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return _load_hf_tokenizer(path, source.generation_config)
+    if source.load_format == "dummy":
+        return None
+    raise ValueError(
+        f"model {path!r} has no tokenizer.json; pagellm reads only the fast-tokenizer format. Create it once "
+        "with transformers: AutoTokenizer.from_pretrained(path).save_pretrained(path)"
+    )
+
+
+def _load_hf_tokenizer(directory: str, generation_config: dict[str, Any]) -> Tokenizer:
+    backend = BackendTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
+    config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    tokens = {name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    # Some configs name no BOS/EOS; generation_config.json then has the ids.
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
+        token_id = generation_config.get(key)
+        if isinstance(token_id, list):
+            token_id = token_id[0] if token_id else None
+        if tokens[name] is None and token_id is not None:
+            tokens[name] = backend.id_to_token(token_id)
+    return Tokenizer(backend, chat_template=_read_chat_template(directory, config), **tokens)
+
+
+def _read_chat_template(directory: str, config: dict[str, Any]) -> str | None:
+    # transformers >= 4.43 saves the template to its own file, which then takes precedence.
+    jinja_path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or a serialized AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path!r} is not valid JSON: {e}") from e

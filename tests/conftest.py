@@ -1,0 +1,34 @@
+"""Session fixtures shared across the test suite: the bundled SmolLM2 GGUF and its HF reference."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagellm.loader import default_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF file."""
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_path: str) -> torch.nn.Module:
+    """Hugging Face's float32 model dequantized from the same GGUF file, in eval mode (~15 s)."""
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smollm2_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path: str):
+    """Hugging Face's tokenizer converted from the GGUF metadata (slow: only for equivalence tests)."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm2_path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
