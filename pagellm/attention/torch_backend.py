@@ -1,0 +1,132 @@
+"""Pure-PyTorch paged attention: runs anywhere and is the oracle the GPU kernels are tested against.
+
+Sequences are attended in at most two batched groups: decode rows (exactly one query each, so no
+padding) and prefill/chunk rows (queries padded to the longest in the group). For each group the
+keys are gathered from the paged cache through the block table into [B, S, num_kv_heads, D] and one
+boolean mask encodes both causality and each sequence's length. All planning uses the host copies
+in the metadata, so the only device sync is the -1 filter of the slot mapping.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Attention with `torch.nn.functional.scaled_dot_product_attention` over gathered KV blocks.
+
+    Cache slots past a sequence's length are masked but still read, so the cache must not hold
+    NaN/inf there: allocate it with `torch.zeros`, not `torch.empty`.
+    """
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        query_start_loc = metadata.query_start_loc_cpu
+        q_lens = np.diff(query_start_loc)
+        # Rows past num_tokens are batch padding: they stay zero.
+        out = torch.zeros_like(query)
+        if kv_cache is None:
+            seqs = np.flatnonzero(q_lens > 0)
+            if len(seqs):
+                rows, valid = _padded_rows(query_start_loc, seqs)
+                rows_t = torch.from_numpy(rows).to(query.device)
+                # A prompt from position 0: its keys are its own rows of this step's key/value.
+                _attend(out, query, key[rows_t], value[rows_t], rows, valid, np.zeros_like(seqs), q_lens[seqs], scale)
+            return out
+
+        num_tokens = metadata.num_tokens
+        _write_kv(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping)
+        for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)):
+            if len(seqs):
+                self._attend_paged(out, query, kv_cache, metadata, seqs, scale)
+        return out
+
+    @staticmethod
+    def _attend_paged(
+        out: torch.Tensor,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        seqs: np.ndarray,
+        scale: float,
+    ) -> None:
+        """Attend sequences `seqs` (indices into the batch) against their cached context."""
+        k_cache, v_cache = kv_cache
+        rows, valid = _padded_rows(metadata.query_start_loc_cpu, seqs)
+        seq_lens = metadata.seq_lens_cpu[seqs].astype(np.int64)
+        num_blocks = -(-int(seq_lens.max()) // k_cache.shape[1])
+        blocks = metadata.block_table[torch.from_numpy(seqs).to(query.device), :num_blocks]  # [B, nb]
+        keys = k_cache[blocks].flatten(1, 2)  # [B, nb * block_size, Hkv, D]
+        values = v_cache[blocks].flatten(1, 2)
+        _attend(out, query, keys, values, rows, valid, seq_lens - valid.sum(1), seq_lens, scale)
+
+
+def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Store each token's K/V at its slot; slots < 0 are not written."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for cache, new in zip(kv_cache, (key, value)):
+        # view (not reshape): a copy would silently drop the writes.
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new[keep])
+
+
+def _padded_rows(query_start_loc: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat-batch rows of each sequence's queries padded to the longest: (rows, valid), both [B, L].
+
+    Padding repeats the sequence's last row, so gathers stay in bounds.
+    """
+    starts = query_start_loc[seqs].astype(np.int64)
+    lens = query_start_loc[seqs + 1].astype(np.int64) - starts
+    offsets = np.arange(lens.max())
+    valid = offsets[None, :] < lens[:, None]
+    rows = starts[:, None] + np.minimum(offsets[None, :], lens[:, None] - 1)
+    return rows, valid
+
+
+def _attend(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: np.ndarray,
+    valid: np.ndarray,
+    first_pos: np.ndarray,
+    seq_lens: np.ndarray,
+    scale: float,
+) -> None:
+    """Causal attention of a padded group, written into `out` at `rows[valid]`.
+
+    query/out [T, H, D] flat batch; keys/values [B, S, Hkv, D] with S >= max(seq_lens);
+    rows/valid [B, L]; first_pos [B] position of each sequence's first query; seq_lens [B].
+    """
+    device = query.device
+    batch, q_len = rows.shape
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = keys.shape[2]
+    group = num_heads // num_kv_heads
+    # Query heads sharing a KV head (heads kv*G .. kv*G+G-1) are folded into the query axis,
+    # so each KV head is attended once and K/V are never repeated.
+    q = query[torch.from_numpy(rows).to(device)]  # [B, L, H, D]
+    q = q.view(batch, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
+    q = q.reshape(batch, num_kv_heads, q_len * group, head_dim)
+    # Query at position p sees keys 0..p; padded queries are clamped to the last real key so no
+    # row is fully masked (SDPA would return NaN there).
+    last_key = np.minimum(first_pos[:, None] + np.arange(q_len), seq_lens[:, None] - 1)  # [B, L]
+    mask = torch.arange(keys.shape[1], device=device) <= torch.from_numpy(last_key).to(device).unsqueeze(-1)
+    mask = mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(batch, 1, q_len * group, -1)
+    o = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
+    o = o.view(batch, num_kv_heads, q_len, group, head_dim).transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+    flat_valid = np.flatnonzero(valid.ravel())
+    out.index_copy_(0, torch.from_numpy(rows.ravel()[flat_valid]).to(device), o[torch.from_numpy(flat_valid).to(device)])

@@ -1,0 +1,160 @@
+"""Linear layers whose weights are split across tensor-parallel ranks.
+
+Column parallel: each rank owns a slice of the output features, so no communication is needed.
+Row parallel: each rank owns a slice of the input features and the partial products are summed
+over ranks. Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which
+copies this rank's slice of a full (unsharded) checkpoint tensor into it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.distributed import get_tp_rank, get_tp_world_size, tensor_parallel_all_reduce
+
+
+def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` into `dst` (casting dtype and device), refusing silent broadcasts."""
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(src.shape)} does not fit a parameter (shard) of shape "
+            f"{tuple(dst.shape)}; does config.json describe the same model as the weights?"
+        )
+    dst.copy_(src)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+    """Loader for parameters that every rank holds whole (norm weights, replicated biases)."""
+    if shard_id is not None:
+        raise ValueError(f"this parameter is not stacked from several checkpoint tensors (got shard_id={shard_id!r})")
+    copy_weight(param.data, loaded_weight)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """`numerator // denominator`, or a ValueError saying which size does not split evenly."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def _new_param(*shape: int) -> nn.Parameter:
+    # Device and dtype come from the caller's `torch.device(...)` context and default dtype.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class _ParallelLinear(nn.Module, ABC):
+    """y = x W^T + b with this rank's [output_size, input_size] slice of W."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _new_param(output_size, input_size)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _new_param(output_size)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    @abstractmethod
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        """Copy this rank's slice of the full checkpoint tensor `loaded_weight` into `param`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """Output features split evenly across ranks; each rank returns its slice of y."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, divide(output_size, get_tp_world_size(), "output size"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} loads one unstacked tensor (got shard_id={shard_id!r})")
+        size = param.shape[0]
+        copy_weight(param.data, loaded_weight.narrow(0, get_tp_rank() * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input fused into one matmul (gate_up).
+
+    This rank's output is [its slice of part 0, its slice of part 1, ...]; `shard_id` is the part's
+    index in `output_sizes`.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        tp = get_tp_world_size()
+        shard_sizes = [divide(size, tp, "stacked output size") for size in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.shard_sizes = shard_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.shard_sizes):
+            raise ValueError(f"shard_id must be an index below {len(self.shard_sizes)}, got {shard_id!r}")
+        size = self.shard_sizes[shard_id]
+        dst = param.data.narrow(0, sum(self.shard_sizes[:shard_id]), size)
+        copy_weight(dst, loaded_weight.narrow(0, get_tp_rank() * size, size))
+
+
+class QKVParallelLinear(_ParallelLinear):
+    """The fused q/k/v projection, split by attention head.
+
+    Each rank gets `num_heads / tp` query heads. KV heads are split the same way, except when
+    there are fewer KV heads than ranks: then each rank holds one KV head, replicated on the
+    `tp / num_kv_heads` consecutive ranks whose query heads share it (GQA).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = get_tp_world_size()
+        heads = divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            kv_heads, kv_replicas = divide(num_kv_heads, tp, "num_key_value_heads"), 1
+        elif tp % num_kv_heads:
+            raise ValueError(
+                f"tensor-parallel size ({tp}) exceeds num_key_value_heads ({num_kv_heads}) "
+                "and so must be a multiple of it"
+            )
+        else:
+            kv_heads, kv_replicas = 1, tp // num_kv_heads
+        super().__init__(hidden_size, (heads + 2 * kv_heads) * head_dim, bias)
+        self.num_heads = heads
+        self.num_kv_heads = kv_heads
+        self.kv_replicas = kv_replicas
+        self.q_size = heads * head_dim
+        self.kv_size = kv_heads * head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        rank = get_tp_rank()
+        if shard_id == "q":
+            offset, size, src_start = 0, self.q_size, rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, src_start = self.kv_size, (rank // self.kv_replicas) * self.kv_size
+        else:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, src_start, size))
+
+
+class RowParallelLinear(_ParallelLinear):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, get_tp_world_size(), "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} loads one unstacked tensor (got shard_id={shard_id!r})")
+        if param is self.bias:
+            copy_weight(param.data, loaded_weight)
+            return
+        size = param.shape[1]
+        copy_weight(param.data, loaded_weight.narrow(1, get_tp_rank() * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only rank 0 adds the bias, so the all-reduce sums it in exactly once.
+        bias = self.bias if get_tp_rank() == 0 else None
+        return tensor_parallel_all_reduce(F.linear(x, self.weight, bias))

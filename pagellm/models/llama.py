@@ -1,0 +1,190 @@
+"""Llama (and Mistral, same weights and graph): the base the Qwen models override in small places."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.layer import Attention
+from pagellm.model_arch import ModelArchConfig
+from pagellm.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+
+# (Hugging Face name part, fused parameter name part, shard id for its weight_loader)
+_STACKED_PARAMS = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelArchConfig) -> None:
+        super().__init__()
+        act = config.hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
+        bias = config.hf_config.get("mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        qkv_bias, o_bias = self.projection_biases(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim, config.head_dim**-0.5, attn_backend
+        )
+
+    @staticmethod
+    def projection_biases(config: ModelArchConfig) -> tuple[bool, bool]:
+        """Whether (q/k/v, o) projections have a bias."""
+        bias = config.hf_config.get("attention_bias", False)
+        return bias, bias
+
+    def position_encode(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] -> the same, position-encoded."""
+        return self.rotary_emb(positions, q, k)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        head_dim = self.attn.head_dim
+        q, k = self.position_encode(positions, q.view(-1, self.attn.num_heads, head_dim), k.view(-1, self.attn.num_kv_heads, head_dim))
+        return self.o_proj(self.attn(q, k, v, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        attention_cls: type[LlamaAttention],
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, rotary_emb, attn_backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it is added); the next norm adds them."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: ModelArchConfig, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # One cos/sin table shared by every layer.
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head, loading Hugging Face `LlamaForCausalLM`-style weights.
+
+    Subclasses change the attention block through `attention_cls`.
+    """
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend, self.attention_cls)
+        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, weight=tied)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """input_ids, positions [T] (flat batch) -> final hidden states [T, hidden_size]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy Hugging Face-named tensors into this rank's parameters; returns the names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from the config
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # shares the embedding, already loaded
+            target, shard_id = name, None
+            for hf_part, fused_part, part_id in _STACKED_PARAMS:
+                if hf_part in name:
+                    target, shard_id = name.replace(hf_part, fused_part), part_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}; "
+                    "is the checkpoint for a different architecture than its config.json says?"
+                )
+            param.weight_loader(param, tensor, shard_id)
+            loaded.add(target)
+        return loaded

@@ -1,0 +1,25 @@
+"""Qwen3: Llama with an RMSNorm over each query and key head before the rotary embedding."""
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend
+from pagellm.model_arch import ModelArchConfig
+from pagellm.models.layers import RMSNorm, RotaryEmbedding
+from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
+        super().__init__(config, rotary_emb, attn_backend)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def position_encode(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().position_encode(positions, self.q_norm(q), self.k_norm(k))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
