@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -13,40 +13,30 @@ _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "ha
 _GiB = 1 << 30
 
 
+def _arg(default, help: str):
+    """A field whose help text the CLI shows (`pagellm serve --help`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(slots=True)
 class EngineArgs:
     """Everything `LLM(...)` and `pagellm serve` accept about the engine."""
 
-    model: str | None = None
-    """GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct."""
-    load_format: str = "auto"
-    """auto | gguf | safetensors | dummy (random seeded weights, for benchmarks)."""
-    dtype: str = "auto"
-    """auto | float32 | bfloat16 | float16. auto: float32 on CPU; the checkpoint's 16-bit type (else bfloat16) on GPU."""
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:N."""
-    seed: int = 0
-    """Seed of the random weights (dummy) and of sampling for requests without their own seed."""
-    max_model_len: int | None = None
-    """Longest prompt + output in tokens. None: the model's max_position_embeddings."""
-    block_size: int = 16
-    """Tokens per KV-cache block."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of GPU memory the engine may use in all (weights, activations, KV cache)."""
-    kv_cache_memory_bytes: int | None = None
-    """KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: min(4 GiB, a quarter of RAM)."""
-    num_gpu_blocks_override: int | None = None
-    """Exact number of KV blocks (tests, debugging)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of shared prompt prefixes across requests."""
-    max_num_seqs: int = 256
-    """Most sequences in one step."""
-    max_num_batched_tokens: int | None = None
-    """Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU."""
-    attention_backend: str | None = None
-    """Attention implementation by name; None picks the best for the device."""
-    tensor_parallel_size: int = 1
-    """GPUs per model replica (only 1 is supported so far)."""
+    model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
+    load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
+    dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: float32 on CPU; the checkpoint's 16-bit type (else bfloat16) on GPU.")
+    device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
+    seed: int = _arg(0, 'Seed of the random weights (dummy) and of sampling for requests without their own seed.')
+    max_model_len: int | None = _arg(None, "Longest prompt + output in tokens. None: the model's max_position_embeddings.")
+    block_size: int = _arg(16, 'Tokens per KV-cache block.')
+    gpu_memory_utilization: float = _arg(0.9, 'Fraction of GPU memory the engine may use in all (weights, activations, KV cache).')
+    kv_cache_memory_bytes: int | None = _arg(None, 'KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: min(4 GiB, a quarter of RAM).')
+    num_gpu_blocks_override: int | None = _arg(None, 'Exact number of KV blocks (tests, debugging).')
+    enable_prefix_caching: bool = _arg(True, 'Reuse the KV of shared prompt prefixes across requests.')
+    max_num_seqs: int = _arg(256, 'Most sequences in one step.')
+    max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
+    attention_backend: str | None = _arg(None, 'Attention implementation by name; None picks the best for the device.')
+    tensor_parallel_size: int = _arg(1, 'GPUs per model replica (only 1 is supported so far).')
 
     @classmethod
     def field_names(cls) -> set[str]:
