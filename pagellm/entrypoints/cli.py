@@ -24,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=f"{help_text} (default: {f.default})")
+            group.add_argument(flag, type=kind, default=f.default, help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
