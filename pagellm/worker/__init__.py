@@ -1,0 +1,1 @@
+"""Device-side state: the model, the KV cache, the flat batch, sampling."""
