@@ -206,3 +206,20 @@ def test_missing_tokenizer_json(tmp_path) -> None:
     dummy.load_format = "dummy"
     assert load_tokenizer(dummy) is None
     assert load_tokenizer(resolve_model("qwen3-8b", load_format="dummy")) is None
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("smollm", ["abc", "Ġ12345", "ĊĊ"]),  # GPT-2 pattern, as transformers' conversion uses
+        ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5", "ĊĊ"]),
+        ("llama-bpe", ["abc", "Ġ", "123", "45", "ĊĊ"]),
+    ],
+)
+def test_gguf_pre_tokenizer_patterns(smollm2_path: str, pre: str, pieces: list[str]) -> None:
+    from pagellm.loader.gguf_file import GGUFFile
+
+    with GGUFFile(smollm2_path) as gguf:
+        metadata = {**gguf.metadata, "tokenizer.ggml.pre": pre}
+    backend = build_gguf_tokenizer(metadata, smollm2_path).backend
+    assert [p for p, _ in backend.pre_tokenizer.pre_tokenize_str("abc 12345\n\n")] == pieces
