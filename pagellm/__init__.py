@@ -1,9 +1,33 @@
-"""pagellm: a paged-KV-cache LLM inference and serving engine."""
-from pagellm.config import EngineArgs
-from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints.llm import LLM
-from pagellm.outputs import CompletionOutput, RequestOutput
-from pagellm.sampling_params import SamplingParams
+"""pagellm: a paged-KV-cache LLM inference and serving engine.
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+The public names load lazily, so that `pagellm.core` (pure Python) imports without torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagellm.entrypoints.llm",
+    "LLMEngine": "pagellm.engine.llm_engine",
+    "EngineArgs": "pagellm.config",
+    "SamplingParams": "pagellm.sampling_params",
+    "RequestOutput": "pagellm.outputs",
+    "CompletionOutput": "pagellm.outputs",
+}
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:
+    from pagellm.config import EngineArgs
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.entrypoints.llm import LLM
+    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagellm' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -133,11 +133,11 @@ def test_free_queue_remove_only_element_then_reuse():
 
 def test_pool_rejects_empty():
     with pytest.raises(ValueError):
-        BlockPool(0, enable_caching=True)
+        BlockPool(0)
 
 
 def test_allocate_takes_least_recently_freed_and_sets_ref_count():
-    pool = BlockPool(6, enable_caching=True)
+    pool = BlockPool(6)
     a = pool.allocate(2)
     assert all(b.ref_cnt == 1 for b in a)
     assert pool.num_free_blocks == 4
@@ -151,7 +151,7 @@ def test_allocate_takes_least_recently_freed_and_sets_ref_count():
 
 
 def test_allocate_over_capacity_raises_and_changes_nothing():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     held = pool.allocate(3)
     with pytest.raises(ValueError):
         pool.allocate(2)
@@ -163,7 +163,7 @@ def test_allocate_over_capacity_raises_and_changes_nothing():
 
 
 def test_usage_fraction():
-    pool = BlockPool(8, enable_caching=True)
+    pool = BlockPool(8)
     assert pool.usage == 0.0
     a = pool.allocate(2)
     assert pool.usage == pytest.approx(2 / 8)
@@ -179,7 +179,7 @@ def test_usage_fraction():
 
 
 def test_cached_block_is_findable_after_free_and_evicted_on_allocation():
-    pool = BlockPool(3, enable_caching=True)
+    pool = BlockPool(3)
     (blk,) = pool.allocate(1)
     pool.cache_block(blk, b"hash-A")
     assert pool.get_cached_block(b"hash-A") is blk
@@ -201,7 +201,7 @@ def test_cached_block_is_findable_after_free_and_evicted_on_allocation():
 
 
 def test_cache_block_first_writer_wins():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     a, b = pool.allocate(2)
     pool.cache_block(a, b"same")
     pool.cache_block(b, b"same")
@@ -218,7 +218,7 @@ def test_cache_block_first_writer_wins():
 
 
 def test_touch_removes_free_cached_block_from_queue_and_shares_it():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     (blk,) = pool.allocate(1)
     pool.cache_block(blk, b"h")
     pool.free([blk])
@@ -248,7 +248,7 @@ def test_touch_removes_free_cached_block_from_queue_and_shares_it():
 
 
 def test_tail_first_free_evicts_tail_before_prefix():
-    pool = BlockPool(4, enable_caching=True)
+    pool = BlockPool(4)
     req = pool.allocate(4)  # a request's blocks, prefix first
     for i, b in enumerate(req):
         pool.cache_block(b, f"h{i}".encode())
@@ -266,7 +266,7 @@ def test_tail_first_free_evicts_tail_before_prefix():
 
 
 def test_reset_prefix_cache_only_when_everything_free():
-    pool = BlockPool(3, enable_caching=True)
+    pool = BlockPool(3)
     a, b = pool.allocate(2)
     pool.cache_block(a, b"ha")
     pool.cache_block(b, b"hb")

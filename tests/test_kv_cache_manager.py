@@ -23,6 +23,7 @@ def admit(kv: KVCacheManager, req: Request, num_new: int | None = None):
         num_new = req.num_tokens - num_hit
     new = kv.allocate_slots(req, num_new, hits)
     if new is not None:
+        kv.record_prefix_lookup(req.num_tokens, num_hit)
         req.num_computed_tokens = num_hit + num_new
     return num_hit, new
 

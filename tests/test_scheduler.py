@@ -155,9 +155,11 @@ def assert_drained(s: Scheduler) -> None:
 
 
 def limits(**kw) -> SchedulerLimits:
-    base = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, block_size=4,
-                num_blocks=256, enable_prefix_caching=True)
+    base = dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=4, num_blocks=256,
+                enable_prefix_caching=True)
     base.update(kw)
+    # By default as long as the pool allows: a longer max_model_len is refused at construction.
+    base.setdefault("max_model_len", min(256, base["num_blocks"] * base["block_size"]))
     return SchedulerLimits(**base)
 
 

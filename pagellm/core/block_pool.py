@@ -59,11 +59,10 @@ class FreeBlockQueue:
 class BlockPool:
     """All KV blocks. Freed blocks keep their hash (and stay findable) until reallocated."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
@@ -106,6 +105,8 @@ class BlockPool:
         """Drop one reference each; blocks reaching zero join the back of the free queue in the
         given order, so pass a request's blocks tail first: its tail is evicted before its prefix."""
         for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"KV block {block.block_id} freed more often than taken")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)

@@ -33,6 +33,18 @@ class SchedulerLimits:
     num_blocks: int
     enable_prefix_caching: bool
 
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = {capacity} tokens, "
+                f"fewer than max_model_len ({self.max_model_len}), so one full-length request could never run. "
+                f"Lower max_model_len (--max-model-len) to at most {capacity}, or give the cache more memory "
+                f"(--gpu-memory-utilization on GPU, kv_cache_memory_bytes on CPU, num_gpu_blocks_override).")
+
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits) -> None:
@@ -54,6 +66,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_tokens >= self.limits.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_tokens} tokens but max_model_len is {self.limits.max_model_len}: "
+                "shorten it or raise max_model_len (at least one token must be generated)")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -125,6 +141,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -151,8 +168,8 @@ class Scheduler:
             freed_req_ids=self._freed_req_ids,
         )
         self._freed_req_ids = set()
-        # The tokens handed out are counted as computed now, so the next schedule() (possibly
-        # overlapped with this step's execution) starts from the right place.
+        # The tokens handed out are counted as computed once scheduled: the step that computes
+        # them always runs before the next schedule().
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
@@ -174,7 +191,7 @@ class Scheduler:
         results = []
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None or request.status != RequestStatus.RUNNING:  # aborted or preempted meanwhile
                 continue
             request.append_token(token_id)
             self.num_generation_tokens += 1

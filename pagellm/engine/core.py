@@ -17,17 +17,18 @@ class EngineCore:
         self.config = config
         self.executor = UniProcExecutor(config)
         num_blocks = self.executor.determine_num_blocks()
-        _check_fits(config, num_blocks)
-        self.executor.initialize_kv_cache(num_blocks)
         args = config.args
-        self.scheduler = Scheduler(SchedulerLimits(
+        # Validates that max_model_len fits before the cache is allocated.
+        limits = SchedulerLimits(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=config.max_model_len,
             block_size=args.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
-        ))
+        )
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(limits)
         self.num_blocks = num_blocks
 
     def add_request(self, request: Request) -> None:
@@ -49,12 +50,3 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
-
-def _check_fits(config: EngineConfig, num_blocks: int) -> None:
-    block_size = config.args.block_size
-    if num_blocks * block_size < config.max_model_len:
-        raise ValueError(
-            f"the KV cache holds {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} tokens, "
-            f"fewer than max_model_len ({config.max_model_len}), so one full-length request could never run. "
-            f"Lower max_model_len (--max-model-len) to at most {num_blocks * block_size}, or give the cache more "
-            f"memory (--gpu-memory-utilization on GPU, kv_cache_memory_bytes on CPU, num_gpu_blocks_override).")

@@ -48,7 +48,8 @@ class InputProcessor:
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids)
         params = params.apply_model_defaults(self.generation_config)
-        room = self.config.max_model_len - len(token_ids)
+        # Generation also stops at max_model_len; the scheduler refuses prompts that leave no room.
+        room = max(self.config.max_model_len - len(token_ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
             request_id=request_id,
@@ -65,10 +66,6 @@ class InputProcessor:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        if len(token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.config.max_model_len}: "
-                f"shorten it or raise max_model_len (at least one token must be generated)")
 
 
 def _eos_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:
