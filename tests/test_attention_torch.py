@@ -9,7 +9,9 @@ from pagellm.attention import get_attn_backend
 from pagellm.attention.layer import Attention
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float
+) -> torch.Tensor:
     """q [n, H, D] at positions first_pos.. ; k, v [L, Hkv, D] for positions 0..L-1 -> [n, H, D]."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)

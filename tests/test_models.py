@@ -32,7 +32,10 @@ LLAMA3_ROPE = {
 }
 COMMON = dict(vocab_size=211, intermediate_size=160, max_position_embeddings=256)
 CASES = {
-    "llama-gqa-untied": ("LlamaForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
+    "llama-gqa-untied": (
+        "LlamaForCausalLM",
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    ),
     "llama-tied-llama3-rope": (
         "LlamaForCausalLM",
         dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
@@ -43,8 +46,16 @@ CASES = {
         dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
              rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
     ),
-    "qwen2-tied": ("Qwen2ForCausalLM", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen3-untied": ("Qwen3ForCausalLM", dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    "qwen2-tied": (
+        "Qwen2ForCausalLM",
+        dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             tie_word_embeddings=True),
+    ),
+    # head_dim * heads != hidden_size, as in real Qwen3 checkpoints.
+    "qwen3-untied": (
+        "Qwen3ForCausalLM",
+        dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    ),
 }
 
 

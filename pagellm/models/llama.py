@@ -74,8 +74,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        head_dim = self.attn.head_dim
-        q, k = self.position_encode(positions, q.view(-1, self.attn.num_heads, head_dim), k.view(-1, self.attn.num_kv_heads, head_dim))
+        q = q.view(-1, self.attn.num_heads, self.attn.head_dim)
+        k = k.view(-1, self.attn.num_kv_heads, self.attn.head_dim)
+        q, k = self.position_encode(positions, q, k)
         return self.o_proj(self.attn(q, k, v, attn_metadata))
 
 

@@ -31,7 +31,8 @@ class VocabParallelEmbedding(nn.Module):
             weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
             weight.weight_loader = self.weight_loader
         elif weight.shape != (self.shard_size, embedding_dim):
-            raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected {(self.shard_size, embedding_dim)}")
+            expected = (self.shard_size, embedding_dim)
+            raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected {expected}")
         self.weight = weight
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:

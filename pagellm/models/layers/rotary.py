@@ -41,7 +41,9 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | Non
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token's position, from a float32 cos/sin table built once."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
