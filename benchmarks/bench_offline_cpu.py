@@ -2,7 +2,7 @@
 
 Both run in this process, one after the other, on the same prompts: random token ids with input
 lengths uniform in [--min-input-len, --max-input-len] and --output-len tokens each (EOS ignored),
-greedy, float32. pagellm gets all prompts in one `generate` call; HF gets static batches of
+greedy, in --dtype (the same for both; default float32). pagellm gets all prompts in one `generate` call; HF gets static batches of
 --hf-batch-size. Model loading is excluded from the timed runs and reported on its own
 (pagellm: `LLM(...)` construction up to ready; HF: `from_pretrained`). Both are warmed up first
 on other prompts, so pagellm's prefix cache cannot serve the timed prompts from the warm-up.
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"pagellm": ours}
     gc.collect()  # the engine is out of scope: free its weights and KV cache before HF loads its copy
     if not args.skip_hf:
-        hf, hf_token_ids = _run_hf(model_path, requests, warmup, args.hf_batch_size)
+        hf, hf_token_ids = _run_hf(model_path, requests, warmup, args.hf_batch_size, args.dtype)
         results["hf"] = hf
         ours["ratio_vs_hf"] = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         hf["ratio_vs_hf"] = 1.0
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "seed": args.seed,
             "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "dtype": "float32",
+            "dtype": args.dtype,
             "device": "cpu",
             "greedy": True,
             "ignore_eos": True,
@@ -89,7 +89,7 @@ def _run_pagellm(model_path: str, requests: list[BenchRequest], warmup: list[Ben
                  args: argparse.Namespace) -> tuple[dict[str, Any], list[list[int]]]:
     """pagellm's timings and results, and its output token ids per request."""
     start = time.perf_counter()
-    engine_kwargs: dict[str, Any] = {"dtype": "float32", "device": "cpu", "seed": args.seed}
+    engine_kwargs: dict[str, Any] = {"dtype": args.dtype, "device": "cpu", "seed": args.seed}
     if args.max_num_batched_tokens is not None:
         engine_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(model_path, **engine_kwargs)
@@ -131,13 +131,13 @@ def _pagellm_generate(llm: LLM, requests: list[BenchRequest]) -> tuple[float, li
 
 
 def _run_hf(model_path: str, requests: list[BenchRequest], warmup: list[BenchRequest],
-            batch_size: int) -> tuple[dict[str, Any], list[list[int]]]:
+            batch_size: int, dtype: str) -> tuple[dict[str, Any], list[list[int]]]:
     """HF's load time, timings and results, and its output token ids per request."""
     import torch
 
     from benchmarks.hf_baseline import load_hf_model, run_hf_generate
 
-    model, load_s = load_hf_model(model_path, "cpu", torch.float32)
+    model, load_s = load_hf_model(model_path, "cpu", getattr(torch, dtype))
     run_hf_generate(model, warmup, len(warmup))
     run = run_hf_generate(model, requests, batch_size)
     return {
@@ -190,6 +190,8 @@ def _summary(payload: dict[str, Any]) -> str:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="GGUF file or HF directory; default: the bundled SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="weights and activations for both systems (pagellm's auto picks bfloat16 on CPUs with bf16 instructions)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
     parser.add_argument("--min-input-len", type=int, default=32)

@@ -24,7 +24,7 @@ class EngineArgs:
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
-    dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: float32 on CPU; the checkpoint's 16-bit type (else bfloat16) on GPU.")
+    dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
     seed: int = _arg(0, 'Seed of the random weights (dummy) and of sampling for requests without their own seed.')
     max_model_len: int | None = _arg(None, "Longest prompt + output in tokens. None: the model's max_position_embeddings.")
@@ -122,12 +122,22 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
+def _cpu_has_bf16_instructions() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     if dtype != "auto":
         return _DTYPES[_DTYPE_ALIASES.get(dtype, dtype)]
     if device.type == "cpu":
-        # Reduced-precision matmuls on CPU are slower than float32 on most machines.
-        return torch.float32
+        # bfloat16 matmuls are ~4x faster than float32 where the CPU has bf16 dot-product
+        # instructions, and several times slower where it has not.
+        return torch.bfloat16 if _cpu_has_bf16_instructions() else torch.float32
     if checkpoint_dtype in ("float16", "bfloat16"):
         return _DTYPES[checkpoint_dtype]
     return torch.bfloat16

@@ -49,8 +49,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_tokens = metadata.num_tokens
         _write_kv(key[:num_tokens], value[:num_tokens], kv_cache, metadata.slot_mapping)
         for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)):
-            if len(seqs):
-                self._attend_paged(out, query, kv_cache, metadata, seqs, scale)
+            for bucket in _length_buckets(seqs, metadata.seq_lens_cpu[seqs]):
+                self._attend_paged(out, query, kv_cache, metadata, bucket, scale)
         return out
 
     @staticmethod
@@ -82,6 +82,23 @@ def _write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_ma
     for cache, new in zip(kv_cache, (key, value)):
         # view (not reshape): a copy would silently drop the writes.
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new[keep])
+
+
+def _length_buckets(seqs: np.ndarray, seq_lens: np.ndarray, max_waste: float = 0.25) -> list[np.ndarray]:
+    """Split `seqs` into groups of similar context length, so that padding every member of a
+    group to its longest wastes at most `max_waste` of the real work (gather and attention cost
+    grow with the padded length)."""
+    order = np.argsort(-seq_lens, kind="stable")
+    buckets, start, total = [], 0, 0
+    for i, idx in enumerate(order):
+        longest = seq_lens[order[start]]
+        total += seq_lens[idx]
+        if (i + 1 - start) * longest > (1 + max_waste) * total:
+            buckets.append(seqs[order[start:i]])
+            start, total = i, seq_lens[idx]
+    if len(order):
+        buckets.append(seqs[order[start:]])
+    return buckets
 
 
 def _padded_rows(query_start_loc: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
