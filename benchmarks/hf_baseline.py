@@ -48,7 +48,9 @@ def load_hf_model(model_path: str, device: str | torch.device = "cpu",
     start = time.perf_counter()
     if os.path.isfile(model_path):
         folder, name = os.path.split(os.path.abspath(model_path))
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        # Loaded in float32 and cast: newer transformers keep a GGUF's weights packed for any
+        # other dtype and dequantize them inside every matmul, which is not what is compared.
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).to(dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model = model.to(device).eval()

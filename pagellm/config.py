@@ -110,7 +110,7 @@ def _check_positive(name: str, value: int | None) -> None:
 
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -119,6 +119,9 @@ def _resolve_device(device: str) -> torch.device:
         raise ValueError(f"device {device!r} was requested but CUDA is not available")
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    if dev.type == "cuda" and dev.index is None:
+        # An explicit index: memory queries and set_device need one.
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

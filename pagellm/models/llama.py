@@ -30,6 +30,13 @@ _STACKED_PARAMS = (
 )
 
 
+
+def _parts_of(param_name: str) -> set:
+    """The shard ids a parameter is assembled from ({None} for an unfused one)."""
+    parts = {shard for _, fused, shard in _STACKED_PARAMS if fused in param_name}
+    return parts or {None}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
@@ -169,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this rank's parameters; returns the names filled."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        shards_seen: dict[str, set] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
@@ -187,5 +194,6 @@ class LlamaForCausalLM(nn.Module):
                     "is the checkpoint for a different architecture than its config.json says?"
                 )
             param.weight_loader(param, tensor, shard_id)
-            loaded.add(target)
-        return loaded
+            shards_seen.setdefault(target, set()).add(shard_id)
+        # A fused parameter counts as loaded only once every one of its parts has arrived.
+        return {name for name, seen in shards_seen.items() if seen >= _parts_of(name)}

@@ -119,7 +119,4 @@ class RequestStates:
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)

@@ -62,10 +62,20 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
 
-    @torch.inference_mode()
     def profile_peak_memory(self) -> int:
-        """Run the largest step the scheduler can produce (without a KV cache) and return the
-        peak bytes allocated on the GPU, weights included."""
+        """Peak bytes allocated on the GPU during the largest possible step, weights included."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_largest_step()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def run_largest_step(self) -> torch.Tensor:
+        """The largest step the scheduler can produce, run before the KV cache exists: a full
+        token budget of fresh prompts, each sampling with top-k/top-p. Returns the sampled ids."""
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = min(self.config.args.max_num_seqs, num_tokens)
         # Spread the tokens over num_seqs prompts, as a full step of fresh prompts would be.
@@ -84,19 +94,13 @@ class ModelRunner:
             query_start_loc_cpu=qsl.astype(np.int32),
             seq_lens_cpu=lens.astype(np.int32),
         )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), md)
         logits = self.model.compute_logits(hidden[torch.from_numpy(qsl[1:] - 1).to(self.device)])
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs
-        md = SamplingMetadata.build(params, [0] * num_seqs, self.arch.vocab_size, self.device, self._default_generator)
-        sample(logits, md)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del hidden, logits
-        torch.cuda.empty_cache()
-        return peak
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50).apply_model_defaults({})] * num_seqs
+        sampling = SamplingMetadata.build(params, [0] * num_seqs, self.arch.vocab_size, self.device,
+                                          self._default_generator)
+        return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         a = self.arch
