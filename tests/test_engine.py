@@ -9,12 +9,12 @@ from pagellm import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagellm.entrypoints.cli import main as cli_main
 from pagellm.worker.model_runner import ModelRunner
 
-SMALL_KV = 64 << 20
+SMALL_KV = 64 << 20  # 91 blocks of 16 tokens in float32: room for max_model_len 1024
 
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV)
+    return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
@@ -144,7 +144,7 @@ def test_engine_seed_makes_unseeded_sampling_repeat(smollm2_path):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = []
     for _ in range(2):
-        llm = LLM(smollm2_path, dtype="float32", device="cpu", seed=7, kv_cache_memory_bytes=SMALL_KV)
+        llm = LLM(smollm2_path, dtype="float32", device="cpu", seed=7, kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
         runs.append([o.outputs[0].token_ids for o in llm.generate(["Hi", "Tell me"], params, use_tqdm=False)])
     assert runs[0] == runs[1]
 
@@ -169,7 +169,7 @@ def test_dummy_weights_from_a_config_directory(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="dummy"):
         LLM(str(tmp_path), device="cpu")
-    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", dtype="float32")
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_bytes=SMALL_KV)
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate("text needs a tokenizer", use_tqdm=False)
     out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), use_tqdm=False)
@@ -179,7 +179,7 @@ def test_dummy_weights_from_a_config_directory(tmp_path):
 
 def test_cli_generate(capsys):
     code = cli_main(["generate", "--prompt", "What is 2+2?", "--max-tokens", "8", "--device", "cpu",
-                     "--dtype", "float32", "--kv-cache-memory-bytes", str(SMALL_KV)])
+                     "--dtype", "float32", "--kv-cache-memory-bytes", str(SMALL_KV), "--max-model-len", "1024"])
     printed = capsys.readouterr().out
     assert code == 0
     assert ">>> What is 2+2?" in printed and "tokens]" in printed
