@@ -2,7 +2,7 @@
 
 Both run in this process, one after the other, on the same prompts: random token ids with input
 lengths uniform in [--min-input-len, --max-input-len] and --output-len tokens each (EOS ignored),
-greedy, in --dtype (the same for both; default float32). pagellm gets all prompts in one `generate` call; HF gets static batches of
+greedy, in --dtype (for both unless --hf-dtype is given; default float32). pagellm gets all prompts in one `generate` call; HF gets static batches of
 --hf-batch-size. Model loading is excluded from the timed runs and reported on its own
 (pagellm: `LLM(...)` construction up to ready; HF: `from_pretrained`). Both are warmed up first
 on other prompts, so pagellm's prefix cache cannot serve the timed prompts from the warm-up.
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"pagellm": ours}
     gc.collect()  # the engine is out of scope: free its weights and KV cache before HF loads its copy
     if not args.skip_hf:
-        hf, hf_token_ids = _run_hf(model_path, requests, warmup, args.hf_batch_size, args.dtype)
+        hf, hf_token_ids = _run_hf(model_path, requests, warmup, args.hf_batch_size, args.hf_dtype or args.dtype)
         results["hf"] = hf
         ours["ratio_vs_hf"] = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
         hf["ratio_vs_hf"] = 1.0
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "hf_batch_size": None if args.skip_hf else args.hf_batch_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "dtype": args.dtype,
+            "hf_dtype": args.hf_dtype or args.dtype,
             "device": "cpu",
             "greedy": True,
             "ignore_eos": True,
@@ -192,6 +193,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory; default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weights and activations for both systems (pagellm's auto picks bfloat16 on CPUs with bf16 instructions)")
+    parser.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default=None,
+                        help="HF's dtype when it should differ from --dtype (e.g. each system's own default)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (EOS ignored)")
     parser.add_argument("--min-input-len", type=int, default=32)
