@@ -110,13 +110,15 @@ def _resolve_directory(path: str, model: str | None, load_format: str) -> ModelS
 
 
 def _hf_source(path: str, load_format: str) -> ModelSource:
-    config = _read_json(os.path.join(path, "config.json"))
-    generation_path = os.path.join(path, "generation_config.json")
-    generation_config = _read_json(generation_path) if os.path.isfile(generation_path) else {}
+    config = read_json(os.path.join(path, "config.json"))
+    generation_config = read_json(os.path.join(path, "generation_config.json"), missing_ok=True)
     return ModelSource(path, load_format, ModelArchConfig.from_hf_dict(config), generation_config)
 
 
-def _read_json(path: str) -> dict[str, Any]:
+def read_json(path: str, missing_ok: bool = False) -> dict[str, Any]:
+    """A JSON config file; {} for a missing file when `missing_ok`; ValueError naming the file if invalid."""
+    if missing_ok and not os.path.isfile(path):
+        return {}
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)

@@ -5,7 +5,6 @@ Loaded from a GGUF file's metadata or a Hugging Face directory's `tokenizer.json
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -14,7 +13,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 from pagellm.loader.gguf_file import GGUFFile
-from pagellm.loader.source import ModelSource
+from pagellm.loader.source import ModelSource, read_json
 from pagellm.tokenizer.chat_template import render_chat_template
 from pagellm.tokenizer.gguf_tokenizer import build_gguf_tokenizer
 
@@ -108,7 +107,7 @@ def load_tokenizer(source: ModelSource) -> Tokenizer | None:
 
 def _load_hf_tokenizer(directory: str, generation_config: dict[str, Any]) -> Tokenizer:
     backend = BackendTokenizer.from_file(os.path.join(directory, "tokenizer.json"))
-    config = _read_json(os.path.join(directory, "tokenizer_config.json"))
+    config = read_json(os.path.join(directory, "tokenizer_config.json"), missing_ok=True)
     tokens = {name: _token_content(config.get(name)) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
     # Some configs name no BOS/EOS; generation_config.json then has the ids.
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
@@ -139,12 +138,3 @@ def _token_content(value: Any) -> str | None:
         return value.get("content")
     return value
 
-
-def _read_json(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path!r} is not valid JSON: {e}") from e
