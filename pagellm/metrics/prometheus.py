@@ -1,0 +1,139 @@
+"""Prometheus metrics under the names vLLM users already chart, with the `pagellm:` prefix."""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import generate_latest
+
+from pagellm.core.outputs import SchedulerStats
+from pagellm.metrics.log_stats import CumulativeDelta
+from pagellm.metrics.stats import IterationStats
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Created up front so every reason's series exists (at 0) before its first request ends."""
+
+# Seconds. First tokens range from a few ms (short cached prompt on a GPU) to minutes (long
+# prompts queued behind others on a CPU); token gaps are usually tens of ms; whole requests can
+# run for hours in batch jobs.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                       1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                           40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_count_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value`: even resolution per decade of lengths."""
+    buckets: list[float] = []
+    magnitude = 1
+    while True:
+        for step in (1, 2, 5):
+            value = step * magnitude
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(float(value))
+        magnitude *= 10
+
+
+class PrometheusStatLogger:
+    """Records every iteration's stats into Prometheus metrics labelled with `model_name`.
+
+    Each logger owns a fresh `CollectorRegistry` unless one is given, so tests and several
+    engines in one process never collide on metric names in the global registry.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+    """The Content-Type header for `render()`'s bytes."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
+                 max_model_len: int = 131072) -> None:
+        """`max_model_len` bounds the token-count histograms' buckets."""
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus_client appends `_total` on exposition, so the name here goes without it.
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("pagellm:num_requests_running",
+                                          "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("pagellm:num_requests_waiting",
+                                          "Number of requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("pagellm:kv_cache_usage_perc",
+                                    "Fraction of KV-cache blocks in use (0 to 1).")
+
+        self.prompt_tokens = counter("pagellm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("pagellm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        self.num_preemptions = counter("pagellm:num_preemptions",
+                                       "Cumulative number of preemptions by the scheduler.")
+        self.prefix_cache_queries = counter("pagellm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("pagellm:prefix_cache_hits",
+                                         "Prompt tokens found in the prefix cache.")
+        self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
+                                       labels + ["finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(model_name, reason)
+
+        self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
+                                             "Time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds",
+                                             "Time between consecutive output tokens in seconds.",
+                                             INTER_TOKEN_BUCKETS)
+        self.e2e_request_latency = histogram("pagellm:e2e_request_latency_seconds",
+                                             "End-to-end request latency in seconds.",
+                                             REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram("pagellm:request_queue_time_seconds",
+                                            "Time requests spent waiting before first scheduled.",
+                                            REQUEST_LATENCY_BUCKETS)
+        token_buckets = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("pagellm:request_prompt_tokens",
+                                               "Prompt length of finished requests in tokens.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram(
+            "pagellm:request_generation_tokens",
+            "Generated length of finished requests in tokens.", token_buckets)
+
+        self._preemptions_delta = CumulativeDelta()
+        self._prefix_queries_delta = CumulativeDelta()
+        self._prefix_hits_delta = CumulativeDelta()
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.num_requests_running.set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+
+        # These arrive as totals since the engine started; Prometheus counters want increments.
+        self.num_preemptions.inc(self._preemptions_delta.update(scheduler_stats.num_preemptions))
+        self.prefix_cache_queries.inc(
+            self._prefix_queries_delta.update(scheduler_stats.prefix_cache_queries))
+        self.prefix_cache_hits.inc(
+            self._prefix_hits_delta.update(scheduler_stats.prefix_cache_hits))
+
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for ttft in iteration_stats.time_to_first_tokens:
+            self.time_to_first_token.observe(ttft)
+        for itl in iteration_stats.inter_token_latencies:
+            self.inter_token_latency.observe(itl)
+        for finished in iteration_stats.finished_requests:
+            self.request_success.labels(self.model_name, finished.finish_reason).inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_queue_time.observe(finished.queued_time)
+            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def render(self) -> bytes:
+        """The registry's current state in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
