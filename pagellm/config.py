@@ -118,8 +118,9 @@ def _resolve_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
     if dev.type == "cuda" and dev.index is None:
-        # An explicit index: memory queries and set_device need one.
-        dev = torch.device("cuda", torch.cuda.current_device())
+        # An explicit index, which memory queries and set_device need. Not current_device():
+        # that would create a CUDA context in the API process, which never touches the GPU.
+        dev = torch.device("cuda", 0)
     return dev
 
 

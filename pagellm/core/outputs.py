@@ -62,6 +62,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    """time.monotonic() when the request was first scheduled (queue-time metric)."""
 
 
 @dataclass(slots=True)

@@ -9,6 +9,14 @@ from pagellm.core.hashing import BlockHash, extend_block_hashes
 from pagellm.sampling_params import SamplingParams
 
 
+def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
+    """At least one token must be generated within max_model_len."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: "
+            "shorten it or raise max_model_len (at least one token must be generated)")
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

@@ -21,7 +21,7 @@ from pagellm.core.outputs import (
     SchedulerOutput,
     SchedulerStats,
 )
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.request import Request, RequestStatus, check_prompt_fits
 
 
 @dataclass(slots=True)
@@ -66,10 +66,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if request.num_tokens >= self.limits.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_tokens} tokens but max_model_len is {self.limits.max_model_len}: "
-                "shorten it or raise max_model_len (at least one token must be generated)")
+        check_prompt_fits(request.num_tokens, self.limits.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -198,7 +195,7 @@ class Scheduler:
             finished = request.check_stop(token_id, self.limits.max_model_len)
             results.append(EngineCoreOutput(
                 req_id, [token_id], request.status.finish_reason, request.stop_reason,
-                max(request.num_cached_tokens, 0)))
+                max(request.num_cached_tokens, 0), request.first_scheduled_time))
             if finished:
                 self.running.remove(request)
                 self._release(request)

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from typing import Union
 
 from pagellm.config import EngineConfig
-from pagellm.core.request import Request
+from pagellm.core.request import Request, check_prompt_fits
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -47,9 +47,10 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids)
+        check_prompt_fits(len(token_ids), self.config.max_model_len)
         params = params.apply_model_defaults(self.generation_config)
-        # Generation also stops at max_model_len; the scheduler refuses prompts that leave no room.
-        room = max(self.config.max_model_len - len(token_ids), 1)
+        # Generation also stops at max_model_len.
+        room = self.config.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
             request_id=request_id,
