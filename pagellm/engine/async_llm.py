@@ -1,0 +1,214 @@
+"""AsyncLLM: the API-process side of the engine, for the server.
+
+Tokenization, validation, detokenization and statistics happen here, in the asyncio process; the
+step loop runs in a separate engine-core process (`core_proc.py`), reached over two ZMQ sockets.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from pagellm.config import EngineArgs, EngineConfig
+from pagellm.core.outputs import SchedulerStats
+from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S, run_engine_core
+from pagellm.engine.output_processor import OutputProcessor
+from pagellm.engine.processor import InputProcessor, PromptType
+from pagellm.engine.wire import (
+    AbortRequests,
+    AddRequest,
+    CoreOutputs,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    encoder,
+    output_decoder,
+)
+from pagellm.metrics.stats import IterationStats, StatLogger
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+"""Longest wait for the core to load the model and size its cache."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process exited or stopped answering."""
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> None:
+        self.config: EngineConfig = args.create_engine_config()
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.config.source)
+        self.processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers = list(stat_loggers or [])
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._stats = SchedulerStats()
+        self._dead_reason: str | None = None
+        self._output_task: asyncio.Task | None = None
+
+        self._ipc_dir = tempfile.TemporaryDirectory(prefix="pagellm-")
+        input_address = f"ipc://{os.path.join(self._ipc_dir.name, 'input')}"
+        output_address = f"ipc://{os.path.join(self._ipc_dir.name, 'output')}"
+        self._ctx = zmq.asyncio.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(output_address)
+        # spawn, not fork: the child must not inherit this process's threads or CUDA state.
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(args, input_address, output_address), name="pagellm-engine-core",
+            daemon=True)
+        self._process.start()
+        self.num_blocks = self._wait_until_ready()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
+        return cls(args, stat_loggers)
+
+    def _wait_until_ready(self) -> int:
+        sync_socket = zmq.Socket.shadow(self._output.underlying)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if sync_socket.poll(200):
+                message = output_decoder.decode(sync_socket.recv())
+                if isinstance(message, Ready):
+                    logger.info("engine core ready: %d KV blocks", message.num_blocks)
+                    return message.num_blocks
+                if isinstance(message, StartupFailed):
+                    self._process.join(timeout=10)
+                    raise RuntimeError(f"engine core failed to start: {message.error}")
+            elif not self._process.is_alive():
+                raise RuntimeError(f"engine core exited during start-up (exit code {self._process.exitcode})")
+        self.shutdown()
+        raise RuntimeError(f"engine core did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; stopping the iteration aborts it in the engine."""
+        self._raise_if_dead()
+        self._ensure_output_task()
+        if request_id in self._queues:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request, text = self.processor.process(request_id, prompt, sampling_params)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids,
+                                          request.sampling_params.skip_special_tokens, request.arrival_time)
+        await self._input.send(encoder.encode(AddRequest(
+            request_id, request.prompt_token_ids, request.sampling_params, sorted(request.eos_token_ids),
+            request.max_tokens, request.arrival_time)))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the consumer went away (client disconnect, cancellation)
+                self._abort_now([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._queues.pop(request_id, None)
+        outputs = self._abort_now([request_id])
+        if queue is not None:
+            for out in outputs:
+                queue.put_nowait(out)
+
+    def _abort_now(self, request_ids: list[str]) -> list[RequestOutput]:
+        stats = IterationStats()
+        outputs = self.output_processor.abort(request_ids, stats)
+        if outputs and not self._dead_reason:
+            # A plain (non-awaited) send: this also runs from generators' `finally` during cancellation.
+            self._input.send(encoder.encode(AbortRequests(request_ids)), flags=zmq.NOBLOCK)
+            self._log_stats(stats)
+        return outputs
+
+    # -- the output loop --------------------------------------------------------------------------
+
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        while True:
+            if await self._output.poll(int(HEARTBEAT_INTERVAL_S * 1000)):
+                message = output_decoder.decode(await self._output.recv())
+                if isinstance(message, CoreOutputs):
+                    self._handle(message)
+                continue
+            # A long step (a big prefill on a CPU) may outlast the heartbeat: only a dead process
+            # counts as dead here.
+            if not self._process.is_alive():
+                self._fail_all(f"engine core process exited (exit code {self._process.exitcode})")
+                return
+
+    def _handle(self, message: CoreOutputs) -> None:
+        self._stats = message.stats
+        for request_id, error in message.rejected:
+            self.output_processor.abort([request_id])
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(ValueError(error))
+        stats = IterationStats()
+        for out in self.output_processor.process(message.outputs, stats):
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        self._log_stats(stats)
+
+    def _log_stats(self, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(self._stats, stats)
+
+    def _fail_all(self, reason: str) -> None:
+        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
+        self._dead_reason = reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDeadError(reason))
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+
+    # -- state and shutdown -------------------------------------------------------------------------
+
+    def get_stats(self) -> SchedulerStats:
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead_reason is None and self._process.is_alive()
+
+    def shutdown(self) -> None:
+        if self._process.is_alive():
+            try:
+                zmq.Socket.shadow(self._input.underlying).send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._process.join(timeout=10)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(timeout=5)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
+        self._ipc_dir.cleanup()

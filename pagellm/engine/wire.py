@@ -1,0 +1,53 @@
+"""Messages between the API process and the engine-core process (msgpack via msgspec over ZMQ)."""
+from __future__ import annotations
+
+import msgspec
+
+from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
+from pagellm.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    """A validated, tokenized request; the core turns it into a scheduler Request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+EngineCoreInput = AddRequest | AbortRequests | Shutdown
+
+
+class Ready(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    error: str
+
+
+class CoreOutputs(msgspec.Struct, tag=True):
+    """One step's outputs plus the scheduler's stats; sent empty as a heartbeat when idle."""
+
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    rejected: list[tuple[str, str]] = []
+    """(request_id, error message) of requests the core refused."""
+
+
+EngineCoreMessage = Ready | StartupFailed | CoreOutputs
+
+encoder = msgspec.msgpack.Encoder()
+input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+output_decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
