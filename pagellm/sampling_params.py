@@ -1,62 +1,145 @@
 """Per-request sampling parameters, with vLLM's names and meanings. Pure Python (no torch)."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+import enum
 import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed RequestOutput holds."""
+
+    CUMULATIVE = 0
+    """Everything generated so far."""
+    DELTA = 1
+    """Only what is new since the previous output."""
+    FINAL_ONLY = 2
+    """Nothing until the request finishes, then everything."""
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick each next token and when to stop.
+    """How to pick each next token, when to stop, and what to return.
 
     `temperature=0` is greedy. Fields left at None take the model's generation-config defaults
-    when the engine sees the request (see `apply_model_defaults`).
+    when the engine sees the request (see `apply_model_defaults`). Every invalid value raises a
+    ValueError naming the field and its allowed range.
     """
 
     n: int = 1
-    """Number of completions per prompt (only 1 until parallel sampling lands)."""
+    """Completions returned per prompt."""
+    best_of: int | None = None
+    """Completions generated per prompt, the n with the highest cumulative logprob returned (>= n)."""
     temperature: float | None = None
-    """Softmax temperature; 0 means greedy. None: model default, else 1.0."""
+    """Softmax temperature, >= 0; 0 means greedy. None: model default, else 1.0."""
     top_p: float | None = None
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p, in (0, 1]."""
     top_k: int | None = None
     """Keep the k most likely tokens; 0 or -1 disables."""
     min_p: float | None = None
     """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already generated, in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was generated, in [-2, 2]."""
+    repetition_penalty: float | None = None
+    """> 0; > 1 discourages tokens seen in the prompt or output (divides positive logits, multiplies negative)."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
-    max_tokens: int | None = 16
-    """Maximum number of generated tokens; None means up to the model's context length."""
-    stop_token_ids: list[int] | None = field(default_factory=list)
+    stop: list[str] | None = None
+    """Strings that end generation; the matched string is left out of the text unless include_stop_str_in_output."""
+    stop_token_ids: list[int] | None = None
     """Token ids that end generation (in addition to EOS unless ignore_eos)."""
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    """Words (token sequences) that must never be generated."""
     ignore_eos: bool = False
     """Keep generating past the model's EOS tokens."""
+    max_tokens: int | None = 16
+    """Maximum number of generated tokens, >= 1; None means up to the model's context length."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are suppressed until this many tokens were generated."""
+    logprobs: int | None = None
+    """Return this many top logprobs per generated token (plus the sampled token's own)."""
+    prompt_logprobs: int | None = None
+    """Return this many top logprobs per prompt token."""
+    detokenize: bool = True
+    """Produce output text (stop strings need it)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    spaces_between_special_tokens: bool = True
+    """Separate special tokens from neighbouring text with a space when they are kept."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last this-many prompt tokens (>= 1)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit, in [-100, 100]."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else (self.stop if self.stop is not None else [])
         if self.stop_token_ids is None:
             self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self._validate()
 
     def _validate(self) -> None:
-        if _not_int(self.n) or self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n!r}")
+        if _not_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
+        if self.best_of is not None and (_not_int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         _check_range("temperature", self.temperature, 0.0, None)
         if self.top_p is not None and (_not_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k is not None and (_not_int(self.top_k) or self.top_k < -1):
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
         _check_range("min_p", self.min_p, 0.0, 1.0)
-        if self.max_tokens is not None and (_not_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.repetition_penalty is not None and (_not_real(self.repetition_penalty) or self.repetition_penalty <= 0):
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
         if self.seed is not None and _not_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
-                _not_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        _check_token_ids("stop_token_ids", self.stop_token_ids)
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        if self.max_tokens is not None and (_not_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if _not_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (_not_int(value) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+        if self.truncate_prompt_tokens is not None and (
+                _not_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1):
+            raise ValueError(f"truncate_prompt_tokens must be a positive integer, got {self.truncate_prompt_tokens!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if _not_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+        if self.allowed_token_ids is not None:
+            _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     def apply_model_defaults(self, generation_config: dict) -> "SamplingParams":
         """A copy with unset fields filled from the model's generation_config.json."""
@@ -66,22 +149,33 @@ class SamplingParams:
             default = generation_config.get(key)
             return default if default is not None else fallback
 
-        return SamplingParams(
-            n=self.n,
+        # A deep copy first: the result must not share lists with the caller's params.
+        return dataclasses.replace(
+            copy.deepcopy(self),
             temperature=pick(self.temperature, "temperature", 1.0),
             top_p=pick(self.top_p, "top_p", 1.0),
             top_k=pick(self.top_k, "top_k", 0),
             min_p=pick(self.min_p, "min_p", 0.0),
-            seed=self.seed,
-            max_tokens=self.max_tokens,
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
         )
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature is not None and self.temperature < _GREEDY_EPS
+
+
+def _token_key(key) -> int:
+    """logit_bias keys arrive as strings from JSON."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    if _not_int(key):
+        raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+    return key
+
+
+def _check_token_ids(name: str, ids) -> None:
+    if not isinstance(ids, (list, tuple)) or any(_not_int(t) or t < 0 for t in ids):
+        raise ValueError(f"{name} must be a list of non-negative integers, got {ids!r}")
 
 
 def _not_int(value) -> bool:

@@ -21,7 +21,6 @@ def test_defaults_are_valid_and_unset():
 
 @pytest.mark.parametrize("field,value", [
     ("n", 0),
-    ("n", 2),
     ("n", 1.0),
     ("temperature", -0.01),
     ("temperature", -1),
