@@ -10,6 +10,9 @@ from collections.abc import Sequence
 
 from pagellm.config import EngineArgs
 
+API_KEY_ENV = "PAGELLM_API_KEY"
+"""`pagellm serve` reads its API key from here when --api-key is not given."""
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One `--kebab-case` flag per EngineArgs field (the model is positional), help from its docs."""
@@ -56,6 +59,37 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(ns: argparse.Namespace) -> int:
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    try:
+        return run_server(ns)
+    except RuntimeError as e:  # the engine process failed to start
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients pass as `model`; the first is reported in responses and metrics. "
+                            "None: the model argument, or SmolLM2-135M-Instruct for the embedded model")
+    serve.add_argument("--chat-template", default=None,
+                       help="Jinja chat template replacing the model's own: a file path or the template itself")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require `Authorization: Bearer KEY` on every path but /health, /metrics and /version; "
+                            f"also read from ${API_KEY_ENV}")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="log level of the HTTP server (uvicorn), access log included")
+    add_engine_args(serve)
+    serve.set_defaults(handler=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV-cache LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(handler=_generate)
+    _add_serve_parser(sub)
     return parser
 
 

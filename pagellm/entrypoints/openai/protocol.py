@@ -1,0 +1,271 @@
+"""Request and response bodies of the OpenAI-compatible API, with vLLM's extra request fields.
+
+Requests refuse unknown fields, so a typo is a 400 rather than silently ignored. Sampling fields
+go to `SamplingParams` under the same names; the engine refuses (400) those it does not honour
+yet, and the server refuses those whose results it cannot render yet (logprobs, tools).
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.sampling_params import SamplingParams
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+    """Send a last chunk with `choices: []` and the request's usage before `[DONE]`."""
+
+
+# Request fields with the same name and meaning as a SamplingParams field.
+_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                    "include_stop_str_in_output", "ignore_eos", "min_tokens", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words", "allowed_token_ids",
+                    "skip_special_tokens", "spaces_between_special_tokens")
+
+
+class TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message; fields other than `content` reach the chat template unchanged."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump()
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatPromptFields(StrictModel):
+    """How a conversation becomes a prompt (chat completions and /tokenize)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Leave the last message open so the model continues it (needs add_generation_prompt=false)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. {"enable_thinking": false})."""
+
+
+class GenerationRequest(StrictModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    unsupported: ClassVar[tuple[str, ...]] = ()
+    """Fields whose results the server cannot render yet: a request that sets one gets a 400."""
+
+    model: str | None = None
+    """A served model name; None: the first one."""
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    user: str | None = None
+    """An end-user id for the caller's own bookkeeping; it does not change generation."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    request_id: str | None = None
+    """Used in the response id and as the engine's request id; default: a random one."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [value] if value else None
+        return value or None
+
+    def to_sampling_params(self, max_tokens: int | None, **extra: Any) -> SamplingParams:
+        """SamplingParams for this request (400 for an invalid value or a field in `unsupported`)."""
+        for name in self.unsupported:
+            if getattr(self, name) != type(self).model_fields[name].default:
+                raise APIError(f"`{name}` is not supported by this server yet; remove it from the request",
+                               param=name)
+        kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        try:
+            return SamplingParams(max_tokens=max_tokens, **kwargs, **extra)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+
+class CompletionRequest(GenerationRequest):
+    unsupported = ("logprobs", "suffix")
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    """Text or token ids; a list of several prompts is refused (one request per prompt)."""
+    max_tokens: int | None = 16
+    echo: bool = False
+    """Put the prompt in front of the generated text."""
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
+    unsupported = ("logprobs", "top_logprobs", "tools", "tool_choice", "response_format")
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    """Preferred over max_tokens; None for both: up to the context length."""
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(StrictModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    model: str | None = None
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("completion")] | Annotated[TokenizeChatRequest, Tag("chat")],
+    Discriminator(_tokenize_kind),
+]
+"""A body with `messages` is a chat request; any other is a completion (`prompt`) request."""
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses ---------------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    """vLLM's extra: the stop token id or string that ended generation; None for EOS or length."""
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, str]
+    """{"role": "assistant", "content": ""} first, then {"content": text added}; {} at the end."""
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pagellm"
+    root: str
+    """The model's path (or preset name)."""
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

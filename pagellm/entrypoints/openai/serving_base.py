@@ -1,0 +1,154 @@
+"""What every endpoint shares: model names, prompts as token ids, length checks, running a request."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from pagellm.core.request import check_prompt_fits
+from pagellm.entrypoints.openai.errors import APIError, sse_error
+from pagellm.entrypoints.openai.protocol import ChatPromptFields, PromptTokensDetails, UsageInfo
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagellm.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+# Names the template renderer itself binds; a chat_template_kwargs key among them would clash.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "chat_template",
+                                       "source", "special_tokens"})
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None = None) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.chat_template = chat_template
+        """Replaces the model's own template when set (`--chat-template`)."""
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    def check_model(self, model: str | None) -> str:
+        """The name to report for a request's `model` (None: the first served name); 404 if unknown."""
+        if model is None:
+            return self.model_names[0]
+        if model not in self.model_names:
+            raise APIError(f"the model `{model}` does not exist; this server serves: {', '.join(self.model_names)}",
+                           404, param="model")
+        return model
+
+    def tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise APIError("this model has no tokenizer (dummy weights): send the prompt as token ids")
+        return self.engine.tokenizer
+
+    def render_chat(self, request: ChatPromptFields) -> tuple[str, list[int]]:
+        """The conversation's prompt text and token ids, as `LLM.chat` builds them."""
+        if request.continue_final_message and request.add_generation_prompt:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be true; "
+                           "set add_generation_prompt to false to continue the final message",
+                           param="continue_final_message")
+        kwargs = request.chat_template_kwargs or {}
+        clashing = _RESERVED_TEMPLATE_KWARGS & kwargs.keys()
+        if clashing:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(sorted(clashing))}; "
+                           "use the request's own fields", param="chat_template_kwargs")
+        messages = [m.for_template() for m in request.messages]
+        tokenizer = self.tokenizer()
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                 chat_template=self.chat_template, **kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        if request.continue_final_message:
+            text = _cut_after_final_message(text, messages[-1].get("content"))
+        # The template already carries any BOS token: don't let the tokenizer add a second one.
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    def check_fits(self, num_prompt_tokens: int, prompt_param: str, max_tokens: int | None, param: str) -> None:
+        """400 unless the prompt plus `max_tokens` (the request field `param`) fits in max_model_len."""
+        try:
+            check_prompt_fits(num_prompt_tokens, self.max_model_len)
+        except ValueError as e:
+            raise APIError(str(e), param=prompt_param) from None
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(
+                f"the prompt ({num_prompt_tokens} tokens) plus {param} ({max_tokens}) is "
+                f"{num_prompt_tokens + max_tokens} tokens, more than this model's context of {self.max_model_len} "
+                f"(max_model_len); set {param} to at most {self.max_model_len - num_prompt_tokens} or shorten "
+                "the prompt", param=param)
+
+    @staticmethod
+    def make_request_id(prefix: str, requested: str | None) -> str:
+        return f"{prefix}-{requested or uuid.uuid4().hex}"
+
+    async def start(self, prompt: dict[str, Any], params: SamplingParams,
+                    request_id: str) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
+        """Submit a request and wait for its first output, so that input the engine rejects is a 400
+        before a (streamed) response has begun."""
+        outputs = self.engine.generate(prompt, params, request_id)
+        try:
+            first = await anext(outputs)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+        return first, outputs
+
+    @staticmethod
+    async def follow(first: RequestOutput,
+                     outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
+        """`first`, then the rest; closing the engine's stream early (client gone) aborts the request."""
+        async with contextlib.aclosing(outputs):
+            yield first
+            async for out in outputs:
+                yield out
+
+    async def last(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+        final = first
+        async for final in self.follow(first, outputs):
+            pass
+        return final
+
+    @staticmethod
+    def usage(out: RequestOutput) -> UsageInfo:
+        prompt_tokens = len(out.prompt_token_ids)
+        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+    @staticmethod
+    def event_stream(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
+        """Server-sent events: one `data: {json}` per chunk, an error event if generation fails
+        midway, then `data: [DONE]`."""
+        async def events() -> AsyncIterator[str]:
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        yield f"data: {chunk.model_dump_json()}\n\n"
+            except APIError as e:
+                yield sse_error(e)
+            except Exception as e:  # the status line is already sent: report it in the stream
+                logger.exception("stream failed")
+                yield sse_error(APIError(f"{type(e).__name__}: {e}", 500))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _cut_after_final_message(prompt: str, content: Any) -> str:
+    """The prompt up to the end of the final message's text, so generation continues that message."""
+    position = prompt.rfind(content) if isinstance(content, str) and content else -1
+    if position < 0:
+        raise APIError("continue_final_message needs a final message with text content that the chat "
+                       "template renders verbatim", param="continue_final_message")
+    return prompt[:position + len(content)]

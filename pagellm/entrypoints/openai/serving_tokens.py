@@ -1,0 +1,32 @@
+"""POST /tokenize and /detokenize (vLLM's extras): the server's own tokenizer and chat template."""
+from __future__ import annotations
+
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from pagellm.entrypoints.openai.serving_base import OpenAIServing
+
+
+class OpenAIServingTokens(OpenAIServing):
+    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+        """The token ids a completion (`prompt`) or chat (`messages`) request would send to the model."""
+        self.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            _, token_ids = self.render_chat(request)
+        else:
+            token_ids = self.tokenizer().encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        tokenizer = self.tokenizer()
+        bad = [t for t in request.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(f"tokens holds ids outside the vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}",
+                           param="tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(request.tokens, skip_special_tokens=False))

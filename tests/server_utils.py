@@ -1,0 +1,70 @@
+"""Run a real `pagellm serve` process for tests: a free port, a bounded wait on /health, a clean stop."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`pagellm serve MODEL *args` on 127.0.0.1 until `stop()`; its output goes to a log file that
+    failures quote."""
+
+    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-serve-", suffix=".log", delete=False)
+        command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+                   "--port", str(self.port), *args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})})
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        with open(self._log.name, encoding="utf-8", errors="replace") as f:
+            return f.read()[-num_chars:]
+
+    def stop(self) -> int:
+        """SIGTERM (graceful: the engine process is shut down too), SIGKILL after a deadline."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        os.unlink(self._log.name)
+        return self.process.returncode

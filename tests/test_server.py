@@ -1,0 +1,271 @@
+"""`pagellm serve` end to end: a real server process, the official `openai` client, raw HTTP for
+malformed requests, Prometheus metrics, client disconnects and the API key."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagellm import LLM, SamplingParams
+from server_utils import RemoteServer
+
+MODEL_NAME = "smollm2"
+MAX_LEN = 1024
+KV_BYTES = 96 << 20
+ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_BYTES),
+                "--max-model-len", str(MAX_LEN), "--served-model-name", MODEL_NAME)
+MAX_TOKENS = 16
+QUESTIONS = [f"In one sentence, what is {topic}?" for topic in
+             ("the sun", "a river", "music", "a library", "rain", "a bridge", "chess", "bread", "snow")]
+DEADLINE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    remote = RemoteServer(smollm2_path, *ENGINE_FLAGS)
+    yield remote
+    assert remote.stop() == 0, "the server did not shut down cleanly"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_path) -> LLM:
+    return LLM(smollm2_path, device="cpu", dtype="float32", kv_cache_memory_bytes=KV_BYTES, max_model_len=MAX_LEN)
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def chat_messages(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+def metric_samples(server: RemoteServer) -> dict[str, float]:
+    """`name{finished_reason=...}` -> value for every sample on /metrics (parsed by prometheus_client)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            reason = sample.labels.get("finished_reason")
+            samples[f"{sample.name}{{{reason}}}" if reason else sample.name] = sample.value
+    return samples
+
+
+def wait_until(predicate, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"not reached within {DEADLINE_S:.0f} s: {what}"
+        time.sleep(0.1)
+
+
+def test_models(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].model_extra["max_model_len"] == MAX_LEN
+
+
+def test_chat_matches_offline_and_reports_usage(client, offline):
+    ref = offline.chat(chat_messages(QUESTIONS[0]), greedy(), use_tqdm=False)[0]
+    response = client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(QUESTIONS[0]),
+                                              temperature=0.0, max_completion_tokens=MAX_TOKENS)
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.outputs[0].text
+    assert choice.finish_reason == ref.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert response.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_completion_matches_offline_with_echo(client, offline):
+    prompt = "The three primary colors are"
+    ref = offline.generate(prompt, greedy(), use_tqdm=False)[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0.0, max_tokens=MAX_TOKENS)
+    assert response.id.startswith("cmpl-") and response.object == "text_completion"
+    assert response.choices[0].text == ref.outputs[0].text
+    assert response.usage.prompt_tokens == len(ref.prompt_token_ids)
+    echoed = client.completions.create(model=MODEL_NAME, prompt=ref.prompt_token_ids, temperature=0.0,
+                                       max_tokens=MAX_TOKENS, echo=True)
+    assert echoed.choices[0].text == prompt + ref.outputs[0].text
+
+
+def test_chat_stream_shape(client, offline):
+    ref = offline.chat(chat_messages(QUESTIONS[1]), greedy(), use_tqdm=False)[0]
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=chat_messages(QUESTIONS[1]), temperature=0.0, max_tokens=MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True}))
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *content_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in content_chunks][-1] == ref.outputs[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in content_chunks[:-1])
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.completion_tokens == len(ref.outputs[0].token_ids)
+
+
+def test_completion_stream_deltas(client, offline):
+    prompt = "Once upon a time"
+    ref = offline.generate(prompt, greedy(), use_tqdm=False)[0]
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0.0,
+                                            max_tokens=MAX_TOKENS, stream=True))
+    assert all(c.usage is None for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_concurrent_streams_match_offline(server, offline):
+    """Nine greedy requests streamed at once (chat and completions) give the offline engine's text."""
+    async def stream_chat(client: openai.AsyncOpenAI, question: str) -> str:
+        stream = await client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(question),
+                                                      temperature=0.0, max_tokens=MAX_TOKENS, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    async def stream_completion(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0.0,
+                                                 max_tokens=MAX_TOKENS, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run() -> tuple[list[str], list[str]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        chats = asyncio.gather(*[stream_chat(client, q) for q in QUESTIONS])
+        completions = asyncio.gather(*[stream_completion(client, q) for q in QUESTIONS[:4]])
+        return await chats, await completions
+
+    chats, completions = asyncio.run(run())
+    expected_chats = offline.chat([chat_messages(q) for q in QUESTIONS], greedy(), use_tqdm=False)
+    expected_completions = offline.generate(QUESTIONS[:4], greedy(), use_tqdm=False)
+    assert chats == [out.outputs[0].text for out in expected_chats]
+    assert completions == [out.outputs[0].text for out in expected_completions]
+
+
+def test_stop_token_ids(client, offline):
+    prompt = "Count: one, two, three,"
+    ref = offline.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0]
+    stop_id = ref.token_ids[3]
+    cut = ref.token_ids.index(stop_id)
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0.0, max_tokens=MAX_TOKENS,
+                                         extra_body={"stop_token_ids": [stop_id]})
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop_id
+    assert response.usage.completion_tokens == cut + 1
+    assert ref.text.startswith(choice.text)
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    messages = chat_messages("Summarize the plot of a long novel about " + "ships and storms and sailors, " * 8)
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0.0)
+    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0.0)
+    assert first.usage.prompt_tokens > 32
+    assert second.usage.prompt_tokens_details.cached_tokens >= 32
+
+
+def test_tokenize_detokenize(server, client, offline):
+    text = "Hello, paged attention!"
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()
+    assert tokens["tokens"] == offline.get_tokenizer().encode(text)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_LEN
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": chat_messages(text)}).json()
+    usage = client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(text), max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+
+
+def test_metrics_parse_and_count_tokens(server, client):
+    before = metric_samples(server)
+    client.completions.create(model=MODEL_NAME, prompt="Metrics are", max_tokens=4, temperature=0.0)
+    wait_until(lambda: metric_samples(server)["pagellm:generation_tokens_total"]
+               >= before["pagellm:generation_tokens_total"] + 4, "generation tokens counted")
+    after = metric_samples(server)
+    assert after["pagellm:prompt_tokens_total"] > before["pagellm:prompt_tokens_total"]
+    assert after["pagellm:request_success_total{length}"] == before["pagellm:request_success_total{length}"] + 1
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = metric_samples(server)
+    body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            data_lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            for _ in range(3):
+                next(data_lines)
+            assert metric_samples(server)["pagellm:num_requests_running"] == 1
+    # Leaving the block closed the connection mid-stream.
+
+    def aborted_and_freed() -> bool:
+        now = metric_samples(server)
+        return (now["pagellm:request_success_total{abort}"] == before["pagellm:request_success_total{abort}"] + 1
+                and now["pagellm:num_requests_running"] == 0 and now["pagellm:kv_cache_usage_perc"] == 0)
+
+    wait_until(aborted_and_freed, "the disconnected request aborted and its KV blocks freed")
+
+
+LONG_PROMPT = "word " * (MAX_LEN + 50)
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "tempreature": 0.5}, 400, "tempreature"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+    ("/v1/completions", {"prompt": LONG_PROMPT}, 400, f"max_model_len is {MAX_LEN}"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN}, 400, f"context of {MAX_LEN}"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "vocabulary"),
+    ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
+])
+def test_bad_request_gets_openai_error_and_server_keeps_serving(server, client, path, body, status, message):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body}
+    response = httpx.post(f"{server.url}{path}", **kwargs)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status
+    assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    assert message in error["message"]
+    assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).choices[0].text is not None
+
+
+def test_openai_client_raises_typed_errors(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=MODEL_NAME, messages=chat_messages("hi"), temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="hi")
+
+
+def test_api_key(smollm2_path):
+    remote = RemoteServer(smollm2_path, *ENGINE_FLAGS, "--api-key", "s3cret")
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            response = httpx.get(f"{remote.url}/v1/models", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "AuthenticationError"
+        response = httpx.post(f"{remote.url}/v1/completions", content=b"{broken", headers={})
+        assert response.status_code == 401, "the key is checked before the body"
+        for open_path in ("/health", "/metrics", "/version"):
+            assert httpx.get(f"{remote.url}{open_path}").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{remote.url}/v1", api_key="wrong", max_retries=0).models.list()
+        authorized = openai.OpenAI(base_url=f"{remote.url}/v1", api_key="s3cret", max_retries=0)
+        assert authorized.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2).usage.completion_tokens
+        assert "s3cret" not in remote.log_tail(100_000)
+    finally:
+        assert remote.stop() == 0
