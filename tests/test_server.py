@@ -3,6 +3,7 @@ malformed requests, Prometheus metrics, client disconnects and the API key."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -11,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
+from pagellm.entrypoints.cli import main
+from pagellm.entrypoints.openai.api_server import load_chat_template
 from server_utils import RemoteServer
 
 MODEL_NAME = "smollm2"
@@ -20,7 +23,8 @@ ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-byte
                 "--max-model-len", str(MAX_LEN), "--served-model-name", MODEL_NAME)
 MAX_TOKENS = 16
 QUESTIONS = [f"In one sentence, what is {topic}?" for topic in
-             ("the sun", "a river", "music", "a library", "rain", "a bridge", "chess", "bread", "snow")]
+             ("the sun", "a river", "music", "a library", "rain", "a bridge")]
+COMPLETION_PROMPTS = ["The first law of motion says", "A good breakfast has"]
 DEADLINE_S = 30.0
 
 
@@ -65,6 +69,16 @@ def wait_until(predicate, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"not reached within {DEADLINE_S:.0f} s: {what}"
         time.sleep(0.1)
+
+
+def wait_until_aborted_and_freed(server: RemoteServer, before: dict[str, float]) -> None:
+    """One more aborted request than in `before`, none running, and no KV blocks in use."""
+    def done() -> bool:
+        now = metric_samples(server)
+        return (now["pagellm:request_success_total{abort}"] == before["pagellm:request_success_total{abort}"] + 1
+                and now["pagellm:num_requests_running"] == 0 and now["pagellm:kv_cache_usage_perc"] == 0)
+
+    wait_until(done, "the request aborted and its KV blocks freed")
 
 
 def test_models(client):
@@ -125,7 +139,7 @@ def test_completion_stream_deltas(client, offline):
 
 
 def test_concurrent_streams_match_offline(server, offline):
-    """Nine greedy requests streamed at once (chat and completions) give the offline engine's text."""
+    """Eight greedy requests streamed at once (chat and completions) give the offline engine's text."""
     async def stream_chat(client: openai.AsyncOpenAI, question: str) -> str:
         stream = await client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(question),
                                                       temperature=0.0, max_tokens=MAX_TOKENS, stream=True)
@@ -139,12 +153,12 @@ def test_concurrent_streams_match_offline(server, offline):
     async def run() -> tuple[list[str], list[str]]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         chats = asyncio.gather(*[stream_chat(client, q) for q in QUESTIONS])
-        completions = asyncio.gather(*[stream_completion(client, q) for q in QUESTIONS[:4]])
+        completions = asyncio.gather(*[stream_completion(client, p) for p in COMPLETION_PROMPTS])
         return await chats, await completions
 
     chats, completions = asyncio.run(run())
     expected_chats = offline.chat([chat_messages(q) for q in QUESTIONS], greedy(), use_tqdm=False)
-    expected_completions = offline.generate(QUESTIONS[:4], greedy(), use_tqdm=False)
+    expected_completions = offline.generate(COMPLETION_PROMPTS, greedy(), use_tqdm=False)
     assert chats == [out.outputs[0].text for out in expected_chats]
     assert completions == [out.outputs[0].text for out in expected_completions]
 
@@ -205,12 +219,16 @@ def test_client_disconnect_aborts_the_request(server):
             assert metric_samples(server)["pagellm:num_requests_running"] == 1
     # Leaving the block closed the connection mid-stream.
 
-    def aborted_and_freed() -> bool:
-        now = metric_samples(server)
-        return (now["pagellm:request_success_total{abort}"] == before["pagellm:request_success_total{abort}"] + 1
-                and now["pagellm:num_requests_running"] == 0 and now["pagellm:kv_cache_usage_perc"] == 0)
+    wait_until_aborted_and_freed(server, before)
 
-    wait_until(aborted_and_freed, "the disconnected request aborted and its KV blocks freed")
+
+def test_client_timeout_aborts_a_non_streamed_request(server):
+    before = metric_samples(server)
+    body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
+
+    wait_until_aborted_and_freed(server, before)
 
 
 LONG_PROMPT = "word " * (MAX_LEN + 50)
@@ -269,3 +287,23 @@ def test_api_key(smollm2_path):
         assert "s3cret" not in remote.log_tail(100_000)
     finally:
         assert remote.stop() == 0
+
+
+def test_chat_template_flag_takes_a_file_or_an_inline_template(tmp_path):
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="syntax error"):
+        load_chat_template("{% for m in messages %}")
+
+
+def test_busy_port_fails_before_the_model_loads(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert main(["serve", "--port", str(busy.getsockname()[1])]) == 2
+    assert "choose another --port" in capsys.readouterr().err

@@ -13,14 +13,15 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm import __version__
+from pagellm.config import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.cli import API_KEY_ENV, engine_args_from
 from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers
 from pagellm.entrypoints.openai.protocol import (
@@ -36,12 +37,10 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
+from pagellm.loader.source import DEFAULT_MODEL_FILE
+from pagellm.metrics.log_stats import LoggingStatLogger
+from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.tokenizer.chat_template import compile_chat_template
-
-if TYPE_CHECKING:
-    from pagellm.config import EngineArgs
-    from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +86,12 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
                                          max_model_len=engine.config.max_model_len) for name in names])
 
     @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest) -> Response:
-        return await completions.create_completion(request)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(request, raw_request)
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest) -> Response:
-        return await chats.create_chat_completion(request)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chats.create_chat_completion(request, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -144,8 +143,6 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def default_served_name(model: str | None) -> str:
-    from pagellm.loader.source import DEFAULT_MODEL_FILE
-
     return model if model is not None else DEFAULT_MODEL_FILE.split(".")[0]
 
 
@@ -167,12 +164,8 @@ def run_server(ns: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(args: EngineArgs, names: list[str], chat_template: str | None, api_key: str | None, sock: socket.socket,
-                 log_level: str) -> None:
-    from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.metrics.log_stats import LoggingStatLogger
-    from pagellm.metrics.prometheus import PrometheusStatLogger
-
+async def _serve(args: EngineArgs, names: list[str], chat_template: str | None, api_key: str | None,
+                 sock: socket.socket, log_level: str) -> None:
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     metrics = PrometheusStatLogger(names[0], **bucket_bound)
     engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger()])

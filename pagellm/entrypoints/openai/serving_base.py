@@ -1,24 +1,24 @@
 """What every endpoint shares: model names, prompts as token ids, length checks, running a request."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from pagellm.core.request import check_prompt_fits
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.entrypoints.openai.errors import APIError, sse_error
 from pagellm.entrypoints.openai.protocol import ChatPromptFields, PromptTokensDetails, UsageInfo
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from pagellm.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,8 @@ class OpenAIServing:
             first = await anext(outputs)
         except ValueError as e:
             raise APIError(str(e)) from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503) from None
         return first, outputs
 
     @staticmethod
@@ -112,11 +114,25 @@ class OpenAIServing:
             async for out in outputs:
                 yield out
 
-    async def last(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
-        final = first
-        async for final in self.follow(first, outputs):
-            pass
-        return final
+    async def last(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
+                   raw_request: Request) -> RequestOutput:
+        """The final output; if the client disconnects first, the request is aborted."""
+        async def drain() -> RequestOutput:
+            final = first
+            async for final in self.follow(first, outputs):
+                pass
+            return final
+
+        result = asyncio.ensure_future(drain())
+        disconnected = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        try:
+            done, _ = await asyncio.wait((result, disconnected), return_when=asyncio.FIRST_COMPLETED)
+            if result in done:
+                return result.result()
+            raise APIError("the client disconnected before the response was ready")
+        finally:
+            disconnected.cancel()
+            result.cancel()  # a no-op once done; else cancelling the drain aborts the engine request
 
     @staticmethod
     def usage(out: RequestOutput) -> UsageInfo:
@@ -143,6 +159,12 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _cut_after_final_message(prompt: str, content: Any) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.entrypoints.openai.protocol import (
@@ -20,7 +21,7 @@ from pagellm.outputs import RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def create_chat_completion(self, request: ChatCompletionRequest) -> Response:
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         text, token_ids = self.render_chat(request)
         if request.max_completion_tokens is not None:
@@ -35,7 +36,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return self.event_stream(self._chunks(first, outputs, request_id, model, request.n, include_usage))
-        final = await self.last(first, outputs)
+        final = await self.last(first, outputs, raw_request)
         choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
                               stop_reason=o.stop_reason) for o in final.outputs]
         response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(final))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.entrypoints.openai.errors import APIError
@@ -13,7 +14,7 @@ from pagellm.outputs import RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest) -> Response:
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
         prompt = _single_prompt(request.prompt)
         if isinstance(prompt, str):
@@ -30,7 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             return self.event_stream(self._chunks(first, outputs, request_id, model, echo, include_usage))
-        final = await self.last(first, outputs)
+        final = await self.last(first, outputs, raw_request)
         choices = [CompletionChoice(index=o.index, text=echo + o.text, finish_reason=o.finish_reason,
                                     stop_reason=o.stop_reason) for o in final.outputs]
         response = CompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(final))
