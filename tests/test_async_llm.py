@@ -132,3 +132,42 @@ def test_dead_core_fails_requests(smollm2_path):
         asyncio.run(run())
     finally:
         llm.shutdown()
+
+
+def test_core_exits_when_the_api_process_is_killed(smollm2_path, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "api.py"
+    script.write_text(
+        "import sys, time\n"
+        "from pagellm import EngineArgs\n"
+        "from pagellm.engine.async_llm import AsyncLLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = AsyncLLM.from_engine_args(EngineArgs({smollm2_path!r}, device='cpu', dtype='float32',\n"
+        f"                                             kv_cache_memory_bytes={KV_BYTES}, max_model_len={MAX_LEN}))\n"
+        "    print(llm._process.pid, flush=True)\n"
+        "    time.sleep(600)\n")
+    api = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    core_pid = int(api.stdout.readline())
+    os.kill(api.pid, signal.SIGKILL)
+    api.wait()
+    deadline = time.monotonic() + 30
+    while _alive(core_pid):
+        assert time.monotonic() < deadline, "engine core outlived its API process"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by init) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"

@@ -6,6 +6,7 @@ and SSE never delay a GPU step, and a stalled event loop never stalls the engine
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import zmq
@@ -58,7 +59,12 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
 def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
+    parent_pid = os.getppid()
     while True:
+        if os.getppid() != parent_pid:
+            # The API process died without telling us (SIGKILL, crash): don't linger as an orphan.
+            logger.error("API process %d is gone; engine core exiting", parent_pid)
+            return
         # Block for input only when there is nothing to step.
         timeout_ms = 0 if core.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
         rejected: list[tuple[str, str]] = []
