@@ -37,6 +37,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
     attention_backend: str | None = _arg(None, 'Attention implementation by name; None picks the best for the device.')
     tensor_parallel_size: int = _arg(1, 'GPUs per model replica (only 1 is supported so far).')
+    max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -54,6 +55,8 @@ class EngineArgs:
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

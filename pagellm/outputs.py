@@ -5,6 +5,23 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's log probability under the model's raw distribution, as vLLM's Logprob."""
+
+    logprob: float
+    rank: int | None = None
+    """1 + the number of tokens with a strictly higher logprob (1 is the most likely)."""
+    decoded_token: str | None = None
+    """The token alone as text; None with detokenize=False."""
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""Per generated token: its own logprob and the top-k, keyed by token id."""
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""Per prompt token, like SampleLogprobs; the first prompt token has None (nothing predicts it)."""
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request."""
 
@@ -12,7 +29,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    """Sum of the generated tokens' logprobs; None unless the request asked for logprobs."""
+    logprobs: SampleLogprobs | None = None
+    """None unless the request asked for logprobs."""
     finish_reason: str | None = None
     """stop | length | abort, or None while still generating."""
     stop_reason: int | str | None = None
@@ -35,3 +54,5 @@ class RequestOutput:
     """Prompt tokens whose KV came from the prefix cache."""
     metrics: dict[str, float] = field(default_factory=dict)
     """arrival_time, first_token_time, finished_time (time.monotonic seconds)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """None unless the request asked for prompt_logprobs."""

@@ -81,6 +81,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be generated."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    _bad_words_token_ids: list[list[int]] | None = None
+    """Set by the engine's input processor from bad_words (with and without a leading space), not by users."""
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else (self.stop if self.stop is not None else [])

@@ -35,9 +35,10 @@ class KVCacheManager:
         """The longest cached prefix of the request's tokens, in whole blocks.
 
         The last token is never taken from the cache: it must run through the model to give
-        the logits of the next token.
+        the logits of the next token. Requests that want prompt logprobs take no hits: cached
+        tokens produce no logits.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skips_prefix_cache:
             return [], 0
         request.update_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -17,6 +17,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: list[int]
+    """The model's EOS ids: the worker masks them (unless ignore_eos) until min_tokens are generated."""
 
 
 @dataclass(slots=True)
@@ -46,11 +48,30 @@ class SchedulerOutput:
 
 
 @dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs at a run of positions (generated or prompt tokens), as plain lists.
+
+    Row i describes position i: column 0 is the token actually there (sampled or from the prompt),
+    the remaining columns are the top-k of the model's raw distribution, best first.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+    """Rank of the column-0 token: 1 + the number of tokens with a strictly higher logprob."""
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """The token sampled for each request that reached the end of its known tokens this step."""
 
     req_ids: list[str]
     sampled_token_ids: list[int]
+    logprobs: dict[str, TokenLogprobs] | None = None
+    """Per request that asked for logprobs: one row, the sampled token's."""
+    prompt_logprobs: dict[str, TokenLogprobs] | None = None
+    """Per request whose prompt finished this step and that asked for prompt_logprobs: one row per
+    prompt token after the first."""
 
 
 @dataclass(slots=True)
@@ -64,6 +85,10 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
     """time.monotonic() when the request was first scheduled (queue-time metric)."""
+    new_logprobs: TokenLogprobs | None = None
+    """One row per new token, when the request asked for logprobs."""
+    new_prompt_logprobs: TokenLogprobs | None = None
+    """All prompt tokens but the first, once, with the first new token (prompt_logprobs requests)."""
 
 
 @dataclass(slots=True)

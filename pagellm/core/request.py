@@ -85,6 +85,11 @@ class Request:
         return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, which cached tokens never produce."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def extra_keys(self) -> tuple:
         return (self.cache_salt,) if self.cache_salt is not None else ()
 
@@ -97,9 +102,12 @@ class Request:
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """After appending `token_id`: set a finished status if generation must end."""
         sp = self.sampling_params
-        if not sp.ignore_eos and token_id in self.eos_token_ids:
+        # The sampler masks EOS and stop tokens below min_tokens; this keeps the rule even for
+        # a token that reached here some other way.
+        may_stop = self.num_output_tokens >= sp.min_tokens
+        if may_stop and not sp.ignore_eos and token_id in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif token_id in sp.stop_token_ids:
+        elif may_stop and token_id in sp.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = token_id
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:

@@ -138,7 +138,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            if not request.skips_prefix_cache:
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -155,6 +156,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
+                eos_token_ids=sorted(request.eos_token_ids),
             ))
 
         output = SchedulerOutput(
@@ -186,6 +188,8 @@ class Scheduler:
     def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free what finished."""
         results = []
+        logprobs = output.logprobs or {}
+        prompt_logprobs = output.prompt_logprobs or {}
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:  # aborted or preempted meanwhile
@@ -195,7 +199,8 @@ class Scheduler:
             finished = request.check_stop(token_id, self.limits.max_model_len)
             results.append(EngineCoreOutput(
                 req_id, [token_id], request.status.finish_reason, request.stop_reason,
-                max(request.num_cached_tokens, 0), request.first_scheduled_time))
+                max(request.num_cached_tokens, 0), request.first_scheduled_time,
+                logprobs.get(req_id), prompt_logprobs.get(req_id)))
             if finished:
                 self.running.remove(request)
                 self._release(request)

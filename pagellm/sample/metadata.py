@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sampling_params import SamplingParams
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) pairs apart
@@ -29,6 +30,8 @@ class SamplingMetadata:
     """Row -> generator for rows with their own seed."""
     default_generator: torch.Generator | None
     """Draws for unseeded rows: the engine's, seeded by `LLM(seed=...)`, so runs repeat."""
+    processors: LogitsProcessors | None = None
+    """Penalties, biases and bans, applied before everything else (greedy rows included)."""
 
     @classmethod
     def build(
@@ -38,6 +41,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device,
         default_generator: torch.Generator | None = None,
+        processors: LogitsProcessors | None = None,
     ) -> "SamplingMetadata":
         """`num_generated[i]`: tokens row i has generated so far, which keys its seeded draw."""
         greedy = [p.is_greedy for p in params]
@@ -68,4 +72,5 @@ class SamplingMetadata:
             min_p=None if all_greedy or all(p <= 0.0 for p in min_p) else tensor(min_p, torch.float32),
             generators=generators,
             default_generator=default_generator,
+            processors=processors,
         )

@@ -7,7 +7,9 @@ from pagellm.sample.metadata import SamplingMetadata
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """logits [num_rows, vocab] float32 -> token ids [num_rows] int64."""
+    """logits [num_rows, vocab] -> token ids [num_rows] int64."""
+    if md.processors is not None:
+        logits = md.processors.apply(logits.float())
     greedy = logits.argmax(dim=-1)
     if md.all_greedy:
         return greedy

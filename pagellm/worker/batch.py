@@ -21,6 +21,10 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: list[int]
+    prompt_logprobs_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+    """Prompt logprobs of the chunks computed so far, until the prompt finishes; None when not
+    wanted or already delivered."""
 
     @property
     def num_generated(self) -> int:
@@ -40,6 +44,20 @@ class FlatBatch:
     """[num_sampling] int64: rows of the hidden states whose next token is sampled."""
     sampling_req_ids: list[str]
     """The requests behind `logits_indices`, in the same order."""
+    prompt_logprobs: "PromptLogprobsPlan | None" = None
+
+
+@dataclass(slots=True)
+class PromptLogprobsPlan:
+    """Prompt positions of this step whose next-token logprobs some request asked for."""
+
+    hidden_indices: torch.Tensor
+    """[N] int64: rows of the hidden states, grouped by request."""
+    targets: torch.Tensor
+    """[N] int64: the prompt token that follows each position."""
+    counts: list[tuple[str, int]]
+    """(request, number of its rows), in the order of the rows."""
+    max_logprobs: int
 
 
 class RequestStates:
@@ -54,9 +72,13 @@ class RequestStates:
         for req_id in so.freed_req_ids:
             self.states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
+            # A request resumed with output already delivered its prompt logprobs with its first token.
+            wants_prompt_logprobs = (new.sampling_params.prompt_logprobs is not None
+                                     and len(new.token_ids) == new.num_prompt_tokens)
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens, list(new.eos_token_ids),
+                [] if wants_prompt_logprobs else None)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -111,7 +133,31 @@ class RequestStates:
             attn_metadata=attn_metadata,
             logits_indices=_to_device(logits_indices, torch.int64, dev),
             sampling_req_ids=[req_ids[i] for i in sampling_rows],
+            prompt_logprobs=self._plan_prompt_logprobs(states, query_start_loc, query_lens),
         )
+
+    def _plan_prompt_logprobs(self, states: list[CachedRequestState], query_start_loc: np.ndarray,
+                              query_lens: np.ndarray) -> PromptLogprobsPlan | None:
+        indices, targets, counts, max_logprobs = [], [], [], 0
+        for i, s in enumerate(states):
+            if s.prompt_logprobs_parts is None:
+                continue
+            # Position j's logits predict token j + 1: prompt positions up to the second to last
+            # (the last one's logits sample the first output token).
+            start = s.num_computed_tokens
+            end = min(start + int(query_lens[i]), s.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            indices.append(np.arange(start, end) - start + query_start_loc[i])
+            targets.append(s.token_ids[start + 1:end + 1])
+            counts.append((s.req_id, end - start))
+            max_logprobs = max(max_logprobs, s.sampling_params.prompt_logprobs)
+        if not counts:
+            return None
+        return PromptLogprobsPlan(
+            _to_device(np.concatenate(indices), torch.int64, self.device),
+            _to_device(np.concatenate([np.asarray(t, dtype=np.int64) for t in targets]), torch.int64, self.device),
+            counts, max_logprobs)
 
     def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
         for req_id, token_id in zip(req_ids, token_ids):

@@ -10,13 +10,15 @@ import torch
 from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
-from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.loader import initialize_dummy_weights, iter_weights
 from pagellm.models import get_model_class
+from pagellm.sample.logits_processors import LogitsProcessors
+from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.batch import RequestStates
+from pagellm.worker.batch import CachedRequestState, PromptLogprobsPlan, RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -123,13 +125,95 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         batch = self.requests.build(so)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        if not batch.sampling_req_ids:
+        plan = batch.prompt_logprobs
+        req_ids = batch.sampling_req_ids
+        states = [self.requests.states[r] for r in req_ids]
+        to_host: list[torch.Tensor] = []
+        if plan is not None:
+            to_host += prompt_logprobs(hidden[plan.hidden_indices], plan.targets, plan.max_logprobs,
+                                       self.model.compute_logits)
+        if states:
+            to_host += self._sample(hidden[batch.logits_indices], states)
+        if not to_host:
             return ModelRunnerOutput([], [])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        states = [self.requests.states[r] for r in batch.sampling_req_ids]
-        md = SamplingMetadata.build(
-            [s.sampling_params for s in states], [s.num_generated for s in states],
-            self.arch.vocab_size, self.device, self._default_generator)
-        token_ids = sample(logits, md).tolist()
-        self.requests.append_sampled(batch.sampling_req_ids, token_ids)
-        return ModelRunnerOutput(batch.sampling_req_ids, token_ids)
+        host = _to_host(to_host)
+        if plan is not None:
+            self._stash_prompt_logprobs(plan, host[:3])
+            host = host[3:]
+        if not states:
+            return ModelRunnerOutput([], [])
+        token_ids = host[0].tolist()
+        self.requests.append_sampled(req_ids, token_ids)
+        return ModelRunnerOutput(req_ids, token_ids, _sampled_logprobs(states, host[1:]) or None,
+                                 _finished_prompt_logprobs(states) or None)
+
+    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]) -> list[torch.Tensor]:
+        """The sampled token ids, then (ids, logprobs, ranks) of the rows that asked for logprobs."""
+        params = [s.sampling_params for s in states]
+        logits = self.model.compute_logits(hidden)
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Logprobs are of the model's raw distribution, before penalties and temperature.
+        raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
+        processors = LogitsProcessors.build(
+            params, [s.token_ids for s in states], [s.num_prompt_tokens for s in states],
+            [s.eos_token_ids for s in states], self.arch.vocab_size, self.device)
+        md = SamplingMetadata.build(params, [s.num_generated for s in states], self.arch.vocab_size,
+                                    self.device, self._default_generator, processors)
+        sampled = sample(logits, md)
+        if raw_logprobs is None:
+            return [sampled]
+        k = max(params[i].logprobs for i in logprob_rows)
+        rows = torch.tensor(logprob_rows, dtype=torch.int64).to(self.device)
+        return [sampled, *gather_logprobs(raw_logprobs, sampled[rows], k)]
+
+    def _stash_prompt_logprobs(self, plan: PromptLogprobsPlan, arrays: list[np.ndarray]) -> None:
+        ids, values, ranks = arrays
+        start = 0
+        for req_id, count in plan.counts:
+            state = self.requests.states[req_id]
+            width = state.sampling_params.prompt_logprobs + 1
+            end = start + count
+            state.prompt_logprobs_parts.append((ids[start:end, :width], values[start:end, :width], ranks[start:end]))
+            start = end
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """One device-to-host copy for the whole step: the tensors travel flattened in one float64
+    buffer (exact for token ids and ranks) and come back in their own shapes and kinds."""
+    if len(tensors) == 1:
+        return [tensors[0].cpu().numpy()]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    arrays, start = [], 0
+    for t in tensors:
+        size = t.numel()
+        part = flat[start:start + size].reshape(t.shape)
+        arrays.append(part.astype(np.int64) if not t.is_floating_point() else part)
+        start += size
+    return arrays
+
+
+def _rows(arrays: list[np.ndarray], rows: list[int] | slice, k: int) -> TokenLogprobs:
+    """Rows of (ids, logprobs, ranks) arrays, cut to the given token plus the request's top k."""
+    ids, values, ranks = arrays
+    return TokenLogprobs(ids[rows, :k + 1].tolist(), values[rows, :k + 1].tolist(), ranks[rows].tolist())
+
+
+def _sampled_logprobs(states: list[CachedRequestState], arrays: list[np.ndarray]) -> dict[str, TokenLogprobs]:
+    """`arrays` hold one row per state that asked for logprobs, in order."""
+    wanting = [s for s in states if s.sampling_params.logprobs is not None]
+    return {s.req_id: _rows(arrays, [r], s.sampling_params.logprobs) for r, s in enumerate(wanting)}
+
+
+def _finished_prompt_logprobs(states: list[CachedRequestState]) -> dict[str, TokenLogprobs]:
+    """Prompt logprobs of the requests that sample their first token this step, delivered once."""
+    done = {}
+    for s in states:
+        if s.prompt_logprobs_parts is not None:
+            parts = s.prompt_logprobs_parts
+            k = s.sampling_params.prompt_logprobs
+            if parts:
+                done[s.req_id] = _rows([np.concatenate(column) for column in zip(*parts)], slice(None), k)
+            else:  # a one-token prompt has no position to score
+                done[s.req_id] = TokenLogprobs([], [], [])
+            s.prompt_logprobs_parts = None
+    return done
