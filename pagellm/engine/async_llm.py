@@ -98,21 +98,23 @@ class AsyncLLM:
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; stopping the iteration aborts it in the engine."""
+        """Outputs of one request, as its output_kind says (n > 1: all sequences in one output);
+        stopping the iteration aborts it in the engine."""
         self._raise_if_dead()
         self._ensure_output_task()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request, text = self.processor.process(request_id, prompt, sampling_params)
+        core_requests = self.output_processor.add_request(request, text)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids,
-                                          request.sampling_params.skip_special_tokens, request.arrival_time)
-        await self._input.send(encoder.encode(AddRequest(
-            request_id, request.prompt_token_ids, request.sampling_params, sorted(request.eos_token_ids),
-            request.max_tokens, request.arrival_time)))
         finished = False
         try:
+            # Inside the try: a cancellation between the sends still withdraws the ones sent.
+            for core_request in core_requests:
+                await self._input.send(encoder.encode(AddRequest(
+                    core_request.request_id, core_request.prompt_token_ids, core_request.sampling_params,
+                    sorted(core_request.eos_token_ids), core_request.max_tokens, core_request.arrival_time)))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -133,12 +135,16 @@ class AsyncLLM:
 
     def _abort_now(self, request_ids: list[str]) -> list[RequestOutput]:
         stats = IterationStats()
+        core_ids = self.output_processor.core_request_ids(request_ids)
         outputs = self.output_processor.abort(request_ids, stats)
         if outputs and not self._dead_reason:
-            # A plain (non-awaited) send: this also runs from generators' `finally` during cancellation.
-            self._input.send(encoder.encode(AbortRequests(request_ids)), flags=zmq.NOBLOCK)
+            self._send_abort(core_ids)
             self._log_stats(stats)
         return outputs
+
+    def _send_abort(self, core_request_ids: list[str]) -> None:
+        # A plain (non-awaited) send: this also runs from generators' `finally` during cancellation.
+        self._input.send(encoder.encode(AbortRequests(core_request_ids)), flags=zmq.NOBLOCK)
 
     # -- the output loop --------------------------------------------------------------------------
 
@@ -161,13 +167,21 @@ class AsyncLLM:
 
     def _handle(self, message: CoreOutputs) -> None:
         self._stats = message.stats
-        for request_id, error in message.rejected:
+        for core_request_id, error in message.rejected:
+            # A rejected child fails its whole parent: its siblings are withdrawn too.
+            request_id = self.output_processor.caller_request_id(core_request_id)
+            siblings = [i for i in self.output_processor.core_request_ids([request_id]) if i != core_request_id]
             self.output_processor.abort([request_id])
+            if siblings and not self._dead_reason:
+                self._send_abort(siblings)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(ValueError(error))
         stats = IterationStats()
-        for out in self.output_processor.process(message.outputs, stats):
+        processed = self.output_processor.process(message.outputs, stats)
+        if processed.reqs_to_abort and not self._dead_reason:
+            self._send_abort(processed.reqs_to_abort)  # ended by a stop string; the core would go on
+        for out in processed.request_outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

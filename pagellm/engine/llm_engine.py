@@ -37,22 +37,25 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request; raises ValueError (naming the field) on invalid input."""
+        """Queue a request (n > 1: its children); raises ValueError (naming the field) on invalid input."""
         request, text = self.processor.process(request_id, prompt, params or SamplingParams())
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids,
-                                          request.sampling_params.skip_special_tokens, request.arrival_time)
+        for core_request in self.output_processor.add_request(request, text):
+            self.engine_core.add_request(core_request)
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Abort requests (a parent of n > 1 aborts all its children); returns their final outputs."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self.engine_core.abort_requests(ids)
+        self.engine_core.abort_requests(self.output_processor.core_request_ids(ids))
         return self.output_processor.abort(ids)
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that produced tokens (cumulative outputs)."""
-        return self.output_processor.process(self.engine_core.step())
+        """Run one engine step; returns the outputs it produced, as each request's output_kind says."""
+        processed = self.output_processor.process(self.engine_core.step())
+        # A stop string ended these in the output processor; the core would keep generating.
+        self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -1,109 +1,214 @@
-"""Output processing: incremental detokenization and RequestOutput assembly, per request."""
+"""Output processing: incremental detokenization, stop strings and RequestOutput assembly, per request."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
 from pagellm.core.outputs import EngineCoreOutput
+from pagellm.core.request import Request
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.logprobs import LogprobsState
+from pagellm.engine.parallel_sampling import ParentRequest, needs_fan_out
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
 class _RequestState:
+    """One sequence the engine core runs: a plain request or one child of a ParentRequest."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    skip_special_tokens: bool
-    decoder: object | None
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    """None with detokenize=False or without a tokenizer: token ids only, text ''."""
     arrival_time: float
+    parent: ParentRequest | None = None
+    index: int = 0
+    """Position in the parent's outputs."""
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    num_sent_tokens: int = 0
+    """Token ids already reported (DELTA outputs carry only the ones after these)."""
     first_token_time: float | None = None
     last_token_time: float | None = None
+    logprobs: LogprobsState | None = None
+    """None unless the request asked for logprobs or prompt_logprobs."""
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+    """Requests a stop string ended here that the engine core still runs: abort them there."""
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, _RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    skip_special_tokens: bool, arrival_time: float) -> None:
-        decoder = self.tokenizer.decode_stream(skip_special_tokens) if self.tokenizer else None
-        self.states[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, skip_special_tokens, decoder, arrival_time)
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.states or request_id in self.parents
+
+    def add_request(self, request: Request, prompt: str | None) -> list[Request]:
+        """Track a validated request; returns what the engine core must run: the request itself,
+        or its children when it samples several sequences (n > 1, best_of)."""
+        if request.request_id in self:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not needs_fan_out(request.sampling_params):
+            self._track(request, prompt, None, 0)
+            return [request]
+        parent = ParentRequest(request, prompt)
+        children = parent.make_children(request)
+        taken = [c.request_id for c in children if c.request_id in self]
+        if taken:  # checked first: all children start or none does
+            raise ValueError(f"request_id {taken[0]!r} (a child of {request.request_id!r}) is already in use")
+        self.parents[parent.request_id] = parent
+        for index, child in enumerate(children):
+            self._track(child, prompt, parent, index)
+        return children
+
+    def _track(self, request: Request, prompt: str | None, parent: ParentRequest | None, index: int) -> None:
+        params = request.sampling_params
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer and params.detokenize else None
+        self.states[request.request_id] = _RequestState(
+            request.request_id, prompt, request.prompt_token_ids, params, detokenizer, request.arrival_time,
+            parent, index, logprobs=LogprobsState(params, self.tokenizer) if LogprobsState.wanted(params) else None)
+
+    def core_request_ids(self, request_ids: list[str]) -> list[str]:
+        """The ids the engine core knows for these caller ids (a parent's children in its place)."""
+        ids = []
+        for req_id in request_ids:
+            parent = self.parents.get(req_id)
+            ids.extend(parent.child_ids if parent is not None else [req_id])
+        return ids
+
+    def caller_request_id(self, request_id: str) -> str:
+        """The id the caller knows for an engine-core id (a child's parent)."""
+        state = self.states.get(request_id)
+        return state.parent.request_id if state is not None and state.parent is not None else request_id
 
     def abort(self, request_ids: list[str], stats: IterationStats | None = None) -> list[RequestOutput]:
-        """Forget aborted requests; returns their final outputs (finish_reason 'abort')."""
-        outs = []
+        """Forget aborted requests (a parent's id aborts all its children); returns their final
+        outputs (finish_reason 'abort')."""
         now = time.monotonic()
-        for req_id in request_ids:
+        results = []
+        parents: dict[str, ParentRequest] = {}
+        for req_id in self.core_request_ids(request_ids):
             state = self.states.pop(req_id, None)
             if state is None:
                 continue
-            outs.append(self._make_output(state, "abort", None, True, 0))
             if stats is not None:
                 queued = (state.first_token_time or now) - state.arrival_time
                 stats.finished_requests.append(FinishedRequestStats(
                     "abort", now - state.arrival_time, queued, len(state.prompt_token_ids), len(state.token_ids)))
-        return outs
+            self._emit(state, "abort", None, 0, results, parents)
+        results.extend(self._parent_outputs(parents))
+        return results
 
-    def process(self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None) -> list[RequestOutput]:
+    def process(self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None) -> ProcessedOutputs:
         """Fold the engine's new tokens into each request's output; `stats` (if given) gains this
         iteration's token counts and latencies."""
-        results = []
+        results: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        parents: dict[str, ParentRequest] = {}
         now = time.monotonic()
         for out in outputs:
             state = self.states.get(out.req_id)
             if state is None:
                 continue
+            new_token_ids, finish_reason, stop_reason = out.new_token_ids, out.finish_reason, out.stop_reason
+            if state.detokenizer is not None:
+                num_taken, stop_string = state.detokenizer.update(new_token_ids)
+                new_token_ids = new_token_ids[:num_taken]
+                if stop_string is not None:
+                    if finish_reason is None:
+                        reqs_to_abort.append(out.req_id)
+                    finish_reason, stop_reason = "stop", stop_string
+                elif finish_reason is not None:
+                    state.detokenizer.finish()
             if stats is not None:
-                self._record(stats, state, out, now)
+                self._record(stats, state, out, len(new_token_ids), finish_reason, now)
             if state.first_token_time is None:
                 state.first_token_time = now
             state.last_token_time = now
-            for token_id in out.new_token_ids:
-                state.token_ids.append(token_id)
-                if state.decoder is not None:
-                    piece = state.decoder.step(self.tokenizer.backend, token_id)
-                    if piece:
-                        state.text += piece
-            finished = out.finish_reason is not None
-            if finished:
+            state.token_ids.extend(new_token_ids)
+            if state.logprobs is not None:
+                state.logprobs.update(out, len(new_token_ids))
+            if finish_reason is not None:
                 del self.states[out.req_id]
-            results.append(self._make_output(state, out.finish_reason, out.stop_reason, finished,
-                                             out.num_cached_tokens))
+            self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
+        results.extend(self._parent_outputs(parents))
+        return ProcessedOutputs(results, reqs_to_abort)
+
+    def _emit(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None,
+              num_cached_tokens: int, results: list[RequestOutput], parents: dict[str, ParentRequest]) -> None:
+        """Report the state's new output: to the caller, or to its parent (collected in `parents`)."""
+        completion = self._completion(state, finish_reason, stop_reason)
+        if completion is None:
+            return
+        if state.parent is not None:
+            state.parent.add(completion, num_cached_tokens, state.first_token_time,
+                             None if state.logprobs is None else state.logprobs.prompt_logprobs)
+            parents[state.parent.request_id] = state.parent
+            return
+        metrics = {"arrival_time": state.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+        if finish_reason is not None:
+            metrics["finished_time"] = time.monotonic()
+        results.append(RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
+                                     finish_reason is not None, num_cached_tokens, metrics,
+                                     None if state.logprobs is None else state.logprobs.prompt_logprobs))
+
+    @staticmethod
+    def _completion(state: _RequestState, finish_reason: str | None,
+                    stop_reason: int | str | None) -> CompletionOutput | None:
+        """The sequence as its output kind reports it now; None while FINAL_ONLY is unfinished."""
+        finished = finish_reason is not None
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = state.detokenizer.next_text(finished, delta) if state.detokenizer is not None else ""
+        start = state.num_sent_tokens if delta else 0
+        token_ids = state.token_ids[start:]
+        state.num_sent_tokens = len(state.token_ids)
+        lp = state.logprobs
+        return CompletionOutput(state.index, text, token_ids,
+                                cumulative_logprob=None if lp is None else lp.cumulative_logprob,
+                                logprobs=None if lp is None else lp.sample_logprobs(start),
+                                finish_reason=finish_reason, stop_reason=stop_reason)
+
+    def _parent_outputs(self, parents: dict[str, ParentRequest]) -> list[RequestOutput]:
+        results = []
+        for parent in parents.values():
+            output = parent.take_output()
+            if output is not None:
+                results.append(output)
+            if parent.finished:
+                del self.parents[parent.request_id]
         return results
 
     @staticmethod
-    def _record(stats: IterationStats, state: _RequestState, out: EngineCoreOutput, now: float) -> None:
-        stats.num_generation_tokens += len(out.new_token_ids)
+    def _record(stats: IterationStats, state: _RequestState, out: EngineCoreOutput, num_new_tokens: int,
+                finish_reason: str | None, now: float) -> None:
+        stats.num_generation_tokens += num_new_tokens
         if state.first_token_time is None:
             stats.num_prompt_tokens += len(state.prompt_token_ids)
             stats.time_to_first_tokens.append(now - state.arrival_time)
         else:
             stats.inter_token_latencies.append(now - state.last_token_time)
-        if out.finish_reason is not None:
+        if finish_reason is not None:
             scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else state.arrival_time
             stats.finished_requests.append(FinishedRequestStats(
-                finish_reason=out.finish_reason,
+                finish_reason=finish_reason,
                 e2e_latency=now - state.arrival_time,
                 queued_time=scheduled - state.arrival_time,
                 num_prompt_tokens=len(state.prompt_token_ids),
-                num_generation_tokens=len(state.token_ids) + len(out.new_token_ids),
+                num_generation_tokens=len(state.token_ids) + num_new_tokens,
             ))
-
-    @staticmethod
-    def _make_output(state: _RequestState, finish_reason: str | None, stop_reason: int | str | None,
-                     finished: bool, num_cached_tokens: int) -> RequestOutput:
-        completion = CompletionOutput(0, state.text, list(state.token_ids),
-                                      finish_reason=finish_reason, stop_reason=stop_reason)
-        metrics = {"arrival_time": state.arrival_time}
-        if state.first_token_time is not None:
-            metrics["first_token_time"] = state.first_token_time
-        if finished:
-            metrics["finished_time"] = time.monotonic()
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
-                             finished, num_cached_tokens, metrics)

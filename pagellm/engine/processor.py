@@ -6,7 +6,7 @@ from typing import Union
 
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, check_prompt_fits
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 PromptType = Union[str, Mapping]
@@ -47,6 +47,8 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         reject_unimplemented(params)
         text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # the end of a prompt matters most
         self._validate_prompt(token_ids)
         check_prompt_fits(len(token_ids), self.config.max_model_len)
         params = params.apply_model_defaults(self.generation_config)
@@ -86,23 +88,15 @@ def reject_unimplemented(params: SamplingParams) -> None:
     """Fields that exist in SamplingParams but that this engine does not honour yet: refused
     loudly rather than silently ignored. (Each line goes as its feature lands.)"""
     unsupported = {
-        "n > 1": params.n > 1,
-        "best_of": params.best_of is not None and params.best_of > 1,
         "presence_penalty": params.presence_penalty != 0.0,
         "frequency_penalty": params.frequency_penalty != 0.0,
         "repetition_penalty": params.repetition_penalty not in (None, 1.0),
-        "stop (strings)": bool(params.stop),
-        "include_stop_str_in_output": params.include_stop_str_in_output,
         "bad_words": bool(params.bad_words),
         "min_tokens": params.min_tokens > 0,
         "logprobs": params.logprobs is not None,
         "prompt_logprobs": params.prompt_logprobs is not None,
-        "detokenize=False": not params.detokenize,
-        "spaces_between_special_tokens=False": not params.spaces_between_special_tokens,
-        "truncate_prompt_tokens": params.truncate_prompt_tokens is not None,
         "logit_bias": bool(params.logit_bias),
         "allowed_token_ids": params.allowed_token_ids is not None,
-        "output_kind other than CUMULATIVE": params.output_kind != RequestOutputKind.CUMULATIVE,
     }
     names = [name for name, used in unsupported.items() if used]
     if names:

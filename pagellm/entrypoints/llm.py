@@ -1,6 +1,7 @@
 """The offline API, as vLLM's `LLM`: generate() and chat() over a batch, with a progress bar."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -10,7 +11,7 @@ from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 Conversation = list[dict[str, Any]]
@@ -73,7 +74,7 @@ class LLM:
         try:
             for prompt, sp in zip(prompts, params):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, sp)
+                engine.add_request(request_id, prompt, _final_only(sp))
                 ids.append(request_id)
         except ValueError:
             engine.abort_request(ids)  # a bad prompt in the batch must not leave the rest queued
@@ -86,6 +87,14 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _final_only(params: Any) -> Any:
+    """Only final outputs are returned: don't build the ones in between (anything else is left for
+    the engine to reject by name)."""
+    if isinstance(params, SamplingParams):
+        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params
 
 
 def _is_conversation(messages: Any) -> bool:
