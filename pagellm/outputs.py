@@ -43,7 +43,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request's prompt and its outputs so far (cumulative)."""
+    """A request's prompt and its outputs: everything so far, or only what is new with output_kind
+    DELTA. With n > 1, `outputs[i]` is sequence i (DELTA: only the sequences that changed)."""
 
     request_id: str
     prompt: str | None
