@@ -45,13 +45,14 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        reject_unimplemented(params)
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]  # the end of a prompt matters most
         self._validate_prompt(token_ids)
         check_prompt_fits(len(token_ids), self.config.max_model_len)
         params = params.apply_model_defaults(self.generation_config)
+        self._validate_token_features(params)
+        params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         # Generation also stops at max_model_len.
         room = self.config.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -63,6 +64,35 @@ class InputProcessor:
             max_tokens=max_tokens,
         )
         return request, text
+
+    def _validate_token_features(self, params: SamplingParams) -> None:
+        """Limits that depend on the model and the engine, which SamplingParams cannot know."""
+        limit = self.config.args.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be at most {limit} (the engine's max_logprobs), got {value}")
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each word as token ids twice, without and with a leading space (mid-sentence spelling),
+        the second only where it is a different sequence of the same length, as vLLM does."""
+        if not bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this model has none (dummy weights)")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        return sequences
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -82,22 +112,3 @@ def _eos_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-def reject_unimplemented(params: SamplingParams) -> None:
-    """Fields that exist in SamplingParams but that this engine does not honour yet: refused
-    loudly rather than silently ignored. (Each line goes as its feature lands.)"""
-    unsupported = {
-        "presence_penalty": params.presence_penalty != 0.0,
-        "frequency_penalty": params.frequency_penalty != 0.0,
-        "repetition_penalty": params.repetition_penalty not in (None, 1.0),
-        "bad_words": bool(params.bad_words),
-        "min_tokens": params.min_tokens > 0,
-        "logprobs": params.logprobs is not None,
-        "prompt_logprobs": params.prompt_logprobs is not None,
-        "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": params.allowed_token_ids is not None,
-    }
-    names = [name for name, used in unsupported.items() if used]
-    if names:
-        raise ValueError(f"not supported yet: {', '.join(names)}")
