@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "pagellm.engine.llm_engine",
     "EngineArgs": "pagellm.config",
     "SamplingParams": "pagellm.sampling_params",
+    "BeamSearchParams": "pagellm.entrypoints.beam_search",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
 }
@@ -21,6 +22,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
     from pagellm.config import EngineArgs
+    from pagellm.entrypoints.beam_search import BeamSearchParams
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, RequestOutput

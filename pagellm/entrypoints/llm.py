@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.processor import PromptType
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -67,6 +68,13 @@ class LLM:
         token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
                          for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search per prompt (as vLLM's `LLM.beam_search`); outputs in the order of `prompts`."""
+        engine = self.llm_engine
+        token_prompts = [engine.processor.tokenize(p)[1] for p in _as_prompt_list(prompts)]
+        return beam_search(engine, token_prompts, params, engine.processor.eos_token_ids)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
