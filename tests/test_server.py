@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagellm import LLM, SamplingParams
 from pagellm.entrypoints.cli import main
 from pagellm.entrypoints.openai.api_server import load_chat_template
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.sampling_params import RequestOutputKind
 from server_utils import RemoteServer
 
 MODEL_NAME = "smollm2"
@@ -245,7 +247,11 @@ LONG_PROMPT = "word " * (MAX_LEN + 50)
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, f"max_model_len is {MAX_LEN}"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_LEN}, 400, f"context of {MAX_LEN}"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs needs logprobs=true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "`tools` is not supported"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "vocabulary"),
     ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
 ])
@@ -260,6 +266,119 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(server, client, 
     assert error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
     assert message in error["message"]
     assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).choices[0].text is not None
+
+
+def test_stop_string(client, offline):
+    prompt = "Count: one, two, three,"
+    ref = offline.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].text
+    stop = ref[len(ref) // 2:len(ref) // 2 + 3]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0.0, max_tokens=MAX_TOKENS,
+                                         stop=["never appears", stop])
+    choice = response.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (ref[:ref.index(stop)], "stop", stop)
+
+
+def test_n_seeded_sampling_is_reproducible(client):
+    def sample() -> tuple[list[str], int]:
+        response = client.completions.create(model=MODEL_NAME, prompt="My favourite animal is", n=3, seed=7,
+                                             temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True})
+        assert [c.index for c in response.choices] == [0, 1, 2]
+        assert all(c.finish_reason == "length" for c in response.choices)
+        return [c.text for c in response.choices], response.usage.completion_tokens
+
+    texts, completion_tokens = sample()
+    assert completion_tokens == 3 * 8, "usage counts every choice"
+    assert sample() == (texts, completion_tokens)
+
+
+def test_streamed_n_matches_non_streamed(client):
+    kwargs = dict(model=MODEL_NAME, messages=chat_messages(QUESTIONS[2]), n=2, seed=3, temperature=1.0,
+                  max_tokens=12)
+    expected = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts, finishes = ["", ""], [[], []]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            finishes[choice.index].append(choice.finish_reason)
+    assert texts == [c.message.content for c in expected.choices]
+    assert finishes == [[c.finish_reason] for c in expected.choices], "one finish_reason chunk per choice"
+    assert chunks[-1].usage.completion_tokens == expected.usage.completion_tokens
+
+
+def test_chat_logprobs_match_offline(client, offline):
+    ref = offline.chat(chat_messages(QUESTIONS[3]), SamplingParams(temperature=0.0, max_tokens=8, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    kwargs = dict(model=MODEL_NAME, messages=chat_messages(QUESTIONS[3]), temperature=0.0, max_tokens=8,
+                  logprobs=True, top_logprobs=3)
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    streamed = [item for chunk in client.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices[0].logprobs is not None for item in chunk.choices[0].logprobs.content]
+    assert [item.token for item in streamed] == [item.token for item in content]
+    assert [item.logprob for item in streamed] == pytest.approx([item.logprob for item in content], abs=1e-4)
+    assert "".join(item.token for item in content) == ref.text
+    for item, token_id, entry in zip(content, ref.token_ids, ref.logprobs, strict=True):
+        assert item.logprob == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert bytes(item.bytes).decode() == item.token
+        top = sorted(entry.values(), key=lambda lp: lp.logprob, reverse=True)[:3]
+        assert [t.token for t in item.top_logprobs] == [lp.decoded_token for lp in top]
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([lp.logprob for lp in top], abs=1e-4)
+
+
+def test_completion_logprobs_with_echo(client, offline):
+    prompt = "The capital of France is"
+    ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=2),
+                           use_tqdm=False)[0]
+    kwargs = dict(model=MODEL_NAME, prompt=prompt, temperature=0.0, max_tokens=4, logprobs=2, echo=True)
+    choice = client.completions.create(**kwargs).choices[0]
+    lp = choice.logprobs
+    token_ids = ref.prompt_token_ids + ref.outputs[0].token_ids
+    assert len(lp.tokens) == len(token_ids) and "".join(lp.tokens) == choice.text == prompt + ref.outputs[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, "nothing predicts the first token"
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for i, (token_id, entry) in enumerate(zip(token_ids[1:], ref.prompt_logprobs[1:] + ref.outputs[0].logprobs),
+                                          start=1):
+        assert lp.token_logprobs[i] == pytest.approx(entry[token_id].logprob, abs=1e-4)
+        assert 2 <= len(lp.top_logprobs[i]) <= 3
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_prompt_logprobs_and_truncation(client):
+    response = client.completions.create(model=MODEL_NAME, prompt="one two three four five six seven", max_tokens=1,
+                                         extra_body={"truncate_prompt_tokens": 4, "prompt_logprobs": 1})
+    assert response.usage.prompt_tokens == 4
+    prompt_logprobs = response.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == 4 and prompt_logprobs[0] is None
+    assert all(set(v) == {"logprob", "rank", "decoded_token"} for entry in prompt_logprobs[1:] for v in entry.values())
+
+
+def test_vllm_extras_reach_sampling_params():
+    extras = dict(min_tokens=2, bad_words=["cat"], allowed_token_ids=[5, 6, 7], logit_bias={"6": 3.5},
+                  presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1, truncate_prompt_tokens=9,
+                  prompt_logprobs=1, include_stop_str_in_output=True, top_k=4, min_p=0.1)
+    params = CompletionRequest(prompt="x", best_of=2, logprobs=1, **extras).to_sampling_params(16)
+    assert {name: getattr(params, name) for name in extras} == {**extras, "logit_bias": {6: 3.5}}
+    assert (params.best_of, params.logprobs, params.output_kind) == (2, 1, RequestOutputKind.CUMULATIVE)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3,
+                                 stream=True).to_sampling_params(None)
+    assert (chat.logprobs, chat.output_kind) == (3, RequestOutputKind.DELTA)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_too_many_logprobs_is_a_400_naming_the_field(server, path, body, param):
+    response = httpx.post(f"{server.url}{path}", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
+    assert f"{param} must be at most 20" in error["message"]
 
 
 def test_openai_client_raises_typed_errors(client):

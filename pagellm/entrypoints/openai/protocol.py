@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API, with vLLM's extra request fields.
 
 Requests refuse unknown fields, so a typo is a 400 rather than silently ignored. Sampling fields
-go to `SamplingParams` under the same names; the engine refuses (400) those it does not honour
-yet, and the server refuses those whose results it cannot render yet (logprobs, tools).
+go to `SamplingParams` under the same names; the server refuses (400) the few fields it has no
+implementation for (`unsupported`: tools, response_format, suffix).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.sampling_params import SamplingParams
+from pagellm.outputs import Logprob
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class StrictModel(BaseModel):
@@ -28,7 +29,7 @@ class StreamOptions(StrictModel):
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "include_stop_str_in_output", "ignore_eos", "min_tokens", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "bad_words", "allowed_token_ids",
-                    "skip_special_tokens", "spaces_between_special_tokens")
+                    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens")
 
 
 class TextPart(StrictModel):
@@ -94,6 +95,10 @@ class GenerationRequest(StrictModel):
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last this-many prompt tokens."""
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    """Top logprobs per prompt token, returned as `prompt_logprobs` (not with stream)."""
     request_id: str | None = None
     """Used in the response id and as the engine's request id; default: a random one."""
 
@@ -104,43 +109,77 @@ class GenerationRequest(StrictModel):
             return [value] if value else None
         return value or None
 
-    def to_sampling_params(self, max_tokens: int | None, **extra: Any) -> SamplingParams:
-        """SamplingParams for this request (400 for an invalid value or a field in `unsupported`)."""
+    def logprob_fields(self) -> dict[str, int | None]:
+        """Request field -> top logprobs per token it asks for (None: not asked), for the
+        server's max_logprobs check."""
+        return {"prompt_logprobs": self.prompt_logprobs}
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """SamplingParams fields whose request fields differ between the endpoints."""
+        return {}
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """SamplingParams for this request (400 for an invalid value or a field in `unsupported`).
+
+        A stream gets DELTA outputs, so each chunk carries only its own text and logprobs."""
         for name in self.unsupported:
             if getattr(self, name) != type(self).model_fields[name].default:
                 raise APIError(f"`{name}` is not supported by this server yet; remove it from the request",
                                param=name)
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE
         try:
-            return SamplingParams(max_tokens=max_tokens, **kwargs, **extra)
+            return SamplingParams(max_tokens=max_tokens, output_kind=kind, **kwargs, **self.sampling_extras())
         except ValueError as e:
             raise APIError(str(e)) from None
 
 
 class CompletionRequest(GenerationRequest):
-    unsupported = ("logprobs", "suffix")
+    unsupported = ("suffix",)
 
     prompt: str | list[int] | list[str] | list[list[int]]
     """Text or token ids; a list of several prompts is refused (one request per prompt)."""
     max_tokens: int | None = 16
     echo: bool = False
     """Put the prompt in front of the generated text."""
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0)
+    """Top logprobs per generated token (with echo, per prompt token too)."""
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_fields(self) -> dict[str, int | None]:
+        return {**super().logprob_fields(), "logprobs": self.logprobs}
+
+    def sampling_extras(self) -> dict[str, Any]:
+        # An echoed prompt's logprobs come from prompt_logprobs, as in OpenAI's legacy API.
+        echoed = self.logprobs if self.echo and self.prompt_logprobs is None else self.prompt_logprobs
+        return {"logprobs": self.logprobs, "prompt_logprobs": echoed, "best_of": self.best_of}
+
 
 class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
-    unsupported = ("logprobs", "top_logprobs", "tools", "tool_choice", "response_format")
+    unsupported = ("tools", "tool_choice", "response_format")
 
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     """Preferred over max_tokens; None for both: up to the context length."""
     logprobs: bool = False
-    top_logprobs: int | None = None
+    """Return each generated token's logprob."""
+    top_logprobs: int | None = Field(default=None, ge=0)
+    """With logprobs: also this many most likely tokens per position."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def logprob_fields(self) -> dict[str, int | None]:
+        return {**super().logprob_fields(), "top_logprobs": self.top_logprobs}
+
+    def sampling_extras(self) -> dict[str, Any]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None,
+                "prompt_logprobs": self.prompt_logprobs}
 
 
 class TokenizeCompletionRequest(StrictModel):
@@ -188,13 +227,29 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""vLLM's extra: per prompt token its logprob and the top ones, by token id; None for the first."""
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs: parallel lists, one entry per token."""
+
+    text_offset: list[int]
+    """Where each token starts in the choice's text (counting the echoed prompt)."""
+    token_logprobs: list[float | None]
+    """None for the first prompt token, which nothing predicts."""
+    tokens: list[str]
+    top_logprobs: list[dict[str, float] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     """vLLM's extra: the stop token id or string that ended generation; None for EOS or length."""
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -211,10 +266,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    """The token's UTF-8 bytes."""
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+    """The most likely tokens at this position, most likely first."""
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -223,7 +294,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: dict[str, str]
     """{"role": "assistant", "content": ""} first, then {"content": text added}; {} at the end."""
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -235,6 +306,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -15,8 +15,8 @@ from pydantic import BaseModel
 from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.entrypoints.openai.errors import APIError, sse_error
-from pagellm.entrypoints.openai.protocol import ChatPromptFields, PromptTokensDetails, UsageInfo
-from pagellm.outputs import RequestOutput
+from pagellm.entrypoints.openai.protocol import ChatPromptFields, GenerationRequest, PromptTokensDetails, UsageInfo
+from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -75,8 +75,22 @@ class OpenAIServing:
         # The template already carries any BOS token: don't let the tokenizer add a second one.
         return text, tokenizer.encode(text, add_special_tokens=False)
 
-    def check_fits(self, num_prompt_tokens: int, prompt_param: str, max_tokens: int | None, param: str) -> None:
-        """400 unless the prompt plus `max_tokens` (the request field `param`) fits in max_model_len."""
+    def sampling_params(self, request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
+        """The request's SamplingParams; 400 naming the field that asks for more logprobs than the
+        engine's max_logprobs."""
+        limit = self.engine.config.args.max_logprobs
+        for name, value in request.logprob_fields().items():
+            if value is not None and value > limit:
+                raise APIError(f"{name} must be at most {limit} (the server's --max-logprobs), got {value}",
+                               param=name)
+        return request.to_sampling_params(max_tokens)
+
+    def check_fits(self, request: GenerationRequest, num_prompt_tokens: int, prompt_param: str,
+                   max_tokens: int | None, param: str) -> None:
+        """400 unless the prompt (after truncate_prompt_tokens) plus `max_tokens` (the request field
+        `param`) fits in max_model_len."""
+        if request.truncate_prompt_tokens is not None:
+            num_prompt_tokens = min(num_prompt_tokens, request.truncate_prompt_tokens)
         try:
             check_prompt_fits(num_prompt_tokens, self.max_model_len)
         except ValueError as e:
@@ -134,10 +148,23 @@ class OpenAIServing:
             disconnected.cancel()
             result.cancel()  # a no-op once done; else cancelling the drain aborts the engine request
 
+    async def deltas(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
+                     num_tokens: dict[int, int]) -> AsyncIterator[tuple[RequestOutput, CompletionOutput]]:
+        """A stream's DELTA outputs, one sequence at a time, as chunks should report them; tokens that
+        complete no character yet are held back unless they carry logprobs. `num_tokens` counts each
+        sequence's tokens (for usage)."""
+        async for out in self.follow(first, outputs):
+            for o in out.outputs:
+                num_tokens[o.index] = num_tokens.get(o.index, 0) + len(o.token_ids)
+                if o.text or o.finish_reason is not None or (o.logprobs and o.token_ids):
+                    yield out, o
+
     @staticmethod
-    def usage(out: RequestOutput) -> UsageInfo:
+    def usage(out: RequestOutput, completion_tokens: int | None = None) -> UsageInfo:
+        """`out`'s usage; a stream of DELTA outputs passes the `completion_tokens` it counted."""
         prompt_tokens = len(out.prompt_token_ids)
-        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+        if completion_tokens is None:
+            completion_tokens = sum(len(o.token_ids) for o in out.outputs)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens,
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))

@@ -7,17 +7,19 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.entrypoints.openai.logprobs import chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatStreamChoice,
     UsageInfo,
 )
 from pagellm.entrypoints.openai.serving_base import OpenAIServing
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import CompletionOutput, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -28,38 +30,42 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = request.max_tokens, "max_tokens"
-        self.check_fits(len(token_ids), "messages", max_tokens, param)
-        params = request.to_sampling_params(max_tokens)
+        self.check_fits(request, len(token_ids), "messages", max_tokens, param)
+        params = self.sampling_params(request, max_tokens)
         request_id = self.make_request_id("chatcmpl", request.request_id)
 
         first, outputs = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
         if request.stream:
-            include_usage = request.stream_options is not None and request.stream_options.include_usage
-            return self.event_stream(self._chunks(first, outputs, request_id, model, request.n, include_usage))
+            return self.event_stream(self._chunks(first, outputs, request, request_id, model))
         final = await self.last(first, outputs, raw_request)
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,
+        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
+                              logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,
                               stop_reason=o.stop_reason) for o in final.outputs]
-        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(final))
+        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(final),
+                                          prompt_logprobs=final.prompt_logprobs)
         return JSONResponse(response.model_dump())
 
-    async def _chunks(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], request_id: str,
-                      model: str, n: int, include_usage: bool) -> AsyncGenerator[ChatCompletionChunk, None]:
+    def _logprobs(self, o: CompletionOutput, request: ChatCompletionRequest) -> ChatLogprobs | None:
+        if not request.logprobs or o.logprobs is None:
+            return None
+        return chat_logprobs(o.token_ids, o.logprobs, request.top_logprobs or 0, self.engine.tokenizer)
+
+    async def _chunks(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
+                      request: ChatCompletionRequest, request_id: str,
+                      model: str) -> AsyncGenerator[ChatCompletionChunk, None]:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
-        # OpenAI's first chunk names the role, with no content yet.
-        yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)])
-        sent: dict[int, int] = {}  # characters of each choice's text already sent (outputs are cumulative)
-        final = first
-        async for final in self.follow(first, outputs):
-            for o in final.outputs:
-                delta = o.text[sent.get(o.index, 0):]
-                if not delta and o.finish_reason is None:
-                    continue  # a token that completes no character yet
-                sent[o.index] = len(o.text)
-                yield chunk([ChatStreamChoice(index=o.index, delta={"content": delta} if delta else {},
-                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)])
-        if include_usage:
-            yield chunk([], self.usage(final))
+        # OpenAI's first chunk of each choice names the role, with no content yet.
+        for i in range(request.n):
+            yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""})])
+        num_tokens: dict[int, int] = {}
+        last = first
+        async for last, o in self.deltas(first, outputs, num_tokens):
+            yield chunk([ChatStreamChoice(index=o.index, delta={"content": o.text} if o.text else {},
+                                          logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason)])
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], self.usage(last, sum(num_tokens.values())))

@@ -1,0 +1,48 @@
+"""The engine's per-token logprob dicts in OpenAI's two response shapes."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagellm.entrypoints.openai.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from pagellm.outputs import Logprob
+from pagellm.tokenizer import Tokenizer
+
+
+def _token_text(token_id: int, logprob: Logprob | None, tokenizer: Tokenizer | None) -> str:
+    if logprob is not None and logprob.decoded_token is not None:
+        return logprob.decoded_token
+    if tokenizer is not None:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    return f"token_id:{token_id}"  # vLLM's spelling when there is no text
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None], text_offset: int,
+                        tokenizer: Tokenizer | None) -> CompletionLogprobs:
+    """Legacy logprobs for `token_ids` (entry None: the first prompt token) whose text starts at
+    `text_offset` in the choice's text; top_logprobs holds the scored token and the top ones."""
+    result = CompletionLogprobs(text_offset=[], token_logprobs=[], tokens=[], top_logprobs=[])
+    for token_id, entry in zip(token_ids, entries):
+        token = _token_text(token_id, None if entry is None else entry[token_id], tokenizer)
+        result.tokens.append(token)
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+        result.token_logprobs.append(None if entry is None else entry[token_id].logprob)
+        result.top_logprobs.append(None if entry is None else {
+            _token_text(t, lp, tokenizer): lp.logprob for t, lp in entry.items()})
+    return result
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], num_top: int,
+                  tokenizer: Tokenizer | None) -> ChatLogprobs:
+    """Chat logprobs: each token's own, and the `num_top` most likely at its position."""
+    def item(token_id: int, lp: Logprob) -> dict:
+        token = _token_text(token_id, lp, tokenizer)
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        # The scored token is in the dict even when it is not among the top ones.
+        top = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:num_top]
+        content.append(TokenLogprob(**item(token_id, entry[token_id]),
+                                    top_logprobs=[TopLogprob(**item(t, lp)) for t, lp in top]))
+    return ChatLogprobs(content=content)
