@@ -275,25 +275,26 @@ def test_stop_string(client, offline):
     response = client.completions.create(model=MODEL_NAME, prompt=prompt, temperature=0.0, max_tokens=MAX_TOKENS,
                                          stop=["never appears", stop])
     choice = response.choices[0]
-    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (ref[:ref.index(stop)], "stop", stop)
+    assert (choice.text, choice.finish_reason) == (ref[:ref.index(stop)], "stop")
+    assert choice.model_extra["stop_reason"] == stop
 
 
 def test_n_seeded_sampling_is_reproducible(client):
     def sample() -> tuple[list[str], int]:
         response = client.completions.create(model=MODEL_NAME, prompt="My favourite animal is", n=3, seed=7,
-                                             temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True})
+                                             temperature=1.0, max_tokens=4, extra_body={"ignore_eos": True})
         assert [c.index for c in response.choices] == [0, 1, 2]
         assert all(c.finish_reason == "length" for c in response.choices)
         return [c.text for c in response.choices], response.usage.completion_tokens
 
     texts, completion_tokens = sample()
-    assert completion_tokens == 3 * 8, "usage counts every choice"
+    assert completion_tokens == 3 * 4, "usage counts every choice"
     assert sample() == (texts, completion_tokens)
 
 
 def test_streamed_n_matches_non_streamed(client):
     kwargs = dict(model=MODEL_NAME, messages=chat_messages(QUESTIONS[2]), n=2, seed=3, temperature=1.0,
-                  max_tokens=12)
+                  max_tokens=8)
     expected = client.chat.completions.create(**kwargs)
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     texts, finishes = ["", ""], [[], []]
