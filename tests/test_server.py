@@ -26,7 +26,6 @@ ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-byte
 MAX_TOKENS = 16
 QUESTIONS = [f"In one sentence, what is {topic}?" for topic in
              ("the sun", "a river", "music", "a library", "rain", "a bridge")]
-COMPLETION_PROMPTS = ["The first law of motion says", "A good breakfast has"]
 DEADLINE_S = 30.0
 
 
@@ -140,8 +139,17 @@ def test_completion_stream_deltas(client, offline):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+CONCURRENT_QUESTIONS = [f"In one sentence, what is {topic}?" for topic in (
+    "the sun", "a river", "music", "a library", "rain", "a bridge", "a volcano", "a violin", "winter", "a desert",
+    "a lighthouse", "chess", "a glacier", "bread", "a comet", "a forest", "a harbor", "a poem", "thunder",
+    "a clock", "a garden", "an island", "a mountain", "a telescope")]
+CONCURRENT_PROMPTS = ["The first law of motion says", "A good breakfast has", "The best way to learn is",
+                      "Once upon a time", "The ocean is", "My favourite city is", "Computers work by",
+                      "In the morning I"]
+
+
 def test_concurrent_streams_match_offline(server, offline):
-    """Eight greedy requests streamed at once (chat and completions) give the offline engine's text."""
+    """32 greedy requests streamed at once (chat and completions) give the offline engine's text."""
     async def stream_chat(client: openai.AsyncOpenAI, question: str) -> str:
         stream = await client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(question),
                                                       temperature=0.0, max_tokens=MAX_TOKENS, stream=True)
@@ -154,13 +162,13 @@ def test_concurrent_streams_match_offline(server, offline):
 
     async def run() -> tuple[list[str], list[str]]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-        chats = asyncio.gather(*[stream_chat(client, q) for q in QUESTIONS])
-        completions = asyncio.gather(*[stream_completion(client, p) for p in COMPLETION_PROMPTS])
+        chats = asyncio.gather(*[stream_chat(client, q) for q in CONCURRENT_QUESTIONS])
+        completions = asyncio.gather(*[stream_completion(client, p) for p in CONCURRENT_PROMPTS])
         return await chats, await completions
 
     chats, completions = asyncio.run(run())
-    expected_chats = offline.chat([chat_messages(q) for q in QUESTIONS], greedy(), use_tqdm=False)
-    expected_completions = offline.generate(COMPLETION_PROMPTS, greedy(), use_tqdm=False)
+    expected_chats = offline.chat([chat_messages(q) for q in CONCURRENT_QUESTIONS], greedy(), use_tqdm=False)
+    expected_completions = offline.generate(CONCURRENT_PROMPTS, greedy(), use_tqdm=False)
     assert chats == [out.outputs[0].text for out in expected_chats]
     assert completions == [out.outputs[0].text for out in expected_completions]
 
