@@ -59,11 +59,25 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list]:
     start = time.perf_counter()
     llm.generate(prompts[:1], one, use_tqdm=False)
     result["batch1_output_tok_per_s"] = args.batch1_tokens / (time.perf_counter() - start)
+    result["sampling_features"] = check_sampling_features(llm, prompts[:8])
     result["no_leak"] = core.scheduler.kv.pool.num_free_blocks == core.num_blocks
     del llm, core
     gc.collect()
     torch.cuda.empty_cache()
     return result, requests
+
+
+def check_sampling_features(llm: LLM, prompts: list) -> dict[str, Any]:
+    """Every device-side sampling feature at once on the GPU: the step must run and return what was asked."""
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
+                            frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={11: 5.0}, seed=3,
+                            min_tokens=4, max_tokens=16, logprobs=5, prompt_logprobs=2, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ok = all(len(o.outputs) == 2 and all(len(c.token_ids) == 16 and len(c.logprobs) == 16 for c in o.outputs)
+             and len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+    greedy_with_bias = llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4, logit_bias={11: 100.0},
+                                                                 ignore_eos=True), use_tqdm=False)
+    return {"all_outputs_complete": ok, "logit_bias_forces_token": greedy_with_bias[0].outputs[0].token_ids == [11] * 4}
 
 
 def run_hf(args: argparse.Namespace, requests: list) -> dict[str, Any]:
