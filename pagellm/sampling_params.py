@@ -5,7 +5,7 @@ import copy
 import dataclasses
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0

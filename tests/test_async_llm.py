@@ -8,6 +8,7 @@ import pytest
 
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from engine_utils import wait_for
 
 KV_BYTES = 64 << 20
 MAX_LEN = 1024
@@ -29,15 +30,6 @@ def async_llm(smollm2_path):
 async def collect(llm: AsyncLLM, prompt, params, request_id):
     outputs = [out async for out in llm.generate(prompt, params, request_id)]
     return outputs
-
-
-async def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    """Poll (the engine reports every step or heartbeat) until `predicate()` or fail at the deadline."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.05)
 
 
 def test_concurrent_requests_match_offline_engine(async_llm, smollm2_path):

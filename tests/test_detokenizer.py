@@ -7,6 +7,7 @@ from pagellm import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.sampling_params import RequestOutputKind
 from pagellm.tokenizer import Tokenizer, load_tokenizer
+from engine_utils import assert_no_leak
 
 SMALL_KV = 64 << 20
 DELTA = RequestOutputKind.DELTA
@@ -37,12 +38,6 @@ def stream(tokenizer: Tokenizer, token_ids: list[int], **params) -> tuple[list[s
         if stop is not None:
             break
     return deltas, detok
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    core = engine.engine_core
-    assert not core.has_unfinished_requests()
-    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
 
 
 def run_stream(engine: LLMEngine, request_id: str, prompt, params: SamplingParams) -> list:

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from pagellm import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.entrypoints.cli import main as cli_main
 from pagellm.worker.model_runner import ModelRunner
+from engine_utils import assert_no_leak
 
 SMALL_KV = 64 << 20  # 91 blocks of 16 tokens in float32: room for max_model_len 1024
 
@@ -15,12 +16,6 @@ SMALL_KV = 64 << 20  # 91 blocks of 16 tokens in float32: room for max_model_len
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
     return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    core = engine.engine_core
-    assert not core.has_unfinished_requests()
-    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
 
 
 def prompt_ids(llm: LLM, text: str) -> list[int]:

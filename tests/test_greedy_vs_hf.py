@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from engine_utils import assert_no_leak
 
 NUM_NEW_TOKENS = 64
 TIE_GAP = 1e-4
@@ -71,13 +72,6 @@ def assert_matches_reference(outputs, hf_reference, label: str) -> None:
             assert len(ours) == len(ref_tokens), f"[{label}] prompt {i}: {len(ours)} tokens vs HF {len(ref_tokens)}"
 
 
-def assert_no_leak(llm: LLM) -> None:
-    core = llm.llm_engine.engine_core
-    assert not core.has_unfinished_requests()
-    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
-    assert core.stats().kv_cache_usage == 0.0
-
-
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS)
 
 
@@ -85,7 +79,7 @@ def test_default_engine_matches_hf(reference_llm, prompt_ids, hf_reference):
     outputs = reference_llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, hf_reference, "default")
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in outputs)
-    assert_no_leak(reference_llm)
+    assert_no_leak(reference_llm.llm_engine)
     # Shared system prompts (the template's default one, and LONG_SYSTEM) hit the prefix cache.
     stats = reference_llm.llm_engine.get_stats()
     assert stats.prefix_cache_hits > 0
@@ -97,13 +91,13 @@ def test_chat_api_matches_hf(reference_llm, hf_reference):
     tok = reference_llm.get_tokenizer()
     for out in outputs:
         assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
-    assert_no_leak(reference_llm)
+    assert_no_leak(reference_llm.llm_engine)
 
 
 def test_requests_alone_match_hf(reference_llm, prompt_ids, hf_reference):
     outputs = [reference_llm.generate([ids], GREEDY, use_tqdm=False)[0] for ids in prompt_ids]
     assert_matches_reference(outputs, hf_reference, "alone")
-    assert_no_leak(reference_llm)
+    assert_no_leak(reference_llm.llm_engine)
 
 
 @pytest.mark.parametrize("label, kwargs", [
@@ -115,7 +109,7 @@ def test_scheduling_variants_match_hf(smollm2_path, prompt_ids, hf_reference, la
     llm = LLM(smollm2_path, dtype="float32", device="cpu", **kwargs)
     outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert_matches_reference(outputs, hf_reference, label)
-    assert_no_leak(llm)
+    assert_no_leak(llm.llm_engine)
     if not kwargs.get("enable_prefix_caching", True):
         assert llm.llm_engine.get_stats().prefix_cache_hits == 0
 
@@ -127,4 +121,4 @@ def test_preemption_matches_hf(smollm2_path, prompt_ids, hf_reference):
     outputs = llm.generate(prompt_ids, GREEDY, use_tqdm=False)
     assert llm.llm_engine.get_stats().num_preemptions > 0
     assert_matches_reference(outputs, hf_reference, "preemption")
-    assert_no_leak(llm)
+    assert_no_leak(llm.llm_engine)

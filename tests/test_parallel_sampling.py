@@ -9,6 +9,7 @@ import pytest
 from pagellm import LLM, EngineArgs, LLMEngine, SamplingParams
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.sampling_params import RequestOutputKind
+from engine_utils import assert_no_leak, wait_for
 
 SMALL_KV = 64 << 20
 BLOCK_SIZE = 16
@@ -17,12 +18,6 @@ BLOCK_SIZE = 16
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
     return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    core = engine.engine_core
-    assert not core.has_unfinished_requests()
-    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
 
 
 def used_blocks(engine: LLMEngine) -> int:
@@ -137,14 +132,6 @@ def async_llm(smollm2_path):
         smollm2_path, device="cpu", dtype="float32", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024))
     yield engine
     engine.shutdown()
-
-
-async def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.05)
 
 
 def test_async_n_stop_string_and_abort(async_llm, llm):

@@ -1,0 +1,23 @@
+"""Checks shared by the engine-level tests."""
+from __future__ import annotations
+
+import asyncio
+
+from pagellm.engine.llm_engine import LLMEngine
+
+
+def assert_no_leak(engine: LLMEngine) -> None:
+    """Nothing left to run and every KV block back in the pool."""
+    core = engine.engine_core
+    assert not core.has_unfinished_requests()
+    assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
+    assert core.stats().kv_cache_usage == 0.0
+
+
+async def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    """Poll (the engine reports every step or heartbeat) until `predicate()`, failing at the deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.05)
