@@ -6,7 +6,12 @@ import os
 import pytest
 import torch
 
-from pagellm.loader import default_model_path
+# Without a GPU, Triton kernels run under Triton's CPU interpreter. The flag is read when a kernel
+# is defined, so it must be set before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagellm.loader import default_model_path  # noqa: E402
 
 
 @pytest.fixture(scope="session")

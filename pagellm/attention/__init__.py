@@ -8,6 +8,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCac
 # name -> (module, class); modules load lazily so a CPU-only install never imports GPU kernels.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("pagellm.attention.torch_backend", "TorchAttentionBackend"),
+    "triton": ("pagellm.attention.triton_backend", "TritonAttentionBackend"),
 }
 
 

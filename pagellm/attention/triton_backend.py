@@ -1,0 +1,61 @@
+"""The `triton` attention backend: the GPU default, tested against the `torch` backend."""
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from pagellm.attention.triton_kernels import paged_attention, write_kv
+
+MAX_SPLITS = 16
+"""Most ranges a decode's context is split into (flash-decoding)."""
+TARGET_PROGRAMS = 264
+"""Programs a decode step should launch to fill the GPU: two per multiprocessor of an H100/H200."""
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
+    """How many ranges each decode's context is split into, so that (sequence, KV head, range)
+    programs fill the GPU. It depends on the batch shape only, not on context lengths, so a
+    CUDA graph captured for a batch size stays valid whatever the lengths at replay."""
+    splits = 1
+    while splits < MAX_SPLITS and num_seqs * num_kv_heads * splits < TARGET_PROGRAMS:
+        splits *= 2
+    return splits
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """KV write and paged attention as Triton kernels, one launch each per layer (plus a merge
+    launch for split decodes); no host sync, so decode steps can be captured in CUDA graphs."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        out = torch.empty_like(query)
+        if kv_cache is None:
+            _attend_in_batch(out, query, key, value, metadata, scale)
+            return out
+        k_cache, v_cache = kv_cache
+        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
+        decode_only = metadata.max_query_len == 1
+        splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if decode_only else 1
+        paged_attention(out, query, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
+                        metadata.query_start_loc, metadata.max_query_len, scale, splits)
+        return out
+
+
+def _attend_in_batch(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     metadata: AttentionMetadata, scale: float) -> None:
+    """Fresh prompts with no cache yet (the memory-profiling pass): this step's key/value rows
+    serve as a cache of one-token blocks, and each sequence's block table lists its own rows."""
+    qsl = metadata.query_start_loc
+    rows = qsl[:-1, None] + torch.arange(metadata.max_query_len, device=qsl.device, dtype=qsl.dtype)
+    block_table = rows.clamp_(max=max(query.shape[0] - 1, 0))
+    paged_attention(out, query, key.unsqueeze(1), value.unsqueeze(1), block_table, metadata.seq_lens, qsl,
+                    metadata.max_query_len, scale)

@@ -1,0 +1,236 @@
+"""Triton kernels of the `triton` attention backend: KV write by slot mapping, and paged attention.
+
+`paged_attention` serves every kind of step with one kernel: a program owns up to BLOCK_Q query
+tokens of one sequence times the query heads of one KV head (GQA heads are folded into the rows
+of the tile, so each K/V tile is loaded once for the whole group), and walks that sequence's
+context in BLOCK_N-token tiles gathered through the block table, with an online softmax. Prefill
+chunks attend to their cached prefix and causally to themselves; a decode is a query of length 1.
+When a step has too few (sequence, KV head) pairs to fill the GPU, the context is split into
+NUM_SPLITS ranges that separate programs attend (flash-decoding); a second kernel merges their
+partial results by their log-sum-exp.
+
+Both kernels take every size as a runtime value or a fixed per-shape constant, and never sync
+with the host, so a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:  # padding, or a token whose KV is already cached
+        return
+    heads = tl.arange(0, HEADS_P)[:, None]
+    dims = tl.arange(0, HEAD_DIM)[None, :]
+    mask = heads < NUM_KV_HEADS
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Store key/value [T, Hkv, D] rows at their cache slots; slots < 0 are skipped.
+
+    The caches' block and slot strides must be the same for K and V (they are allocated alike).
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+@triton.jit
+def _attend_tile(
+    q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One BLOCK_N-key tile of the online softmax: returns the updated (max, sum, accumulator)."""
+    dims = tl.arange(0, HEAD_DIM)
+    k_idx = start + tl.arange(0, BLOCK_N)
+    k_ok = k_idx < kv_hi
+    page = tl.load(block_table_ptr + seq * stride_bt + k_idx // BLOCK_SIZE, mask=k_ok, other=0)
+    in_page = k_idx % BLOCK_SIZE
+    k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[None, :]
+                + dims[:, None], mask=k_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+    s = tl.dot(q, k) * scale_log2  # log2 domain: exp2 below
+    visible = k_ok[None, :] & (k_idx[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead (no NaN).
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
+                + dims[None, :], mask=k_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    part_out_ptr, part_ml_ptr, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_pt, stride_ph, stride_ps,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2) % NUM_KV_HEADS
+    split = tl.program_id(2) // NUM_KV_HEADS
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len  # position of the sequence's first query token
+
+    # Row r of the tile: query token r // GROUP_P of this block, query head r % GROUP_P of the group.
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP_P
+    head = kv_head * GROUP + rows % GROUP_P
+    row_ok = (q_idx < q_len) & (rows % GROUP_P < GROUP)
+    q_pos = first_pos + q_idx
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    # Keys this block can see: up to its last query's position (causal), then this split's share.
+    kv_end = tl.minimum(seq_len, first_pos + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = split * per_split
+        kv_hi = tl.minimum(kv_end, kv_lo + per_split)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Triton's CPU interpreter cannot run a `for` over a range with run-time bounds (it needs
+    # them as Python ints); the compiled kernel wants the `for`, which it software-pipelines.
+    if INTERPRET:
+        start = kv_lo
+        while start < kv_hi:
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
+                scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+            start += BLOCK_N
+    else:
+        for start in range(kv_lo, kv_hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
+                scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    token = q_start + q_idx
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        part = token * stride_pt + head * stride_ph + split * stride_ps
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    part = token * stride_pt + head * stride_ph + splits
+    m = tl.load(part_ml_ptr + part * 2)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    # Splits that saw no key have l = 0 and m = -inf: weight 0 (the first split always has keys).
+    weight = tl.where(l_s > 0, l_s * tl.exp2(m - m_max), 0.0)
+    dims = tl.arange(0, HEAD_DIM)
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :])
+    o = tl.where(weight[:, None] > 0, o, 0.0)
+    merged = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty))
+
+
+def paged_attention(
+    out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+    max_query_len: int, scale: float, num_splits: int = 1,
+) -> None:
+    """out/query [T, H, D]; caches [num_blocks, block_size, Hkv, D] (or any strided view with the
+    same index order); block_table [num_seqs, W]; seq_lens [num_seqs]; query_start_loc
+    [num_seqs + 1]. Every row of `out` that belongs to a sequence is written.
+
+    num_splits (a power of 2) > 1 splits each sequence's context over that many programs; it only
+    makes sense for short queries (decodes), where the grid would otherwise be too small.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = block_table.shape[0]
+    num_kv_heads = k_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return
+    group = num_heads // num_kv_heads
+    group_p = triton.next_power_of_2(group)
+    # tl.dot needs at least 16 rows; short queries fill them with more query tokens.
+    block_q = max(1, (16 if max_query_len <= 16 else 64) // group_p)
+    block_n = 64 if head_dim <= 64 else 32 if max_query_len > 16 else 64
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
+    if num_splits > 1:
+        part_out = query.new_empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32)
+        part_ml = query.new_empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32)
+    else:
+        part_out = part_ml = out  # unused
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        part_out, part_ml, scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        num_heads * num_splits, num_splits, 1,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_ml, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        )
+
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,0 +1,142 @@
+"""The Triton attention kernels against the `torch` backend (the oracle), on random inputs.
+
+Without a GPU they run under Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET)
+at small sizes; on a GPU the same cases run in bf16 plus full-size ones (long contexts, big batches).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from attn_utils import build_metadata  # noqa: E402
+from pagellm.attention import get_attn_backend  # noqa: E402
+from pagellm.attention.triton_backend import decode_splits  # noqa: E402
+from pagellm.attention.triton_kernels import paged_attention  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# The interpreter computes in float32; on the GPU the kernels run in the serving dtype.
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float32]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def random_paged_batch(shapes: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, seed: int):
+    """Sequences (cached tokens, new tokens) over shuffled blocks of a random cache; returns
+    (metadata, query, key, value, (k_cache, v_cache)). Unused cache slots hold random values too."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-(c + n) // block_size) for c, n in shapes]
+    num_blocks = sum(blocks_needed) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for (cached, new), n in zip(shapes, blocks_needed):
+        seqs.append((cached, new, perm[:n]))
+        perm = perm[n:]
+    md = build_metadata(seqs, block_size, DEVICE)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cache = (rand(*cache_shape), rand(*cache_shape))
+    return md, rand(md.num_tokens, num_heads, head_dim), rand(md.num_tokens, num_kv_heads, head_dim), \
+        rand(md.num_tokens, num_kv_heads, head_dim), cache
+
+
+def run_both(md, query, key, value, cache, scale: float):
+    """(triton output, torch output, triton caches, torch caches) from identical starting caches."""
+    tri_cache = tuple(c.clone() for c in cache)
+    ref_cache = tuple(c.clone() for c in cache)
+    out = get_attn_backend("triton").forward(query, key, value, tri_cache, md, scale)
+    ref = get_attn_backend("torch").forward(query, key, value, ref_cache, md, scale)
+    return out, ref, tri_cache, ref_cache
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not out.isnan().any()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert relative_error(out, ref) < tolerance
+
+
+MIXED = [(37, 1), (70, 1), (50, 23), (0, 41), (16, 16), (0, 1)]
+"""Two decodes, a chunk over a cached prefix, a fresh prompt, a chunk starting on a block
+boundary, a one-token prompt."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1), (6, 2)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_batch_matches_torch_backend(dtype, block_size, num_heads, num_kv_heads, head_dim) -> None:
+    md, query, key, value, cache = random_paged_batch(
+        MIXED, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=block_size + num_heads * 7 + head_dim)
+    # A token whose KV is already cached (slot -1) must not be written.
+    md.slot_mapping[int(md.query_start_loc_cpu[3])] = -1
+
+    out, ref, tri_cache, ref_cache = run_both(md, query, key, value, cache, head_dim**-0.5)
+
+    assert torch.equal(tri_cache[0], ref_cache[0]) and torch.equal(tri_cache[1], ref_cache[1])
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
+def test_split_decode_matches_unsplit(dtype, num_splits: int, num_heads: int, num_kv_heads: int) -> None:
+    # Contexts shorter than one split, exactly a tile, and spanning many tiles.
+    shapes = [(0, 1), (63, 1), (300, 1), (129, 1)]
+    md, query, key, value, cache = random_paged_batch(shapes, 16, num_heads, num_kv_heads, 64, dtype, seed=num_splits)
+    ref = get_attn_backend("torch").forward(query, key, value, cache, md, 0.125)
+    out = torch.full_like(query, float("nan"))
+
+    paged_attention(out, query, *cache, md.block_table, md.seq_lens, md.query_start_loc, 1, 0.125, num_splits)
+
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_no_cache_is_causal_within_each_prompt(dtype, num_heads: int, num_kv_heads: int) -> None:
+    md, query, key, value, _ = random_paged_batch([(0, 5), (0, 17), (0, 1), (0, 9)], 16, num_heads, num_kv_heads,
+                                                  64, dtype, seed=num_heads)
+
+    out = get_attn_backend("triton").forward(query, key, value, None, md, 0.125)
+    ref = get_attn_backend("torch").forward(query, key, value, None, md, 0.125)
+
+    check(out, ref, dtype)
+
+
+def test_padding_slots_are_not_written() -> None:
+    md, query, key, value, cache = random_paged_batch([(5, 3), (0, 2)], 16, 4, 2, 64, DTYPES[0], seed=3)
+    md.slot_mapping[:] = -1
+    before = tuple(c.clone() for c in cache)
+
+    get_attn_backend("triton").forward(query, key, value, cache, md, 0.125)
+
+    assert torch.equal(cache[0], before[0]) and torch.equal(cache[1], before[1])
+
+
+def test_decode_splits_fill_the_gpu_and_depend_on_batch_shape_only() -> None:
+    assert decode_splits(1, 8) == 16  # batch 1 of Llama-3.1-8B: 8 KV heads x 16 ranges
+    assert decode_splits(256, 8) == 1
+    assert all(decode_splits(b, 8) * b * 8 >= 264 or decode_splits(b, 8) == 16 for b in range(1, 64))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="full-size shapes need a GPU (the interpreter is too slow)")
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 8), (32, 32), (28, 4)])
+def test_full_size_long_contexts_on_gpu(num_heads: int, num_kv_heads: int) -> None:
+    # A 4k-token prefill chunk over a 4k cached prefix, long decodes and a big decode batch.
+    shapes = [(4096, 4096), (8000, 1), (16000, 1)] + [(int(n), 1) for n in torch.randint(1, 3000, (61,))]
+    md, query, key, value, cache = random_paged_batch(shapes, 16, num_heads, num_kv_heads, 128, torch.bfloat16, seed=1)
+    out, ref, tri_cache, ref_cache = run_both(md, query, key, value, cache, 128**-0.5)
+    assert torch.equal(tri_cache[0], ref_cache[0])
+    check(out, ref, torch.bfloat16)
+    decodes = [(int(n), 1) for n in torch.randint(1, 32000, (8,))]
+    md, query, key, value, cache = random_paged_batch(decodes, 16, num_heads, num_kv_heads, 128, torch.bfloat16, seed=2)
+    out, ref, _, _ = run_both(md, query, key, value, cache, 128**-0.5)
+    check(out, ref, torch.bfloat16)
