@@ -25,9 +25,9 @@ if __package__ in (None, ""):
     # Run as a file path (python benchmarks/bench_offline_cpu.py): make `benchmarks` importable.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import default_result_path, format_table, run_metadata, write_json
-from benchmarks.datasets import BenchRequest, random_requests_in_range
 from pagellm import LLM, SamplingParams
+from pagellm.benchmarks.datasets import BenchRequest, random_requests_in_range
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.loader import default_model_path, resolve_model
 
 _WARMUP_PROMPTS = 2

@@ -18,17 +18,13 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx
 
-from benchmarks.common import default_result_path, format_table, run_metadata, write_json
-from benchmarks.datasets import BenchRequest, random_requests_in_range
 from pagellm import LLM, SamplingParams
+from pagellm.benchmarks.datasets import BenchRequest, random_requests_in_range
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.loader import default_model_path, resolve_model
 
 HOST = "127.0.0.1"

@@ -23,8 +23,8 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks.common import default_result_path, format_table, run_metadata, write_json
-from benchmarks.datasets import random_requests
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
+from pagellm.benchmarks.datasets import random_requests
 from pagellm import LLM, SamplingParams
 
 def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list]:

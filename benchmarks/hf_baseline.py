@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.datasets import BenchRequest
+from pagellm.benchmarks.datasets import BenchRequest
 
 
 @dataclass(slots=True)

@@ -2,24 +2,22 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-# `benchmarks` is a folder of the repository, not part of the installed package.
-_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from benchmarks.datasets import (  # noqa: E402
+from pagellm.benchmarks.datasets import (
+    dataset_requests,
+    load_requests,
     load_sharegpt_pairs,
     random_requests,
     random_requests_in_range,
     salvage_json_array,
+    save_requests,
     sharegpt_path,
     sharegpt_requests,
 )
+from pagellm.loader import resolve_model
 
 
 class WordTokenizer:
@@ -83,20 +81,44 @@ def test_sharegpt_filters_and_turn_choice(tmp_path):
         _conversation(3, 1025, 10),    # prompt too long
         _conversation(4, 1000, 1049),  # prompt + output too long
         _conversation(5, 1000, 1048),  # kept: exactly 2048
-        _conversation(6, 8, 9, first="gpt"),  # no human turn followed by a gpt turn
-        _conversation(7, 10, 20),      # would be kept, but the file is cut inside it
+        _conversation(6, 8, 9, first="gpt"),  # kept: vLLM takes the first two turns whoever wrote them
+        {"id": "c7", "conversations": [{"from": "human", "value": "w w w w w"}]},  # one turn only
+        _conversation(8, 10, 20),      # would be kept, but the file is cut inside it
     ]
     text = json.dumps(conversations, indent=2)
     path = _write(tmp_path, text[:-10])
 
-    assert len(salvage_json_array(path)[0]) == 7
-    assert len(load_sharegpt_pairs(path)) == 6
-    requests = sharegpt_requests(2, WordTokenizer(), seed=0, path=path)
-    assert sorted((len(p), n) for p, n in requests) == [(10, 20), (1000, 1048)]
-    with pytest.raises(ValueError, match="only 2"):
-        sharegpt_requests(3, WordTokenizer(), seed=0, path=path)
-    fixed = sharegpt_requests(2, WordTokenizer(), seed=0, path=path, fixed_output_len=5)
-    assert sorted(n for _, n in fixed) == [5, 5]
+    assert len(salvage_json_array(path)[0]) == 8
+    assert len(load_sharegpt_pairs(path)) == 7
+    requests = sharegpt_requests(3, WordTokenizer(), seed=0, path=path)
+    assert sorted((len(p), n) for p, n in requests) == [(8, 9), (10, 20), (1000, 1048)]
+    with pytest.raises(ValueError, match="only 3"):
+        sharegpt_requests(4, WordTokenizer(), seed=0, path=path)
+    # A fixed output length skips the output-too-short check (conversation 2 now passes), not the others.
+    fixed = sharegpt_requests(5, WordTokenizer(), seed=0, path=path, fixed_output_len=5)
+    assert sorted((len(p), n) for p, n in fixed) == [(8, 5), (10, 5), (10, 5), (1000, 5), (1000, 5)]
+
+
+def test_sharegpt_tokenizes_the_answer_like_the_prompt(tmp_path):
+    """vLLM counts the answer's tokens with the tokenizer's special tokens, as it does the prompt's."""
+
+    class BosTokenizer(WordTokenizer):
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [1] * add_special_tokens + super().encode(text)
+
+    path = _write(tmp_path, json.dumps([_conversation(0, 10, 20)]))
+    assert sharegpt_requests(1, BosTokenizer(), seed=0, path=path) == [([1] + [1] * 10, 21)]
+
+
+def test_sharegpt_shuffle_is_pythons_seeded_shuffle(tmp_path):
+    """The order is `random.seed(seed); random.shuffle(conversations)`, as in vLLM's benchmarks."""
+    import random
+
+    path = _write(tmp_path, json.dumps([_conversation(i, 4 + i, 4) for i in range(30)]))
+    expected = list(range(30))
+    random.Random(7).shuffle(expected)
+    requests = sharegpt_requests(30, WordTokenizer(), seed=7, path=path)
+    assert [len(p) - 4 for p, _ in requests] == expected
 
 
 def test_sharegpt_order_depends_only_on_seed(tmp_path):
@@ -148,3 +170,35 @@ def test_real_sharegpt_requests_obey_filters(real_sharegpt, smollm2_path):
     assert len(requests) == 50
     assert all(4 <= len(p) <= 1024 and n >= 4 and len(p) + n <= 2048 for p, n in requests)
     assert sharegpt_requests(50, tokenizer, seed=0) == requests
+
+
+def test_dataset_requests_for_a_dummy_preset(real_sharegpt, smollm2_path, tmp_path):
+    """A preset has no tokenizer: SmolLM2's measures the ShareGPT lengths and the info says so."""
+    from pagellm.tokenizer import load_tokenizer
+
+    preset = resolve_model("meta-llama/Llama-3.1-8B-Instruct", "dummy")
+    requests, info = dataset_requests("sharegpt", 20, preset, seed=3, input_len=1024, output_len=None)
+    assert info["tokenizer"]["stand_in"] and info["tokenizer"]["name"] == smollm2_path
+    assert requests == sharegpt_requests(20, load_tokenizer(resolve_model(smollm2_path)), seed=3)
+    assert info["total_output_tokens"] == sum(r.output_len for r in requests)
+    assert info["total_prompt_tokens"] == sum(len(r.prompt_token_ids) for r in requests)
+
+    own, own_info = dataset_requests("sharegpt", 20, resolve_model(smollm2_path), seed=3, input_len=1, output_len=7)
+    assert own_info["tokenizer"] == {"name": smollm2_path, "stand_in": False}
+    assert [len(r.prompt_token_ids) for r in own] == [len(r.prompt_token_ids) for r in requests]
+    assert {r.output_len for r in own} == {7}
+
+    path = str(tmp_path / "requests.json")
+    save_requests(path, requests, info)
+    assert load_requests(path) == (requests, {**info, "loaded_from": path})
+
+
+def test_dataset_requests_random_uses_the_model_vocabulary():
+    preset = resolve_model("meta-llama/Llama-3.1-8B-Instruct", "dummy")
+    requests, info = dataset_requests("random", 50, preset, seed=0, input_len=64, output_len=None)
+    assert {(len(r.prompt_token_ids), r.output_len) for r in requests} == {(64, 128)}
+    assert max(t for r in requests for t in r.prompt_token_ids) >= 49152  # beyond SmolLM2's vocabulary
+    assert max(t for r in requests for t in r.prompt_token_ids) < 128256
+    assert (info["num_requests"], info["total_output_tokens"]) == (50, 50 * 128)
+    with pytest.raises(ValueError, match="dataset"):
+        dataset_requests("alpaca", 1, preset, seed=0, input_len=8, output_len=8)

