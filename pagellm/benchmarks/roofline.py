@@ -1,0 +1,141 @@
+"""Physical floors: the least time a workload can take on a machine, from bytes moved and FLOPs done.
+
+The machine's ceilings are measured, not taken from a datasheet: device-to-device copy bandwidth
+(bytes read plus written per second) and the rate of one large matmul. A workload's floor is
+max(bytes / bandwidth, FLOPs / matmul rate), each summed over the whole workload, which no schedule
+can beat (each sum alone is a lower bound). Bytes: all weight matrices once per forward step (the
+embedding table is only gathered from, so it is left out), plus every decode step's read of the
+KV cache of its context. FLOPs: 2 per weight per token through the layers, the LM head only for
+tokens that are sampled, and 4 * layers * heads * head_dim per (query, key) pair of attention.
+Norms, biases, activations and the KV writes are left out: the floor stays a lower bound.
+A result's `fraction_of_floor` is floor time / achieved time (1.0 would be the hardware's limit).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from pagellm.model_arch import ModelArchConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    copy_bytes_per_s: float
+    """Device-to-device copy: bytes read + bytes written per second."""
+    matmul_flops_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    """What a model costs per token, from its architecture (weight matrices only)."""
+
+    layer_params: int
+    """Weights of the decoder layers' matrices (attention projections and MLP)."""
+    lm_head_params: int
+    step_weight_bytes: int
+    """Bytes of every matrix a forward step reads in full: the layers and the LM head."""
+    kv_bytes_per_token: int
+    """K and V of one token over all layers."""
+    attention_flops_per_pair: int
+    """FLOPs of one query token attending to one key token (QK^T and PV) over all layers."""
+
+    @classmethod
+    def from_arch(cls, arch: ModelArchConfig, dtype_bytes: int) -> "ModelCost":
+        h, d = arch.hidden_size, arch.head_dim
+        q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
+        layer_params = arch.num_hidden_layers * per_layer
+        lm_head = arch.vocab_size * h
+        return cls(
+            layer_params=layer_params,
+            lm_head_params=lm_head,
+            step_weight_bytes=(layer_params + lm_head) * dtype_bytes,
+            kv_bytes_per_token=2 * arch.num_hidden_layers * kv * dtype_bytes,
+            attention_flops_per_pair=4 * arch.num_hidden_layers * q,
+        )
+
+
+def decode_floor(cost: ModelCost, ceilings: Ceilings, context_len: int, batch_size: int = 1) -> dict[str, float]:
+    """Floor of one decode step of `batch_size` sequences that each attend to `context_len` tokens."""
+    num_bytes = cost.step_weight_bytes + batch_size * context_len * cost.kv_bytes_per_token
+    flops = batch_size * (2 * (cost.layer_params + cost.lm_head_params)
+                          + cost.attention_flops_per_pair * context_len)
+    return _floor(num_bytes, flops, ceilings)
+
+
+def run_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[int, int]], max_num_seqs: int,
+              max_num_batched_tokens: int | None = None) -> dict[str, float]:
+    """Floor of running `(prompt_len, output_len)` requests, at most `max_num_seqs` sequences and
+    `max_num_batched_tokens` tokens per forward step.
+
+    The first output token comes from the prefill step, each later one from a decode step that
+    processes the previous token at position prompt_len + j - 1 and reads the KV of its context.
+    """
+    decode_pairs = sum(_sum_range(p + 1, p + o - 1) for p, o in requests)  # keys seen by decode tokens
+    prefill_pairs = sum(p * (p + 1) // 2 for p, _ in requests)
+    tokens = sum(p + o - 1 for p, o in requests)
+    outputs = sum(o for _, o in requests)
+    min_steps = max(max(o for _, o in requests), math.ceil(outputs / max_num_seqs),
+                    math.ceil(tokens / max_num_batched_tokens) if max_num_batched_tokens else 0)
+    num_bytes = min_steps * cost.step_weight_bytes + decode_pairs * cost.kv_bytes_per_token
+    flops = (2 * cost.layer_params * tokens + 2 * cost.lm_head_params * outputs
+             + cost.attention_flops_per_pair * (prefill_pairs + decode_pairs))
+    return {**_floor(num_bytes, flops, ceilings), "min_steps": min_steps}
+
+
+def with_fraction(floor: dict[str, float], achieved_s: float) -> dict[str, float]:
+    """`floor` plus how close `achieved_s` came to it."""
+    return {**floor, "achieved_s": achieved_s, "fraction_of_floor": floor["floor_s"] / achieved_s}
+
+
+def measure_ceilings(device: torch.device, copy_bytes: int, matmul_size: int, dtype: torch.dtype,
+                     iters: int = 10) -> tuple[Ceilings, dict[str, Any]]:
+    """Measured copy bandwidth and matmul rate on `device` (best of `iters` after a warm-up), and
+    the record of how they were measured."""
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _best_seconds(lambda: dst.copy_(src), device, iters)
+    del src, dst
+    a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+    b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+    matmul_s = _best_seconds(lambda: torch.matmul(a, b), device, iters)
+    ceilings = Ceilings(copy_bytes_per_s=2 * copy_bytes / copy_s, matmul_flops_per_s=2 * matmul_size ** 3 / matmul_s)
+    record = {**asdict(ceilings), "copy_buffer_bytes": copy_bytes, "copy_best_s": copy_s,
+              "matmul_shape": [matmul_size] * 3, "matmul_dtype": str(dtype).removeprefix("torch."),
+              "matmul_best_s": matmul_s, "iters": iters, "device": str(device)}
+    return ceilings, record
+
+
+def _floor(num_bytes: float, flops: float, ceilings: Ceilings) -> dict[str, float]:
+    memory_s = num_bytes / ceilings.copy_bytes_per_s
+    compute_s = flops / ceilings.matmul_flops_per_s
+    return {"bytes": num_bytes, "flops": flops, "memory_s": memory_s, "compute_s": compute_s,
+            "floor_s": max(memory_s, compute_s)}
+
+
+def _sum_range(first: int, last: int) -> int:
+    """first + (first + 1) + ... + last; 0 when last < first."""
+    return (first + last) * (last - first + 1) // 2 if last >= first else 0
+
+
+def _best_seconds(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    fn()  # warm-up: allocator, kernel selection
+    best = math.inf
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t)
+    return best

@@ -1,0 +1,67 @@
+"""Physical floors: model costs from the architecture, workload floors against a brute-force count."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagellm.benchmarks.roofline import Ceilings, ModelCost, decode_floor, measure_ceilings, run_floor, with_fraction
+from pagellm.loader import resolve_model
+
+
+def test_llama_3_1_8b_cost():
+    cost = ModelCost.from_arch(resolve_model("meta-llama/Llama-3.1-8B-Instruct", "dummy").arch, dtype_bytes=2)
+    # 8,030,261,248 published parameters, less the embedding table (128256 x 4096) and the norms' 32 * 2 + 1 vectors.
+    assert cost.layer_params + cost.lm_head_params == 8_030_261_248 - 128256 * 4096 - 65 * 4096
+    assert cost.lm_head_params == 128256 * 4096
+    assert cost.kv_bytes_per_token == 128 * 1024  # 32 layers x (K + V) x 8 heads x 128 x 2 bytes
+    assert cost.attention_flops_per_pair == 4 * 32 * 32 * 128
+
+
+def _brute_force(cost: ModelCost, requests: list[tuple[int, int]], steps: int) -> tuple[int, int]:
+    """Bytes and FLOPs counted token by token."""
+    num_bytes, flops = steps * cost.step_weight_bytes, 0
+    for prompt, output in requests:
+        for position in range(prompt + output - 1):  # every token that goes through the layers
+            flops += 2 * cost.layer_params + cost.attention_flops_per_pair * (position + 1)
+            if position >= prompt:  # a decode step reads its whole context's KV
+                num_bytes += (position + 1) * cost.kv_bytes_per_token
+        flops += 2 * cost.lm_head_params * output
+    return num_bytes, flops
+
+
+@pytest.mark.parametrize("max_num_seqs, budget, expected_steps", [
+    (1, None, 5 + 3 + 9),  # one sequence at a time: every output token is its own step
+    (8, None, 9),          # all at once: the longest output
+    (8, 3, 13),            # 9 + 8 + 21 tokens through the layers, at most 3 per step
+])
+def test_run_floor_matches_a_token_by_token_count(max_num_seqs, budget, expected_steps):
+    cost = ModelCost(layer_params=1000, lm_head_params=300, step_weight_bytes=2600, kv_bytes_per_token=8,
+                     attention_flops_per_pair=16)
+    ceilings = Ceilings(copy_bytes_per_s=1e4, matmul_flops_per_s=1e5)
+    requests = [(5, 5), (6, 3), (13, 9)]
+    floor = run_floor(cost, ceilings, requests, max_num_seqs, budget)
+    assert floor["min_steps"] == expected_steps
+    num_bytes, flops = _brute_force(cost, requests, expected_steps)
+    assert (floor["bytes"], floor["flops"]) == (num_bytes, flops)
+    assert floor["floor_s"] == max(num_bytes / 1e4, flops / 1e5)
+    assert with_fraction(floor, 4 * floor["floor_s"])["fraction_of_floor"] == pytest.approx(0.25)
+
+
+def test_decode_floor_is_a_one_token_run():
+    cost = ModelCost.from_arch(resolve_model("qwen3-8b", "dummy").arch, dtype_bytes=2)
+    ceilings = Ceilings(copy_bytes_per_s=4e12, matmul_flops_per_s=7e14)
+    one = decode_floor(cost, ceilings, context_len=101)
+    # A request whose second output token is its only decode step, at context 101.
+    two_tokens = run_floor(cost, ceilings, [(100, 2)], max_num_seqs=1)
+    assert one["bytes"] == two_tokens["bytes"] - cost.step_weight_bytes  # the run also has its prefill step
+    assert one["memory_s"] > one["compute_s"]  # batch-1 decode is bound by memory
+
+
+def test_measure_ceilings_on_the_cpu():
+    ceilings, record = measure_ceilings(torch.device("cpu"), copy_bytes=1 << 20, matmul_size=64,
+                                        dtype=torch.float32, iters=3)
+    assert math.isfinite(ceilings.copy_bytes_per_s) and ceilings.copy_bytes_per_s > 0
+    assert ceilings.matmul_flops_per_s == pytest.approx(2 * 64 ** 3 / record["matmul_best_s"])
+    assert ceilings.copy_bytes_per_s == pytest.approx(2 * (1 << 20) / record["copy_best_s"])
