@@ -35,7 +35,8 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, 'Reuse the KV of shared prompt prefixes across requests.')
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
-    attention_backend: str | None = _arg(None, 'Attention implementation by name; None picks the best for the device.')
+    attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton. None: triton on CUDA (when Triton is installed), torch on CPU.')
+    enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, 'GPUs per model replica (only 1 is supported so far).')
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
 
@@ -83,7 +84,7 @@ class EngineArgs:
             dtype=_resolve_dtype(self.dtype, device, arch.torch_dtype),
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
-            attention_backend=self.attention_backend or "torch",
+            attention_backend=self.attention_backend or _default_attention_backend(device),
         )
 
 
@@ -125,6 +126,16 @@ def _resolve_device(device: str) -> torch.device:
         # that would create a CUDA context in the API process, which never touches the GPU.
         dev = torch.device("cuda", 0)
     return dev
+
+
+def _default_attention_backend(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "torch"
+    return "triton"
 
 
 def _cpu_has_bf16_instructions() -> bool:

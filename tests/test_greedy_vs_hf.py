@@ -122,3 +122,15 @@ def test_preemption_matches_hf(smollm2_path, prompt_ids, hf_reference):
     assert llm.llm_engine.get_stats().num_preemptions > 0
     assert_matches_reference(outputs, hf_reference, "preemption")
     assert_no_leak(llm.llm_engine)
+
+
+def test_triton_attention_backend_matches_hf(smollm2_path, prompt_ids, hf_reference):
+    # Under Triton's CPU interpreter here (slow: few prompts and tokens), on the GPU compiled.
+    pytest.importorskip("triton")
+    num_tokens, num_prompts = 8, 2
+    llm = LLM(smollm2_path, dtype="float32", device="cpu", attention_backend="triton")
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens)
+    outputs = llm.generate(prompt_ids[:num_prompts], params, use_tqdm=False)
+    reference = [(tokens[:num_tokens], gaps[:num_tokens]) for tokens, gaps in hf_reference[:num_prompts]]
+    assert_matches_reference(outputs, reference, "triton backend")
+    assert_no_leak(llm.llm_engine)

@@ -43,8 +43,10 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         k_cache, v_cache = kv_cache
         write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-        decode_only = metadata.max_query_len == 1
-        splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if decode_only else 1
+        # Splitting pays on a GPU with idle multiprocessors; Triton's CPU interpreter runs programs
+        # one by one, so there it only multiplies the work.
+        split = metadata.max_query_len == 1 and query.is_cuda
+        splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if split else 1
         paged_attention(out, query, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
                         metadata.query_start_loc, metadata.max_query_len, scale, splits)
         return out

@@ -18,7 +18,8 @@ from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.batch import CachedRequestState, PromptLogprobsPlan, RequestStates
+from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates
+from pagellm.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.requests = RequestStates(self.block_size, self.device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.args.seed)
 
@@ -116,6 +118,16 @@ class ModelRunner:
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
+        the torch attention backend, which plans on the host)."""
+        if (self.device.type != "cuda" or self.config.args.enforce_eager
+                or self.config.attention_backend != "triton"):
+            return
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.config.args.max_num_seqs, max_blocks, self.device)
+        self.graphs.capture()
+
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -124,7 +136,7 @@ class ModelRunner:
         if so.is_empty:
             return ModelRunnerOutput([], [])
         batch = self.requests.build(so)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        hidden = self._forward(batch)
         plan = batch.prompt_logprobs
         req_ids = batch.sampling_req_ids
         states = [self.requests.states[r] for r in req_ids]
@@ -146,6 +158,12 @@ class ModelRunner:
         self.requests.append_sampled(req_ids, token_ids)
         return ModelRunnerOutput(req_ids, token_ids, _sampled_logprobs(states, host[1:]) or None,
                                  _finished_prompt_logprobs(states) or None)
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        md = batch.attn_metadata
+        if self.graphs is not None and md.max_query_len == 1 and md.num_seqs <= self.graphs.max_size:
+            return self.graphs.run(batch.input_ids, batch.positions, md)
+        return self.model(batch.input_ids, batch.positions, md)
 
     def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]) -> list[torch.Tensor]:
         """The sampled token ids, then (ids, logprobs, ranks) of the rows that asked for logprobs."""

@@ -59,6 +59,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
