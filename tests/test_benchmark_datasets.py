@@ -188,9 +188,10 @@ def test_dataset_requests_for_a_dummy_preset(real_sharegpt, smollm2_path, tmp_pa
     assert [len(r.prompt_token_ids) for r in own] == [len(r.prompt_token_ids) for r in requests]
     assert {r.output_len for r in own} == {7}
 
-    path = str(tmp_path / "requests.json")
-    save_requests(path, requests, info)
-    assert load_requests(path) == (requests, {**info, "loaded_from": path})
+    for name in ("requests.json", "requests.json.gz"):
+        path = str(tmp_path / name)
+        save_requests(path, requests, info)
+        assert load_requests(path) == (requests, {**info, "loaded_from": path})
 
 
 def test_dataset_requests_random_uses_the_model_vocabulary():

@@ -46,7 +46,8 @@ def add_bench_parser(sub: argparse._SubParsersAction,
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model path or dummy preset; default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=None,
+                        help="model path or dummy preset; default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--output-json", default=None,
                         help="also write the result, with hardware, date, command and commit, to this JSON file")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -10,7 +10,9 @@ carry a sampled set to a machine that lacks the dataset package.
 from __future__ import annotations
 
 import functools
+import gzip
 import importlib.util
+import io
 import json
 import os
 import random
@@ -87,18 +89,27 @@ def _length_tokenizer(source: ModelSource) -> tuple[Tokenizer, dict[str, Any]]:
 
 
 def save_requests(path: str, requests: list[BenchRequest], info: dict[str, Any]) -> None:
-    """Write requests and their `dataset_requests` info as JSON, for a machine without the dataset."""
+    """Write requests and their `dataset_requests` info as JSON (gzipped if `path` ends in .gz),
+    for a machine without the dataset."""
     payload = {"info": info, "requests": [[r.prompt_token_ids, r.output_len] for r in requests]}
-    with open(path, "w", encoding="utf-8") as f:
+    with _open_text(path, "w") as f:
         json.dump(payload, f, separators=(",", ":"))
 
 
 def load_requests(path: str) -> tuple[list[BenchRequest], dict[str, Any]]:
     """The requests and info that `save_requests` wrote."""
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path, "r") as f:
         payload = json.load(f)
     requests = [BenchRequest(list(ids), int(n)) for ids, n in payload["requests"]]
     return requests, {**payload["info"], "loaded_from": path}
+
+
+def _open_text(path: str, mode: str) -> Any:
+    if path.endswith(".gz"):
+        # mtime=0: the same requests give the same bytes, so a committed file changes only with its content.
+        raw = gzip.GzipFile(path, mode + "b", mtime=0)
+        return io.TextIOWrapper(raw, encoding="utf-8")
+    return open(path, mode, encoding="utf-8")
 
 
 def random_requests(

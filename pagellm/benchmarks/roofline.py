@@ -97,13 +97,8 @@ def measure_ceilings(device: torch.device, copy_bytes: int, matmul_size: int, dt
                      iters: int = 10) -> tuple[Ceilings, dict[str, Any]]:
     """Measured copy bandwidth and matmul rate on `device` (best of `iters` after a warm-up), and
     the record of how they were measured."""
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_s = _best_seconds(lambda: dst.copy_(src), device, iters)
-    del src, dst
-    a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
-    b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
-    matmul_s = _best_seconds(lambda: torch.matmul(a, b), device, iters)
+    copy_s = _copy_seconds(device, copy_bytes, iters)
+    matmul_s = _matmul_seconds(device, matmul_size, dtype, iters)
     ceilings = Ceilings(copy_bytes_per_s=2 * copy_bytes / copy_s, matmul_flops_per_s=2 * matmul_size ** 3 / matmul_s)
     record = {**asdict(ceilings), "copy_buffer_bytes": copy_bytes, "copy_best_s": copy_s,
               "matmul_shape": [matmul_size] * 3, "matmul_dtype": str(dtype).removeprefix("torch."),
@@ -121,6 +116,18 @@ def _floor(num_bytes: float, flops: float, ceilings: Ceilings) -> dict[str, floa
 def _sum_range(first: int, last: int) -> int:
     """first + (first + 1) + ... + last; 0 when last < first."""
     return (first + last) * (last - first + 1) // 2 if last >= first else 0
+
+
+def _copy_seconds(device: torch.device, num_bytes: int, iters: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return _best_seconds(lambda: dst.copy_(src), device, iters)
+
+
+def _matmul_seconds(device: torch.device, size: int, dtype: torch.dtype, iters: int) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return _best_seconds(lambda: torch.matmul(a, b), device, iters)
 
 
 def _best_seconds(fn: Callable[[], Any], device: torch.device, iters: int) -> float:

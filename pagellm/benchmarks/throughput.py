@@ -31,7 +31,7 @@ def run_cli(ns: argparse.Namespace) -> int:
                                          ns.dataset_path)
     metadata = run_metadata()
     llm = LLM(**dataclasses.asdict(args))
-    result = measure_throughput(llm, requests, progress=not ns.disable_tqdm)
+    result, _ = measure_throughput(llm, requests, progress=not ns.disable_tqdm)
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, {result['total_tokens_per_s']:.2f} total tokens/s, "
           f"{result['output_tokens_per_s']:.2f} output tokens/s")
     print(f"({result['num_requests']} requests, {result['prompt_tokens']} prompt + {result['output_tokens']} output "
@@ -44,14 +44,16 @@ def run_cli(ns: argparse.Namespace) -> int:
 
 
 def measure_throughput(llm: LLM, requests: list[BenchRequest], deadline: float | None = None,
-                       progress: bool = False) -> dict[str, Any]:
-    """Warm up, then time `requests`; see the module docstring. `deadline` (perf_counter seconds)
-    cuts a long run short: the result then has `complete: False` and counts what was done."""
+                       progress: bool = False) -> tuple[dict[str, Any], RunResult]:
+    """Warm up, then time `requests` (see the module docstring): the numbers and the run they came
+    from. `deadline` (perf_counter seconds) cuts a long run short: the numbers then say
+    `complete: False` and count what was done."""
     engine = llm.llm_engine
     warmup = random_requests(_WARMUP["num"], _WARMUP["input_len"], _WARMUP["output_len"],
                              engine.config.source.arch.vocab_size, _WARMUP_SEED)
     run_requests(engine, warmup)
-    return throughput_numbers(run_requests(engine, requests, deadline=deadline, progress=progress))
+    run = run_requests(engine, requests, deadline=deadline, progress=progress)
+    return throughput_numbers(run), run
 
 
 def throughput_numbers(run: RunResult) -> dict[str, Any]:
