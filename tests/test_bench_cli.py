@@ -6,9 +6,15 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from engine_utils import assert_no_leak
+from pagellm import LLM
+from pagellm.benchmarks.datasets import random_requests
+from pagellm.benchmarks.runner import run_requests
+from pagellm.benchmarks.throughput import throughput_numbers
 from pagellm.entrypoints.cli import main as cli_main
 
 TINY_LLAMA = {
@@ -19,13 +25,22 @@ TINY_LLAMA = {
 """SmolLM2's vocabulary size, so the stand-in tokenizer's ShareGPT ids are valid for it."""
 
 
+TINY_KV_BYTES = 16 << 20
+
+
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> list[str]:
-    """The engine flags of a tiny dummy Llama with no tokenizer, on the CPU."""
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny dummy Llama with no tokenizer: a folder holding only config.json."""
     folder = tmp_path_factory.mktemp("tiny-llama")
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return ["--model", str(folder), "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
-            "--kv-cache-memory-bytes", str(16 << 20), "--disable-tqdm"]
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir) -> list[str]:
+    """The bench flags that run the tiny model on the CPU."""
+    return ["--model", tiny_model_dir, "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-memory-bytes", str(TINY_KV_BYTES), "--disable-tqdm"]
 
 
 def _bench(args: list[str], tmp_path, capsys) -> tuple[dict, str]:
@@ -127,3 +142,17 @@ def test_installed_command_runs_outside_the_repository(tiny_model, tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(path.read_text())["results"]
     assert result["output_tokens"] == 6 and math.isfinite(result["output_tokens_per_s"])
+
+
+def test_run_requests_stops_at_the_deadline_and_frees_everything(tiny_model_dir):
+    llm = LLM(tiny_model_dir, load_format="dummy", device="cpu", dtype="float32", kv_cache_memory_bytes=TINY_KV_BYTES)
+    requests = random_requests(3, 12, 4, TINY_LLAMA["vocab_size"], seed=5)
+    late = run_requests(llm.llm_engine, requests, deadline=time.perf_counter())
+    assert not late.complete and late.num_steps == 0 and late.output_tokens == 0
+    assert throughput_numbers(late)["requests_per_s"] == 0.0
+    assert_no_leak(llm.llm_engine)
+
+    timed = run_requests(llm.llm_engine, requests, token_times=True)
+    assert timed.complete and [t.output_tokens for t in timed.requests] == [4, 4, 4]
+    assert all(t.finished and len(t.token_gaps_s) == 3 and t.first_token_s > 0 for t in timed.requests)
+    assert_no_leak(llm.llm_engine)
