@@ -15,7 +15,7 @@ Floors: bytes over the measured copy bandwidth and FLOPs over the measured matmu
 the work each run did; `fraction_of_floor` = floor time / achieved time.
 
 On the GPU machine, from the repository root:
-    python3 -m benchmarks.gpu_fast_path --out-dir "$OUT" --commit "$(git rev-parse HEAD)"   # commit: from here
+    python3 -m benchmarks.gpu_fast_path --out-dir "$OUT" --commit SHA   # SHA: the commit sent (no .git there)
 The ShareGPT requests file (default: benchmarks/data/sharegpt_1000_seed0.json.gz) is made with:
     .venv/bin/python -m benchmarks.gpu_fast_path --write-sharegpt-requests PATH
 Every phase's code path on the CPU, tiny sizes:

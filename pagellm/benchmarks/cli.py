@@ -17,7 +17,9 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     throughput = kinds.add_parser("throughput", formatter_class=_FORMATTER,
-                                  help="requests/s and tokens/s of one batch of requests queued at once")
+                                  help="requests/s and tokens/s of one batch of requests queued at once",
+                                  description="Offline throughput: every request queued at once, greedy, EOS "
+                                              "ignored. --seed also seeds the prompts.")
     _add_common_args(throughput)
     throughput.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="random",
                             help="random token ids, or ShareGPT conversations (lengths from the model's tokenizer)")
@@ -34,7 +36,10 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     throughput.set_defaults(handler=_throughput)
 
     latency = kinds.add_parser("latency", formatter_class=_FORMATTER,
-                               help="time per output token and end-to-end time of a batch, per batch size")
+                               help="time per output token and end-to-end time of a batch, per batch size",
+                               description="Latency per batch size: mean, p50 and p99 of the time per output "
+                                           "token, the time to first token and the end-to-end time of a batch. "
+                                           "--seed also seeds the prompts.")
     _add_common_args(latency)
     latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     latency.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids, fresh each iteration)")
