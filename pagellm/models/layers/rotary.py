@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm import ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], max_position: int) -> torch.Tensor:
     """Llama 3.1 frequency scaling: stretch long wavelengths by `factor`, keep short ones.
@@ -39,7 +41,10 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | Non
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by their token's position, from a float32 cos/sin table built once."""
+    """Rotates q and k by their token's position, from a float32 cos/sin table built once.
+
+    Runs `pagellm.ops`: q and k in one Triton kernel on a GPU, PyTorch elsewhere.
+    """
 
     def __init__(
         self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None
@@ -56,10 +61,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, num_heads, head_dim]; key [T, num_kv_heads, head_dim]."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)

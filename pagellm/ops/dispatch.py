@@ -1,0 +1,57 @@
+"""Which implementation an op runs: PyTorch (CPU path and test oracle) or a fused Triton kernel."""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Literal, get_args
+
+import torch
+
+Impl = Literal["torch", "triton"]
+IMPLS: tuple[str, ...] = get_args(Impl)
+
+# Set only inside `use_impl`; a ContextVar rather than a module global so that concurrent
+# threads or tasks never see each other's override.
+_forced_impl: ContextVar[Impl | None] = ContextVar("pagellm_forced_impl", default=None)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether `triton` can be imported (it is optional: the CPU engine never needs it)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check(impl: str) -> Impl:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}, got {impl!r}")
+    return impl  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def use_impl(impl: Impl) -> Iterator[None]:
+    """Run every op called inside the block with `impl`, wherever its tensors are.
+
+    Tests use it to run a whole model through the Triton kernels on the CPU (under Triton's
+    interpreter) and compare it with the PyTorch path.
+    """
+    token = _forced_impl.set(_check(impl))
+    try:
+        yield
+    finally:
+        _forced_impl.reset(token)
+
+
+def resolve_impl(x: torch.Tensor, impl: Impl | None) -> Impl:
+    """`impl` if given, else the `use_impl` override, else Triton for GPU tensors when it imports."""
+    if impl is not None:
+        return _check(impl)
+    forced = _forced_impl.get()
+    if forced is not None:
+        return forced
+    return "triton" if x.is_cuda and triton_available() else "torch"
