@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pagellm.benchmarks.cli import add_bench_parser
 from pagellm.config import EngineArgs
+from pagellm.entrypoints.openai.limits import add_limit_args
 
 API_KEY_ENV = "PAGELLM_API_KEY"
 """`pagellm serve` reads its API key from here when --api-key is not given."""
@@ -87,6 +88,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server (uvicorn), access log included")
+    add_limit_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_serve)
 

@@ -23,7 +23,9 @@ from pagellm import __version__
 from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.cli import API_KEY_ENV, engine_args_from
-from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, log_and_respond
+from pagellm.entrypoints.openai.limits import ServerLimits
+from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,19 +53,24 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key: str | None = None,
-              chat_template: str | None = None, metrics: PrometheusStatLogger | None = None) -> FastAPI:
+              chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
+              limits: ServerLimits | None = None) -> FastAPI:
     """The app serving `engine`; requests may name any of the served names (the first is the default)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
-    completions = OpenAIServingCompletion(engine, names, chat_template)
-    chats = OpenAIServingChat(engine, names, chat_template)
-    tokens = OpenAIServingTokens(engine, names, chat_template)
+    limits = limits or ServerLimits()
+    completions = OpenAIServingCompletion(engine, names, chat_template, limits)
+    chats = OpenAIServingChat(engine, names, chat_template, limits)
+    tokens = OpenAIServingTokens(engine, names, chat_template, limits)
 
     app = FastAPI(title="pagellm", version=__version__)
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Added last, so outermost: every response (a 401 or 413 too) carries X-Request-Id.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=limits.max_request_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
 
     @app.get("/health")
     async def health() -> Response:
@@ -120,7 +127,7 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self._expected):
-                response = error_response(APIError(
+                response = log_and_respond(scope, APIError(
                     "missing or wrong API key: send the header `Authorization: Bearer <key>`", 401))
                 await response(scope, receive, send)
                 return
@@ -158,19 +165,20 @@ def run_server(ns: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
     try:
-        asyncio.run(_serve(args, names, chat_template, api_key, sock, ns.uvicorn_log_level))
+        asyncio.run(_serve(args, names, chat_template, api_key, sock, ns.uvicorn_log_level,
+                           ServerLimits.from_namespace(ns)))
     finally:
         sock.close()
     return 0
 
 
 async def _serve(args: EngineArgs, names: list[str], chat_template: str | None, api_key: str | None,
-                 sock: socket.socket, log_level: str) -> None:
+                 sock: socket.socket, log_level: str, limits: ServerLimits) -> None:
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     metrics = PrometheusStatLogger(names[0], **bucket_bound)
     engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger()])
     try:
-        app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics)
+        app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d%s", ", ".join(names), host, port,
                     " (API key required)" if api_key else "")

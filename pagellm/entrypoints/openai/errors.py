@@ -1,23 +1,32 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for every failure.
 
 FastAPI's own 422 body for invalid requests is replaced by a 400 in this shape, which is what
-OpenAI clients parse into `BadRequestError`.
+OpenAI clients parse into `BadRequestError`; the published OpenAPI schema says so too. Each error
+message ends with the request's id (`X-Request-Id`, set by middleware.py), and each error is
+logged with it, so a user can quote the id and an operator can find the request.
 """
 from __future__ import annotations
 
 import json
 import logging
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.types import Scope
 
 logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
+REQUEST_ID_SCOPE_KEY = "pagellm.request_id"
+"""Where RequestIdMiddleware keeps the request's id in the ASGI scope."""
 
 
 class APIError(Exception):
@@ -30,18 +39,54 @@ class APIError(Exception):
         self.param = param
 
 
-def error_body(message: str, status_code: int, param: str | None = None) -> dict:
+class ErrorInfo(BaseModel):
+    message: str
+    """What went wrong and how to fix it, ending with `(request id: ...)`."""
+    type: str
+    param: str | None
+    """The request field at fault, if one is."""
+    code: int
+    """The HTTP status."""
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (OpenAI's shape)."""
+
+    error: ErrorInfo
+
+
+def request_id_of(scope: Scope) -> str | None:
+    """The id RequestIdMiddleware gave this request (None outside it)."""
+    return scope.get(REQUEST_ID_SCOPE_KEY)
+
+
+def error_body(message: str, status_code: int, param: str | None = None, request_id: str | None = None) -> dict:
     error_type = _ERROR_TYPES.get(status_code) or HTTPStatus(status_code).phrase.replace(" ", "") + "Error"
+    if request_id is not None:
+        message = f"{message} (request id: {request_id})"
     return {"error": {"message": message, "type": error_type, "param": param, "code": status_code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.status_code, error.param), status_code=error.status_code)
+def error_response(error: APIError, request_id: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.status_code, error.param, request_id),
+                        status_code=error.status_code)
 
 
-def sse_error(error: APIError) -> str:
+def sse_error(error: APIError, request_id: str | None = None) -> str:
     """An error that happens after a stream has started, as one more server-sent event."""
-    return f"data: {json.dumps(error_body(error.message, error.status_code, error.param))}\n\n"
+    return f"data: {json.dumps(error_body(error.message, error.status_code, error.param, request_id))}\n\n"
+
+
+def log_and_respond(scope: Scope, error: APIError | HTTPException) -> JSONResponse:
+    """`error` as a response quoting the request's id, logged with that id (a traceback for 5xx,
+    when called while handling the exception)."""
+    if isinstance(error, HTTPException):
+        error = APIError(str(error.detail), error.status_code)
+    request_id = request_id_of(scope)
+    logger.log(logging.ERROR if error.status_code >= 500 else logging.INFO,
+               "%s %s -> %d [request id %s]: %s", scope.get("method"), scope.get("path"), error.status_code,
+               request_id, error.message, exc_info=error.status_code >= 500)
+    return error_response(error, request_id)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -52,26 +97,70 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', err['msg'])})")
             continue
         loc = ".".join(str(p) for p in err.get("loc", ())[1:])
-        param = param or loc or None
-        parts.append(f"{loc or 'body'}: {err['msg']}")
+        # A model-level check (protocol.py) names the field it faults, under the model, in ctx["param"].
+        field = ".".join(p for p in (loc, (err.get("ctx") or {}).get("param")) if p)
+        param = param or field or None
+        parts.append(f"{field or 'body'}: {err['msg']}")
     return "; ".join(parts) or "invalid request", param
 
 
+def _unparsable_body_message(cause: BaseException | None) -> str:
+    """Why FastAPI could not read the body as JSON (it reports only 'error parsing the body')."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
+                f"{cause.start}); send JSON encoded as UTF-8")
+    if isinstance(cause, RecursionError):
+        return "the request body's JSON is nested too deeply"
+    if cause is not None:
+        return f"the request body could not be parsed as JSON: {cause}"
+    return "the request body could not be parsed as JSON"
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    """OpenAI-shaped errors for APIError, validation and HTTP errors, and an OpenAPI schema that
+    documents them. Unexpected exceptions are RequestIdMiddleware's (a 500 carrying the id)."""
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return log_and_respond(request.scope, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        content_type = request.headers.get("content-type", "")
+        if content_type and "json" not in content_type:
+            return log_and_respond(request.scope, APIError(
+                f"send the request body as JSON with `Content-Type: application/json`, not `{content_type}`"))
         message, param = _validation_message(exc)
-        return error_response(APIError(message, 400, param))
+        return log_and_respond(request.scope, APIError(message, 400, param))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(APIError(str(exc.detail), exc.status_code))
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.__cause__ is not None:  # FastAPI failed to decode the body
+            return log_and_respond(request.scope, APIError(_unparsable_body_message(exc.__cause__)))
+        return log_and_respond(request.scope, exc)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(APIError(f"internal server error: {type(exc).__name__}: {exc}", 500))
+    app.openapi = lambda: _openapi_with_error_shapes(app)
+
+
+def _openapi_with_error_shapes(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with OpenAI's error shape instead of its 422 validation error: 400 for
+    invalid requests, 404 for an unknown model, 413 for a body over the limit."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+        for path_item in schema["paths"].values():
+            for operation in path_item.values():
+                responses = operation["responses"]
+                if responses.pop("422", None) is None:
+                    continue
+                for status, description in (("400", "Invalid request"), ("404", "Unknown model"),
+                                            ("413", "Request body too large")):
+                    responses[status] = {"description": description,
+                                         "content": {"application/json": {"schema": error_ref}}}
+        _, definitions = models_json_schema([(ErrorResponse, "serialization")],
+                                            ref_template="#/components/schemas/{model}")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        components.update(definitions["$defs"])
+        app.openapi_schema = schema
+    return app.openapi_schema

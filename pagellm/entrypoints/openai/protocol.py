@@ -2,22 +2,68 @@
 
 Requests refuse unknown fields, so a typo is a 400 rather than silently ignored. Sampling fields
 go to `SamplingParams` under the same names; the server refuses (400) the few fields it has no
-implementation for (`unsupported`: tools, response_format, suffix).
+implementation for (`unsupported`: tools, response_format, suffix). Everything a request can hold
+that would fail deeper down (NaN or infinite numbers, integers beyond 64 bits, text that is not
+valid Unicode, roles and content parts no chat template knows) is refused here, naming the field.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.outputs import Logprob
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 
+Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
+"""An integer the engine's wire format (msgspec over ZMQ) can carry; a larger one would fail there."""
+REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
+"""A client-chosen request id: 1 to 128 visible ASCII characters, so it is safe in headers and logs."""
+
+
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields, NaN / infinite numbers and text with lone surrogates are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # JSON escapes can spell lone surrogates ("\ud800"), which Python keeps in a str but the
+        # tokenizer and the response encoder cannot handle.
+        path = _lone_surrogate_path(data)
+        if path is not None:
+            raise PydanticCustomError("invalid_unicode", "holds a lone UTF-16 surrogate, which is not valid "
+                                      "Unicode; send valid UTF-8 text", {"param": path})
+        return data
+
+
+def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in `value` that cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        child = f"{path}.{key}" if path else str(key)
+        found = _lone_surrogate_path(key, child) or _lone_surrogate_path(item, child)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(StrictModel):
@@ -42,8 +88,26 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: str
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    """Text, or a list of text parts (joined by newlines); other part types (images, audio) are refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_content(cls, data: Any) -> Any:
+        # One clear error instead of pydantic's attempt at each branch of the content union.
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(data, dict) and not isinstance(content, (str, list)):
+            kind = "nothing" if content is None else type(content).__name__
+            raise PydanticCustomError("invalid_content", "must be a string or a list of text parts like {part}, "
+                                      "got {kind}", {"param": "content", "kind": kind,
+                                                     "part": '{"type": "text", "text": "..."}'})
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise PydanticCustomError("unsupported_content", "only text content parts are supported by "
+                                          "this server, got {kind}", {"param": f"content.{i}", "kind": repr(kind)})
+        return data
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump()
@@ -73,10 +137,10 @@ class GenerationRequest(StrictModel):
     """A served model name; None: the first one."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: list[str] | None = None
     user: str | None = None
     """An end-user id for the caller's own bookkeeping; it does not change generation."""
@@ -84,23 +148,23 @@ class GenerationRequest(StrictModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     # vLLM's extras.
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     include_stop_str_in_output: bool = False
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
+    truncate_prompt_tokens: Int64 | None = None
     """Keep only the last this-many prompt tokens."""
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: Int64 | None = Field(default=None, ge=0)
     """Top logprobs per prompt token, returned as `prompt_logprobs` (not with stream)."""
-    request_id: str | None = None
-    """Used in the response id and as the engine's request id; default: a random one."""
+    request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN)
+    """Used in the response id and as the engine's request id; default: the X-Request-Id."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -128,25 +192,32 @@ class GenerationRequest(StrictModel):
                                param=name)
         if self.stream and self.prompt_logprobs is not None:
             raise APIError("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed with stream=true", param="stream_options")
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE
         try:
             return SamplingParams(max_tokens=max_tokens, output_kind=kind, **kwargs, **self.sampling_extras())
         except ValueError as e:
-            raise APIError(str(e)) from None
+            raise APIError(str(e), param=self._field_named_in(str(e))) from None
+
+    def _field_named_in(self, message: str) -> str | None:
+        """The request field a SamplingParams error message starts with ("n must be ...")."""
+        first = message.split(" ", 1)[0]
+        return first if first in type(self).model_fields else None
 
 
 class CompletionRequest(GenerationRequest):
     unsupported = ("suffix",)
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int64] | list[str] | list[list[Int64]]
     """Text or token ids; a list of several prompts is refused (one request per prompt)."""
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     echo: bool = False
     """Put the prompt in front of the generated text."""
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: Int64 | None = Field(default=None, ge=0)
     """Top logprobs per generated token (with echo, per prompt token too)."""
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
     def logprob_fields(self) -> dict[str, int | None]:
@@ -161,12 +232,12 @@ class CompletionRequest(GenerationRequest):
 class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
     unsupported = ("tools", "tool_choice", "response_format")
 
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     """Preferred over max_tokens; None for both: up to the context length."""
     logprobs: bool = False
     """Return each generated token's logprob."""
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: Int64 | None = Field(default=None, ge=0)
     """With logprobs: also this many most likely tokens per position."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -192,20 +263,24 @@ class TokenizeChatRequest(ChatPromptFields):
     model: str | None = None
 
 
-def _tokenize_kind(body: Any) -> str:
-    return "chat" if isinstance(body, dict) and "messages" in body else "completion"
+def _tokenize_kind(body: Any) -> str | None:
+    if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+        return None
+    return "chat" if "messages" in body else "completion"
 
 
 TokenizeRequest = Annotated[
     Annotated[TokenizeCompletionRequest, Tag("completion")] | Annotated[TokenizeChatRequest, Tag("chat")],
-    Discriminator(_tokenize_kind),
+    Discriminator(_tokenize_kind, custom_error_type="prompt_or_messages",
+                  custom_error_message="send an object with either `prompt` (text) or `messages` (a chat)"),
 ]
-"""A body with `messages` is a chat request; any other is a completion (`prompt`) request."""
+"""A body with `messages` is a chat request, one with `prompt` a completion request; errors inside
+one name it first (`chat.messages.0.role`)."""
 
 
 class DetokenizeRequest(StrictModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
 
 
 # -- responses ---------------------------------------------------------------------------------------

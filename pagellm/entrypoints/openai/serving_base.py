@@ -1,11 +1,11 @@
-"""What every endpoint shares: model names, prompts as token ids, length checks, running a request."""
+"""What every endpoint shares: model names, prompts as token ids, limits and length checks, running a request."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import Request
@@ -14,7 +14,8 @@ from pydantic import BaseModel
 
 from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagellm.entrypoints.openai.errors import APIError, sse_error
+from pagellm.entrypoints.openai.errors import APIError, request_id_of, sse_error
+from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import ChatPromptFields, GenerationRequest, PromptTokensDetails, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -28,11 +29,13 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generati
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None = None,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.chat_template = chat_template
         """Replaces the model's own template when set (`--chat-template`)."""
+        self.limits = limits or ServerLimits()
 
     @property
     def max_model_len(self) -> int:
@@ -68,27 +71,55 @@ class OpenAIServing:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                                  chat_template=self.chat_template, **kwargs)
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from None
+        except (ValueError, TypeError, LookupError, AttributeError) as e:
+            # The template met input it cannot render (e.g. an extra message field of the wrong type).
+            raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None
         if request.continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
         # The template already carries any BOS token: don't let the tokenizer add a second one.
         return text, tokenizer.encode(text, add_special_tokens=False)
 
     def sampling_params(self, request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
-        """The request's SamplingParams; 400 naming the field that asks for more logprobs than the
-        engine's max_logprobs."""
+        """The request's SamplingParams; 400 naming the field that asks for more than the server's
+        limits (logprobs, sequences, stop strings) or for token ids outside the vocabulary."""
         limit = self.engine.config.args.max_logprobs
         for name, value in request.logprob_fields().items():
             if value is not None and value > limit:
                 raise APIError(f"{name} must be at most {limit} (the server's --max-logprobs), got {value}",
                                param=name)
-        return request.to_sampling_params(max_tokens)
+        for name in ("n", "best_of"):
+            value = getattr(request, name, None)
+            if value is not None and value > self.limits.max_n:
+                raise APIError(f"{name} must be at most {self.limits.max_n} (the server's --max-n), got {value}",
+                               param=name)
+        if request.stop is not None and len(request.stop) > self.limits.max_stop_sequences:
+            raise APIError(f"stop may hold at most {self.limits.max_stop_sequences} strings (the server's "
+                           f"--max-stop-sequences), got {len(request.stop)}", param="stop")
+        params = request.to_sampling_params(max_tokens)
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            self.check_in_vocabulary(name, ids or ())
+        return params
+
+    def check_in_vocabulary(self, param: str, token_ids: Iterable[int], vocab_size: int | None = None) -> None:
+        """400 naming `param` if it holds a token id outside [0, vocab_size) (default: the model's)."""
+        vocab_size = vocab_size or self.engine.config.source.arch.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(f"{param} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
+
+    def check_prompt_ids(self, token_ids: list[int], param: str) -> None:
+        """400 naming `param` for an empty prompt or token ids outside the vocabulary."""
+        if not token_ids:
+            raise APIError(f"{param} is empty: send at least one token", param=param)
+        self.check_in_vocabulary(param, token_ids)
 
     def check_fits(self, request: GenerationRequest, num_prompt_tokens: int, prompt_param: str,
                    max_tokens: int | None, param: str) -> None:
         """400 unless the prompt (after truncate_prompt_tokens) plus `max_tokens` (the request field
         `param`) fits in max_model_len."""
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"{param} must be a positive integer, got {max_tokens}", param=param)
         if request.truncate_prompt_tokens is not None:
             num_prompt_tokens = min(num_prompt_tokens, request.truncate_prompt_tokens)
         try:
@@ -103,8 +134,10 @@ class OpenAIServing:
                 "the prompt", param=param)
 
     @staticmethod
-    def make_request_id(prefix: str, requested: str | None) -> str:
-        return f"{prefix}-{requested or uuid.uuid4().hex}"
+    def make_request_id(prefix: str, requested: str | None, raw_request: Request) -> str:
+        """The engine's id for a request: the body's `request_id`, else its X-Request-Id, so that the
+        response id and the engine's log lines carry the id the client knows."""
+        return f"{prefix}-{requested or request_id_of(raw_request.scope) or uuid.uuid4().hex}"
 
     async def start(self, prompt: dict[str, Any], params: SamplingParams,
                     request_id: str) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
@@ -170,19 +203,22 @@ class OpenAIServing:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
     @staticmethod
-    def event_stream(chunks: AsyncGenerator[BaseModel, None]) -> StreamingResponse:
-        """Server-sent events: one `data: {json}` per chunk, an error event if generation fails
-        midway, then `data: [DONE]`."""
+    def event_stream(chunks: AsyncGenerator[BaseModel, None], raw_request: Request) -> StreamingResponse:
+        """Server-sent events: one `data: {json}` per chunk, an error event (quoting the request id)
+        if generation fails midway, then `data: [DONE]`."""
+        request_id = request_id_of(raw_request.scope)
+
         async def events() -> AsyncIterator[str]:
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
                         yield f"data: {chunk.model_dump_json()}\n\n"
             except APIError as e:
-                yield sse_error(e)
+                logger.info("stream failed [request id %s]: %s", request_id, e.message)
+                yield sse_error(e, request_id)
             except Exception as e:  # the status line is already sent: report it in the stream
-                logger.exception("stream failed")
-                yield sse_error(APIError(f"{type(e).__name__}: {e}", 500))
+                logger.exception("stream failed [request id %s]", request_id)
+                yield sse_error(APIError(f"{type(e).__name__}: {e}", 500), request_id)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")

@@ -32,11 +32,11 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, param = request.max_tokens, "max_tokens"
         self.check_fits(request, len(token_ids), "messages", max_tokens, param)
         params = self.sampling_params(request, max_tokens)
-        request_id = self.make_request_id("chatcmpl", request.request_id)
+        request_id = self.make_request_id("chatcmpl", request.request_id, raw_request)
 
         first, outputs = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
         if request.stream:
-            return self.event_stream(self._chunks(first, outputs, request, request_id, model))
+            return self.event_stream(self._chunks(first, outputs, request, request_id, model), raw_request)
         final = await self.last(first, outputs, raw_request)
         choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
                               logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,

@@ -27,16 +27,17 @@ class OpenAIServingCompletion(OpenAIServing):
             engine_prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer().encode(prompt)}
         else:
             engine_prompt = {"prompt_token_ids": prompt}
+        self.check_prompt_ids(engine_prompt["prompt_token_ids"], "prompt")
         num_prompt_tokens = len(engine_prompt["prompt_token_ids"])
         self.check_fits(request, num_prompt_tokens, "prompt", request.max_tokens, "max_tokens")
         params = self.sampling_params(request, request.max_tokens)
-        request_id = self.make_request_id("cmpl", request.request_id)
+        request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
         first, outputs = await self.start(engine_prompt, params, request_id)
         # After truncate_prompt_tokens the echo is what the model saw.
         echo = self._echo_text(prompt, first, num_prompt_tokens, request) if request.echo else ""
         if request.stream:
-            return self.event_stream(self._chunks(first, outputs, request, request_id, model, echo))
+            return self.event_stream(self._chunks(first, outputs, request, request_id, model, echo), raw_request)
         final = await self.last(first, outputs, raw_request)
         choices = [CompletionChoice(index=o.index, text=echo + o.text, finish_reason=o.finish_reason,
                                     logprobs=self._logprobs(final, o, request, 0, True),

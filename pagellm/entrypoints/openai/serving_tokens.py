@@ -1,7 +1,6 @@
 """POST /tokenize and /detokenize (vLLM's extras): the server's own tokenizer and chat template."""
 from __future__ import annotations
 
-from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -25,8 +24,5 @@ class OpenAIServingTokens(OpenAIServing):
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
         tokenizer = self.tokenizer()
-        bad = [t for t in request.tokens if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise APIError(f"tokens holds ids outside the vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}",
-                           param="tokens")
+        self.check_in_vocabulary("tokens", request.tokens, tokenizer.vocab_size)
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens, skip_special_tokens=False))

@@ -1,0 +1,289 @@
+"""Edge validation against one live server: a catalogue of bad requests, each answered with a 4xx in
+OpenAI's error shape that quotes its request id (never a 5xx), while a good streamed request runs
+beside them unharmed; then X-Request-Id handling and the body-size limit on the wire."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_utils import wait_for
+from server_utils import RemoteServer, is_idle, metric_samples
+
+MODEL = "smollm2"
+MAX_LEN = 256
+MAX_BODY = 64 << 10
+MAX_N, MAX_STOP, MAX_LOGPROBS = 4, 4, 5
+FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(48 << 20),
+         "--max-model-len", str(MAX_LEN), "--served-model-name", MODEL, "--max-request-body-bytes", str(MAX_BODY),
+         "--max-n", str(MAX_N), "--max-stop-sequences", str(MAX_STOP), "--max-logprobs", str(MAX_LOGPROBS))
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+LONG = "word " * (MAX_LEN + 20)
+TIMEOUT_S = 60.0
+"""Per HTTP call: generous, because the CPU may be shared with other test processes."""
+GOOD_STREAM = {"model": MODEL, "prompt": "The history of the printing press", "max_tokens": 32,
+               "temperature": 0.0, "ignore_eos": True, "stream": True}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: str
+    body: Any
+    """A dict sent as JSON, raw bytes sent as application/json, or a callable giving chunks (chunked)."""
+    status: int
+    message: str
+    """A piece of the error message that tells the user what to fix."""
+    param: str | None = None
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def cmpl(**fields: Any) -> dict:
+    return {"prompt": "hi", **fields}
+
+
+def chat(**fields: Any) -> dict:
+    return {"messages": HI, **fields}
+
+
+def oversized_chunks() -> Iterator[bytes]:
+    """A valid JSON body over MAX_BODY, sent chunked (no Content-Length)."""
+    yield b'{"prompt": "'
+    for _ in range(MAX_BODY // 4096 + 1):
+        yield b"x" * 4096
+    yield b'"}'
+
+
+CATALOGUE = [
+    # Bodies that are not JSON a request can be made of.
+    Case("syntax", CMPL, b"{not json", 400, "not valid JSON"),
+    Case("invalid utf-8", CMPL, b'{"prompt": "caf\xe9"}', 400, "not valid UTF-8"),
+    Case("lone surrogate", CMPL, b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate", "prompt"),
+    Case("surrogate in a message", CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+         "lone UTF-16 surrogate", "messages.0.content"),
+    Case("top-level array", CMPL, b"[1, 2]", 400, "valid dictionary"),
+    Case("nested too deeply", CMPL, b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
+    Case("5000-digit number", CMPL, b'{"prompt": "hi", "seed": ' + b"9" * 5000 + b"}", 400, "could not be parsed"),
+    Case("NaN", CMPL, b'{"prompt": "hi", "temperature": NaN}', 400, "finite number", "temperature"),
+    Case("Infinity", CMPL, b'{"prompt": "hi", "repetition_penalty": Infinity}', 400, "finite number",
+         "repetition_penalty"),
+    Case("not JSON content type", CMPL, b"prompt=hi", 400, "Content-Type: application/json",
+         headers={"content-type": "application/x-www-form-urlencoded"}),
+    # Wrong types, missing and unknown fields.
+    Case("prompt type", CMPL, {"prompt": 5}, 400, "prompt", "prompt.str"),
+    Case("prompt missing", CMPL, {"max_tokens": 5}, 400, "Field required", "prompt"),
+    Case("messages type", CHAT, {"messages": "hello"}, 400, "valid list", "messages"),
+    Case("messages missing", CHAT, {"max_tokens": 5}, 400, "Field required", "messages"),
+    Case("max_tokens type", CMPL, cmpl(max_tokens="many"), 400, "valid integer", "max_tokens"),
+    Case("stream type", CMPL, cmpl(stream="perhaps"), 400, "valid boolean", "stream"),
+    Case("unknown field", CMPL, cmpl(tempreature=0.5), 400, "Extra inputs are not permitted", "tempreature"),
+    Case("logit_bias type", CMPL, cmpl(logit_bias=[1, 2]), 400, "valid dictionary", "logit_bias"),
+    # Sampling values out of range.
+    Case("temperature", CMPL, cmpl(temperature=-1), 400, "temperature must be", "temperature"),
+    Case("top_p", CHAT, chat(top_p=1.5), 400, "top_p must be in (0, 1]", "top_p"),
+    Case("top_k", CMPL, cmpl(top_k=-2), 400, "top_k must be", "top_k"),
+    Case("min_p", CMPL, cmpl(min_p=2), 400, "min_p must be", "min_p"),
+    Case("presence_penalty", CMPL, cmpl(presence_penalty=3), 400, "[-2.0, 2.0]", "presence_penalty"),
+    Case("frequency_penalty", CHAT, chat(frequency_penalty=-2.5), 400, "[-2.0, 2.0]", "frequency_penalty"),
+    Case("repetition_penalty", CMPL, cmpl(repetition_penalty=0), 400, "> 0", "repetition_penalty"),
+    Case("max_tokens 0", CMPL, cmpl(max_tokens=0), 400, "max_tokens must be a positive integer", "max_tokens"),
+    Case("max_completion_tokens 0", CHAT, chat(max_completion_tokens=0), 400,
+         "max_completion_tokens must be a positive integer", "max_completion_tokens"),
+    Case("seed beyond 64 bits", CMPL, cmpl(seed=2 ** 70), 400, "less than or equal to", "seed"),
+    Case("min_tokens over max_tokens", CMPL, cmpl(min_tokens=9, max_tokens=4), 400, "min_tokens (9)", "min_tokens"),
+    Case("truncate_prompt_tokens", CMPL, cmpl(truncate_prompt_tokens=0), 400, "positive integer",
+         "truncate_prompt_tokens"),
+    # Counts over the server's limits.
+    Case("n 0", CMPL, cmpl(n=0), 400, "n must be a positive integer", "n"),
+    Case("n over --max-n", CHAT, chat(n=MAX_N + 1), 400, f"n must be at most {MAX_N}", "n"),
+    Case("best_of over --max-n", CMPL, cmpl(best_of=MAX_N + 1), 400, f"best_of must be at most {MAX_N}", "best_of"),
+    Case("best_of under n", CMPL, cmpl(n=3, best_of=2), 400, "best_of must be an integer >= n", "best_of"),
+    Case("stop over --max-stop-sequences", CMPL, cmpl(stop=[f"s{i}" for i in range(MAX_STOP + 1)]), 400,
+         f"at most {MAX_STOP} strings", "stop"),
+    Case("empty stop string", CMPL, cmpl(stop=["ok", ""]), 400, "stop must be", "stop"),
+    Case("logprobs over --max-logprobs", CMPL, cmpl(logprobs=MAX_LOGPROBS + 1), 400,
+         f"logprobs must be at most {MAX_LOGPROBS}", "logprobs"),
+    Case("top_logprobs over --max-logprobs", CHAT, chat(logprobs=True, top_logprobs=MAX_LOGPROBS + 1), 400,
+         f"top_logprobs must be at most {MAX_LOGPROBS}", "top_logprobs"),
+    Case("prompt_logprobs over --max-logprobs", CMPL, cmpl(prompt_logprobs=MAX_LOGPROBS + 1), 400,
+         f"prompt_logprobs must be at most {MAX_LOGPROBS}", "prompt_logprobs"),
+    Case("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "needs logprobs=true", "top_logprobs"),
+    # Prompts: empty, outside the vocabulary, too long.
+    Case("empty prompt", CMPL, cmpl(prompt=""), 400, "prompt is empty", "prompt"),
+    Case("empty token prompt", CMPL, cmpl(prompt=[]), 400, "prompt is empty", "prompt"),
+    Case("token id over the vocabulary", CMPL, cmpl(prompt=[1, 10 ** 6]), 400, "outside the vocabulary", "prompt"),
+    Case("negative token id", CMPL, cmpl(prompt=[-1]), 400, "outside the vocabulary", "prompt"),
+    Case("prompt over max_model_len", CMPL, cmpl(prompt=LONG), 400, f"max_model_len is {MAX_LEN}", "prompt"),
+    Case("prompt + max_tokens over max_model_len", CMPL, cmpl(max_tokens=MAX_LEN), 400, f"context of {MAX_LEN}",
+         "max_tokens"),
+    Case("messages over max_model_len", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400,
+         f"max_model_len is {MAX_LEN}", "messages"),
+    Case("several prompts", CMPL, cmpl(prompt=["a", "b"]), 400, "one request per prompt", "prompt"),
+    # Messages.
+    Case("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "'user'", "messages.0.role"),
+    Case("image content part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "only text content parts",
+         "messages.0.content.0"),
+    Case("content type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "a list of text parts",
+         "messages.0.content"),
+    Case("content missing", CHAT, {"messages": [{"role": "assistant"}]}, 400, "got nothing", "messages.0.content"),
+    Case("no messages", CHAT, {"messages": []}, 400, "at least 1 item", "messages"),
+    Case("continue and add_generation_prompt", CHAT, chat(continue_final_message=True), 400,
+         "cannot both be true", "continue_final_message"),
+    Case("chat_template_kwargs clash", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "may not set messages",
+         "chat_template_kwargs"),
+    # logit_bias and other token id lists.
+    Case("logit_bias key not a token id", CMPL, cmpl(logit_bias={"abc": 1}), 400, "keys must be token ids",
+         "logit_bias"),
+    Case("logit_bias negative key", CMPL, cmpl(logit_bias={"-5": 1}), 400, "outside the vocabulary", "logit_bias"),
+    Case("logit_bias key over the vocabulary", CHAT, chat(logit_bias={"999999": 1}), 400, "outside the vocabulary",
+         "logit_bias"),
+    Case("logit_bias value", CMPL, cmpl(logit_bias={"5": 101}), 400, "[-100, 100]", "logit_bias"),
+    Case("stop_token_ids over the vocabulary", CMPL, cmpl(stop_token_ids=[10 ** 6]), 400, "outside the vocabulary",
+         "stop_token_ids"),
+    Case("empty allowed_token_ids", CMPL, cmpl(allowed_token_ids=[]), 400, "must not be empty", "allowed_token_ids"),
+    # Fields the server does not implement, and inconsistent ones.
+    Case("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "`tools` is not supported", "tools"),
+    Case("suffix", CMPL, cmpl(suffix="!"), 400, "`suffix` is not supported", "suffix"),
+    Case("stream_options without stream", CMPL, cmpl(stream_options={"include_usage": True}), 400,
+         "only allowed with stream=true", "stream_options"),
+    Case("prompt_logprobs with stream", CMPL, cmpl(prompt_logprobs=1, stream=True), 400, "stream",
+         "prompt_logprobs"),
+    Case("request_id with a space", CMPL, cmpl(request_id="a b"), 400, "should match pattern", "request_id"),
+    # Unknown models.
+    Case("unknown model, completions", CMPL, cmpl(model="gpt-4"), 404, "`gpt-4` does not exist", "model"),
+    Case("unknown model, chat", CHAT, chat(model="gpt-4"), 404, "does not exist", "model"),
+    Case("unknown model, tokenize", "/tokenize", {"prompt": "hi", "model": "gpt-4"}, 404, "does not exist", "model"),
+    # /tokenize, /detokenize, /v1/models.
+    Case("tokenize without prompt", "/tokenize", {}, 400, "either `prompt` (text) or `messages`"),
+    Case("tokenize prompt and messages", "/tokenize", {"prompt": "hi", "messages": HI}, 400, "either `prompt`"),
+    Case("tokenize unknown role", "/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "'user'",
+         "chat.messages.0.role"),
+    Case("tokenize lone surrogate", "/tokenize", b'{"prompt": "\\ud800"}', 400, "lone UTF-16 surrogate",
+         "completion.prompt"),
+    Case("detokenize negative id", "/detokenize", {"tokens": [-1]}, 400, "outside the vocabulary", "tokens"),
+    Case("detokenize id beyond 64 bits", "/detokenize", {"tokens": [2 ** 70]}, 400, "less than or equal to",
+         "tokens.0"),
+    Case("detokenize id type", "/detokenize", {"tokens": ["a"]}, 400, "valid integer", "tokens.0"),
+    Case("models by POST", "/v1/models", {}, 405, "Method Not Allowed"),
+    Case("unknown path", "/v1/models/gpt-4", None, 404, "Not Found", method="GET"),
+    # Bodies over --max-request-body-bytes, declared and chunked.
+    Case("body over the limit", CMPL, cmpl(prompt="x" * MAX_BODY), 413, f"limit of {MAX_BODY} bytes"),
+    Case("chunked body over the limit", CMPL, oversized_chunks, 413, f"limit of {MAX_BODY} bytes"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    remote = RemoteServer(smollm2_path, *FLAGS)
+    yield remote
+    assert remote.stop() == 0, "the server did not shut down cleanly"
+
+
+def send(server: RemoteServer, case: Case, request_id: str) -> httpx.Response:
+    headers = {"X-Request-Id": request_id, **case.headers}
+    if isinstance(case.body, dict):
+        kwargs: dict[str, Any] = {"json": case.body}
+    elif isinstance(case.body, bytes):
+        kwargs = {"content": case.body}
+        headers.setdefault("content-type", "application/json")
+    elif callable(case.body):
+        kwargs = {"content": case.body()}
+        headers["content-type"] = "application/json"
+    else:
+        kwargs = {}
+    return httpx.request(case.method, f"{server.url}{case.path}", headers=headers, timeout=TIMEOUT_S, **kwargs)
+
+
+def mismatch(case: Case, response: httpx.Response, request_id: str) -> str | None:
+    """What is wrong with `response` to `case`, or None."""
+    if response.headers.get("X-Request-Id") != request_id:
+        return f"X-Request-Id {response.headers.get('X-Request-Id')!r}, expected {request_id!r}"
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"{response.status_code}, not an OpenAI error body: {response.text[:200]!r}"
+    expected = {"code": case.status, "type": error["type"], "param": case.param, "message": error["message"]}
+    if response.status_code != case.status or set(error) != set(expected) or error != expected:
+        return f"{response.status_code} {error}, expected {case.status} with param {case.param!r}"
+    if case.message not in error["message"] or f"(request id: {request_id})" not in error["message"]:
+        return f"message {error['message']!r} lacks {case.message!r} or the request id"
+    return None
+
+
+def stream_text(server: RemoteServer, started: threading.Event | None = None) -> str:
+    """GOOD_STREAM's text, setting `started` once the first chunk is in."""
+    text = ""
+    with httpx.stream("POST", f"{server.url}{CMPL}", json=GOOD_STREAM, timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[len("data: "):])["choices"][0]["text"]
+                if started is not None:
+                    started.set()
+    return text
+
+
+def test_catalogue_of_bad_requests_gets_4xx_and_harms_nothing(server):
+    assert len(CATALOGUE) >= 40 and len({c.name for c in CATALOGUE}) == len(CATALOGUE)
+    alone = stream_text(server)
+    started, result = threading.Event(), {}
+    beside = threading.Thread(target=lambda: result.update(text=stream_text(server, started)))
+    beside.start()
+    assert started.wait(timeout=TIMEOUT_S), "the good stream did not start"
+    assert beside.is_alive(), "the good stream should still be running while the catalogue is sent"
+
+    failures = {}
+    for i, case in enumerate(CATALOGUE):
+        request_id = f"catalogue-{i}"
+        problem = mismatch(case, send(server, case, request_id), request_id)
+        if problem is not None:
+            failures[case.name] = problem
+    beside.join(timeout=TIMEOUT_S)
+
+    assert not failures, "\n".join(f"{name}: {problem}" for name, problem in failures.items())
+    assert result.get("text") == alone, "the good stream's text changed while bad requests were refused"
+    assert httpx.get(f"{server.url}/health", timeout=TIMEOUT_S).status_code == 200
+    asyncio.run(wait_for(lambda: is_idle(metric_samples(server.url))))
+    log = server.log_tail(1_000_000)
+    unlogged = [c.name for i, c in enumerate(CATALOGUE) if f"[request id catalogue-{i}]" not in log]
+    assert not unlogged, f"no log line names these failed requests: {unlogged}"
+
+
+def test_request_id_is_echoed_or_generated(server):
+    mine = httpx.post(f"{server.url}{CMPL}", json=cmpl(max_tokens=1), headers={"X-Request-Id": "client-id-7"},
+                      timeout=TIMEOUT_S)
+    assert mine.status_code == 200 and mine.headers["X-Request-Id"] == "client-id-7"
+    assert mine.json()["id"] == "cmpl-client-id-7", "the engine request carries the client's id"
+    for bad in ("x" * 129, "has space", "caf\u00e9"):
+        response = httpx.get(f"{server.url}/v1/models", headers={"X-Request-Id": bad.encode("utf-8")},
+                             timeout=TIMEOUT_S)
+        generated = response.headers["X-Request-Id"]
+        assert response.status_code == 200 and generated != bad and len(generated) == 32
+    ours = httpx.post(f"{server.url}{CHAT}", json=chat(max_tokens=1), timeout=TIMEOUT_S)
+    assert ours.json()["id"] == f"chatcmpl-{ours.headers['X-Request-Id']}"
+    refused = httpx.post(f"{server.url}{CMPL}", json=cmpl(temperature=-1), timeout=TIMEOUT_S)
+    assert f"(request id: {refused.headers['X-Request-Id']})" in refused.json()["error"]["message"]
+
+
+def test_declared_oversized_body_is_refused_before_it_is_sent(server):
+    """Content-Length over the limit: 413 at once, without waiting for (or buffering) the body."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(f"POST {CMPL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {MAX_BODY + 1}\r\nX-Request-Id: early-413\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = sock.recv(4096)
+            assert chunk, f"connection closed before a response: {reply!r}"
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b"x-request-id: early-413" in reply.lower()
