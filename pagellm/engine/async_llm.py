@@ -1,7 +1,9 @@
 """AsyncLLM: the API-process side of the engine, for the server.
 
 Tokenization, validation, detokenization and statistics happen here, in the asyncio process; the
-step loop runs in a separate engine-core process (`core_proc.py`), reached over two ZMQ sockets.
+step loop runs in a separate engine-core process (`core_proc.py`), reached over ZMQ sockets: requests
+in, outputs back, and heartbeats from a thread of the core, from which `liveness.py` judges whether
+the core is dead, frozen or stalled.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import zmq.asyncio
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.core.outputs import SchedulerStats
 from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S, run_engine_core
+from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S, LivenessMonitor
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.engine.wire import (
@@ -29,6 +32,7 @@ from pagellm.engine.wire import (
     Shutdown,
     StartupFailed,
     encoder,
+    heartbeat_decoder,
     output_decoder,
 )
 from pagellm.metrics.stats import IterationStats, StatLogger
@@ -43,12 +47,16 @@ STARTUP_TIMEOUT_S = 600.0
 
 
 class EngineDeadError(RuntimeError):
-    """The engine-core process exited or stopped answering."""
+    """The engine-core process exited, froze or stalled."""
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> None:
+    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+                 stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S) -> None:
+        """`stall_timeout_s`: how long one engine step may run before the engine counts as dead
+        (None: never; a core that stops heartbeating or exits is dead regardless)."""
         self.config: EngineConfig = args.create_engine_config()
+        self._liveness = LivenessMonitor(stall_timeout_s)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.config.source)
         self.processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -61,21 +69,31 @@ class AsyncLLM:
         self._ipc_dir = tempfile.TemporaryDirectory(prefix="pagellm-")
         input_address = f"ipc://{os.path.join(self._ipc_dir.name, 'input')}"
         output_address = f"ipc://{os.path.join(self._ipc_dir.name, 'output')}"
+        heartbeat_address = f"ipc://{os.path.join(self._ipc_dir.name, 'heartbeat')}"
         self._ctx = zmq.asyncio.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.bind(input_address)
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(output_address)
+        self._heartbeats = self._ctx.socket(zmq.PULL)
+        self._heartbeats.bind(heartbeat_address)
         # spawn, not fork: the child must not inherit this process's threads or CUDA state.
         self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(args, input_address, output_address), name="pagellm-engine-core",
-            daemon=True)
+            target=run_engine_core, args=(args, input_address, output_address, heartbeat_address),
+            name="pagellm-engine-core", daemon=True)
         self._process.start()
         self.num_blocks = self._wait_until_ready()
+        self._liveness.start(time.monotonic())
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None) -> "AsyncLLM":
-        return cls(args, stat_loggers)
+    def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+                         stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S) -> "AsyncLLM":
+        return cls(args, stat_loggers, stall_timeout_s)
+
+    @property
+    def engine_pid(self) -> int | None:
+        """The engine-core process's pid (for supervisors, and tests that kill or freeze it)."""
+        return self._process.pid
 
     def _wait_until_ready(self) -> int:
         sync_socket = zmq.Socket.shadow(self._output.underlying)
@@ -84,7 +102,7 @@ class AsyncLLM:
             if sync_socket.poll(200):
                 message = output_decoder.decode(sync_socket.recv())
                 if isinstance(message, Ready):
-                    logger.info("engine core ready: %d KV blocks", message.num_blocks)
+                    logger.info("engine core ready (pid %d): %d KV blocks", self._process.pid, message.num_blocks)
                     return message.num_blocks
                 if isinstance(message, StartupFailed):
                     self._process.join(timeout=10)
@@ -149,21 +167,40 @@ class AsyncLLM:
     # -- the output loop --------------------------------------------------------------------------
 
     def _ensure_output_task(self) -> None:
-        if self._output_task is None or self._output_task.done():
+        # Restarted when done: each asyncio.run() (tests, scripts) ends the previous loop's task.
+        if self._dead_reason is None and (self._output_task is None or self._output_task.done()):
             self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
 
     async def _output_loop(self) -> None:
-        while True:
-            if await self._output.poll(int(HEARTBEAT_INTERVAL_S * 1000)):
-                message = output_decoder.decode(await self._output.recv())
-                if isinstance(message, CoreOutputs):
-                    self._handle(message)
-                continue
-            # A long step (a big prefill on a CPU) may outlast the heartbeat: only a dead process
-            # counts as dead here.
-            if not self._process.is_alive():
-                self._fail_all(f"engine core process exited (exit code {self._process.exitcode})")
-                return
+        """Hand outputs to their requests and watch the core's liveness, until it is dead."""
+        poller = zmq.asyncio.Poller()
+        poller.register(self._output, zmq.POLLIN)
+        poller.register(self._heartbeats, zmq.POLLIN)
+        try:
+            while True:
+                await poller.poll(int(HEARTBEAT_INTERVAL_S * 1000))
+                while await self._output.poll(0):
+                    message = output_decoder.decode(await self._output.recv())
+                    if isinstance(message, CoreOutputs):
+                        self._handle(message)
+                # Every pending heartbeat is read before judging: after this process was busy for a
+                # while, queued heartbeats are not silence.
+                now = time.monotonic()
+                while await self._heartbeats.poll(0):
+                    beat = heartbeat_decoder.decode(await self._heartbeats.recv())
+                    self._liveness.on_heartbeat(beat.num_steps, now)
+                failure = self._failure(now)
+                if failure is not None:
+                    self._fail_all(failure)
+                    return
+        except Exception as e:  # a bug here must fail requests, not leave them waiting forever
+            logger.exception("engine output loop failed")
+            self._fail_all(f"engine output loop failed: {type(e).__name__}: {e}")
+
+    def _failure(self, now: float) -> str | None:
+        if not self._process.is_alive():
+            return f"engine core process exited (exit code {self._process.exitcode})"
+        return self._liveness.failure(now)
 
     def _handle(self, message: CoreOutputs) -> None:
         self._stats = message.stats
@@ -201,6 +238,13 @@ class AsyncLLM:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
 
+    async def wait_until_dead(self) -> str:
+        """Watch the core from now on (not only once a request comes) and return why it died."""
+        self._ensure_output_task()
+        if self._dead_reason is None:
+            await asyncio.shield(self._output_task)
+        return self._dead_reason or "engine output loop ended"
+
     # -- state and shutdown -------------------------------------------------------------------------
 
     def get_stats(self) -> SchedulerStats:
@@ -211,18 +255,19 @@ class AsyncLLM:
         return self._dead_reason is None and self._process.is_alive()
 
     def shutdown(self) -> None:
-        if self._process.is_alive():
+        if self._process.is_alive() and self._dead_reason is None:
             try:
                 zmq.Socket.shadow(self._input.underlying).send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self._process.join(timeout=10)
-            if self._process.is_alive():
-                self._process.terminate()
-                self._process.join(timeout=5)
+        if self._process.is_alive():  # a frozen or stalled core would not act on SIGTERM (or Shutdown)
+            self._process.kill()
+            self._process.join(timeout=5)
         if self._output_task is not None:
             self._output_task.cancel()
         self._input.close(linger=0)
         self._output.close(linger=0)
+        self._heartbeats.close(linger=0)
         self._ctx.term()
         self._ipc_dir.cleanup()

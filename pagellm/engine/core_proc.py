@@ -8,7 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from pagellm.config import EngineArgs
@@ -18,6 +21,7 @@ from pagellm.engine.wire import (
     AbortRequests,
     AddRequest,
     CoreOutputs,
+    Heartbeat,
     Ready,
     Shutdown,
     StartupFailed,
@@ -27,11 +31,20 @@ from pagellm.engine.wire import (
 
 logger = logging.getLogger(__name__)
 
-HEARTBEAT_INTERVAL_S = 0.5
-"""An idle core still sends (empty) outputs this often, so the API process can tell it is alive."""
+HEARTBEAT_INTERVAL_S = 0.2
+"""The heartbeat thread sends a Heartbeat this often, also while a long step runs."""
+IDLE_POLL_S = 0.5
+"""An idle core waits this long for input, then sends (empty) outputs so the API process's stats stay fresh."""
 
 
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -> None:
+@dataclass
+class _Progress:
+    """Written by the loop, read by the heartbeat thread (a plain int: atomic under the GIL)."""
+
+    num_steps: int = 0
+
+
+def run_engine_core(args: EngineArgs, input_address: str, output_address: str, heartbeat_address: str) -> None:
     """Process entry point: build the engine, report readiness, then loop until told to stop."""
     # The API process owns Ctrl-C and SIGTERM handling; it tells the core to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -48,15 +61,43 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str) -
             logger.exception("engine core failed to start")
             outputs.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
             return
+        progress, stop = _Progress(), threading.Event()
+        heartbeat = threading.Thread(target=_send_heartbeats, args=(ctx, heartbeat_address, progress, stop),
+                                     name="pagellm-heartbeat", daemon=True)
+        heartbeat.start()
         outputs.send(encoder.encode(Ready(core.num_blocks)))
-        _loop(core, inputs, outputs)
+        try:
+            _loop(core, inputs, outputs, progress)
+        finally:
+            stop.set()
+            heartbeat.join()
     finally:
         outputs.close(linger=1000)
         inputs.close(linger=0)
         ctx.term()
 
 
-def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+def _send_heartbeats(ctx: zmq.Context, address: str, progress: _Progress, stop: threading.Event) -> None:
+    """Heartbeats on a socket of this thread's own (zmq sockets are not thread-safe), until `stop`.
+
+    A thread rather than the loop: a step may take seconds, and the API process must still tell
+    a slow core (heartbeats, same step count) from a dead or frozen one (no heartbeats)."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(address)
+    heartbeat_encoder = msgspec.msgpack.Encoder()  # encoders keep a buffer: one per thread
+    try:
+        while True:
+            try:
+                sock.send(heartbeat_encoder.encode(Heartbeat(progress.num_steps)), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the API process is not reading; a missed heartbeat is exactly what it should see
+            if stop.wait(HEARTBEAT_INTERVAL_S):
+                return
+    finally:
+        sock.close(linger=0)
+
+
+def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: _Progress) -> None:
     poller = zmq.Poller()
     poller.register(inputs, zmq.POLLIN)
     parent_pid = os.getppid()
@@ -66,7 +107,7 @@ def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             logger.error("API process %d is gone; engine core exiting", parent_pid)
             return
         # Block for input only when there is nothing to step.
-        timeout_ms = 0 if core.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
+        timeout_ms = 0 if core.has_unfinished_requests() else int(IDLE_POLL_S * 1000)
         rejected: list[tuple[str, str]] = []
         while poller.poll(timeout_ms):
             message = input_decoder.decode(inputs.recv())
@@ -82,6 +123,7 @@ def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
             timeout_ms = 0
         step_outputs = core.step() if core.has_unfinished_requests() else []
         outputs.send(encoder.encode(CoreOutputs(step_outputs, core.stats(), rejected)))
+        progress.num_steps += 1
 
 
 def _to_request(message: AddRequest) -> Request:

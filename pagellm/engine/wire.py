@@ -38,7 +38,7 @@ class StartupFailed(msgspec.Struct, tag=True):
 
 
 class CoreOutputs(msgspec.Struct, tag=True):
-    """One step's outputs plus the scheduler's stats; sent empty as a heartbeat when idle."""
+    """One step's outputs plus the scheduler's stats; sent empty when idle, so the stats stay fresh."""
 
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
@@ -48,6 +48,15 @@ class CoreOutputs(msgspec.Struct, tag=True):
 
 EngineCoreMessage = Ready | StartupFailed | CoreOutputs
 
+
+class Heartbeat(msgspec.Struct):
+    """Sent by the core's heartbeat thread on its own socket, also while a step runs."""
+
+    num_steps: int
+    """Iterations of the core's loop so far (a model step, or an idle wait); stuck = not moving."""
+
+
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
 output_decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+heartbeat_decoder = msgspec.msgpack.Decoder(Heartbeat)
