@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 STARTUP_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 30.0
@@ -52,6 +55,13 @@ class RemoteServer:
             time.sleep(0.2)
         raise TimeoutError(f"server not healthy within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
 
+    def engine_pid(self) -> int:
+        """The engine-core process's pid, from the server's start-up log line."""
+        match = re.search(r"engine core ready \(pid (\d+)\)", self.log_tail(1_000_000))
+        if match is None:
+            raise AssertionError(f"no engine pid in the server log:\n{self.log_tail()}")
+        return int(match.group(1))
+
     def log_tail(self, num_chars: int = 4000) -> str:
         with open(self._log.name, encoding="utf-8", errors="replace") as f:
             return f.read()[-num_chars:]
@@ -68,3 +78,25 @@ class RemoteServer:
         self._log.close()
         os.unlink(self._log.name)
         return self.process.returncode
+
+
+def metric_samples(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """`name{finished_reason}` (or `name`) -> value for every sample on the server's /metrics, parsed by
+    prometheus_client; `headers` may carry the API key (`--protect-metrics`)."""
+    # urllib, not httpx.get: httpx builds an SSL context per call (~20 ms of CPU), too dear for a poll
+    # loop on a 2-core machine that is also running the server.
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=headers or {}),
+                                timeout=10.0) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            reason = sample.labels.get("finished_reason")
+            samples[f"{sample.name}{{{reason}}}" if reason else sample.name] = sample.value
+    return samples
+
+
+def is_idle(samples: dict[str, float]) -> bool:
+    """Nothing running or waiting and no KV block held (cached-but-free blocks count as free)."""
+    return (samples["pagellm:num_requests_running"] == 0 and samples["pagellm:num_requests_waiting"] == 0
+            and samples["pagellm:kv_cache_usage_perc"] == 0)
