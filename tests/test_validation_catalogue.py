@@ -9,11 +9,15 @@ import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
+from pagellm.entrypoints.openai.limits import ServerLimits
+from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
 from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 
@@ -27,6 +31,8 @@ FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 LONG = "word " * (MAX_LEN + 20)
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: HTTPStatus(413).phrase.replace(" ", "") + "Error"}
 TIMEOUT_S = 60.0
 """Per HTTP call: generous, because the CPU may be shared with other test processes."""
 GOOD_STREAM = {"model": MODEL, "prompt": "The history of the printing press", "max_tokens": 32,
@@ -212,8 +218,8 @@ def mismatch(case: Case, response: httpx.Response, request_id: str) -> str | Non
         error = response.json()["error"]
     except (ValueError, KeyError, TypeError):
         return f"{response.status_code}, not an OpenAI error body: {response.text[:200]!r}"
-    expected = {"code": case.status, "type": error["type"], "param": case.param, "message": error["message"]}
-    if response.status_code != case.status or set(error) != set(expected) or error != expected:
+    if (response.status_code, set(error)) != (case.status, {"message", "type", "param", "code"}) or (
+            error["code"], error["param"], error["type"]) != (case.status, case.param, ERROR_TYPES[case.status]):
         return f"{response.status_code} {error}, expected {case.status} with param {case.param!r}"
     if case.message not in error["message"] or f"(request id: {request_id})" not in error["message"]:
         return f"message {error['message']!r} lacks {case.message!r} or the request id"
@@ -287,3 +293,31 @@ def test_declared_oversized_body_is_refused_before_it_is_sent(server):
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"x-request-id: early-413" in reply.lower()
+
+
+def test_server_limits_refuse_non_positive_values():
+    with pytest.raises(ValueError, match="--max-n must be a positive integer"):
+        ServerLimits(max_n=0)
+    with pytest.raises(ValueError, match="--max-request-body-bytes"):
+        ServerLimits(max_request_body_bytes=-1)
+
+
+async def _read_body_then_fail(scope, receive, send) -> None:
+    """A bare ASGI app: reads the whole body, then fails, as a route with a bug would."""
+    while (await receive()).get("more_body"):
+        pass
+    raise RuntimeError("boom")
+
+
+def test_middlewares_answer_for_any_app_in_openai_shape():
+    """Without FastAPI's handlers: the body limit still answers 413, and an unexpected exception is
+    a 500 in OpenAI's shape carrying the request id, not Starlette's plain-text one."""
+    app = RequestIdMiddleware(BodySizeLimitMiddleware(_read_body_then_fail, max_body_bytes=8))
+    client = TestClient(app, raise_server_exceptions=False)
+    too_big = client.post("/", content=iter([b"12345", b"67890"]), headers={"X-Request-Id": "r-413"})
+    assert too_big.status_code == 413 and too_big.headers["X-Request-Id"] == "r-413"
+    assert too_big.json()["error"]["message"].endswith("(request id: r-413)")
+    failed = client.post("/", content=b"1234")
+    assert failed.status_code == 500 and failed.json()["error"]["type"] == "InternalServerError"
+    assert "RuntimeError: boom" in failed.json()["error"]["message"]
+    assert failed.json()["error"]["message"].endswith(f"(request id: {failed.headers['X-Request-Id']})")

@@ -8,6 +8,7 @@ valid Unicode, roles and content parts no chat template knows) is refused here, 
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -34,33 +35,33 @@ class StrictModel(BaseModel):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         # JSON escapes can spell lone surrogates ("\ud800"), which Python keeps in a str but the
-        # tokenizer and the response encoder cannot handle.
-        path = _lone_surrogate_path(data)
-        if path is not None:
+        # tokenizer and the response encoder cannot handle. One C-speed encode checks the whole
+        # body (token-id prompts can be long); only a failure walks it to name the field.
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
             raise PydanticCustomError("invalid_unicode", "holds a lone UTF-16 surrogate, which is not valid "
-                                      "Unicode; send valid UTF-8 text", {"param": path})
+                                      "Unicode; send valid UTF-8 text", {"param": _lone_surrogate_path(data)})
+        except (TypeError, ValueError):
+            pass  # not JSON-shaped (a model instance, say): the field validators judge it
         return data
 
 
 def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first string (or key) in `value` that cannot be encoded as UTF-8."""
+    """The dotted path of the first string (or key) in `value` that cannot be encoded as UTF-8; a key
+    at fault is shown escaped, so that the error message itself stays valid UTF-8."""
     if isinstance(value, str):
-        if value.isascii():
-            return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
             return path
         return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        child = f"{path}.{key}" if path else str(key)
-        found = _lone_surrogate_path(key, child) or _lone_surrogate_path(item, child)
+        child = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+        child = f"{path}.{child}" if path else child
+        found = _lone_surrogate_path(key, child) if isinstance(key, str) else None
+        found = found or _lone_surrogate_path(item, child)
         if found is not None:
             return found
     return None

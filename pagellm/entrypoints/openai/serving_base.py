@@ -71,9 +71,12 @@ class OpenAIServing:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
                                                  chat_template=self.chat_template, **kwargs)
-        except (ValueError, TypeError, LookupError, AttributeError) as e:
-            # The template met input it cannot render (e.g. an extra message field of the wrong type).
-            raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        except (TypeError, LookupError, AttributeError) as e:
+            # The template met input it cannot handle (e.g. an extra message field of the wrong type).
+            raise APIError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
+                           param="messages") from None
         if request.continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
         # The template already carries any BOS token: don't let the tokenizer add a second one.
