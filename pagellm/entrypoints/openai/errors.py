@@ -104,16 +104,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def _unparsable_body_message(cause: BaseException | None) -> str:
+def _unparsable_body_message(cause: BaseException) -> str:
     """Why FastAPI could not read the body as JSON (it reports only 'error parsing the body')."""
     if isinstance(cause, UnicodeDecodeError):
         return (f"the request body is not valid UTF-8 (byte 0x{cause.object[cause.start]:02x} at offset "
                 f"{cause.start}); send JSON encoded as UTF-8")
     if isinstance(cause, RecursionError):
         return "the request body's JSON is nested too deeply"
-    if cause is not None:
-        return f"the request body could not be parsed as JSON: {cause}"
-    return "the request body could not be parsed as JSON"
+    return f"the request body could not be parsed as JSON: {cause}"
 
 
 def install_error_handlers(app: FastAPI) -> None:

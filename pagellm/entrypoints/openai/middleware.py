@@ -45,6 +45,7 @@ class RequestIdMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                message.setdefault("headers", [])  # optional in ASGI; MutableHeaders needs the list
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             await send(message)
 
