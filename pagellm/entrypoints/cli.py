@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pagellm.benchmarks.cli import add_bench_parser
 from pagellm.config import EngineArgs
+from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.entrypoints.openai.limits import add_limit_args
 
 API_KEY_ENV = "PAGELLM_API_KEY"
@@ -83,14 +84,35 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--chat-template", default=None,
                        help="Jinja chat template replacing the model's own: a file path or the template itself")
     serve.add_argument("--api-key", default=None,
-                       help=f"require `Authorization: Bearer KEY` on every path but /health, /metrics and /version; "
-                            f"also read from ${API_KEY_ENV}")
+                       help=f"require `Authorization: Bearer KEY` on every path but /health, /health/live, "
+                            f"/health/ready, /version and /metrics; also read from ${API_KEY_ENV}, which is "
+                            f"safer (a command line is visible to every user of the machine)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="with an API key, require it on /metrics too")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server (uvicorn), access log included")
     add_limit_args(serve)
+    _add_reliability_args(serve)
     add_engine_args(serve)
     serve.set_defaults(handler=_serve)
+
+
+def _add_reliability_args(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("overload, timeouts and shutdown")
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="generation requests that may wait beyond the --max-num-seqs the engine runs; past "
+                            "that, new ones get 503 with Retry-After at once. None: 4 per --max-num-seqs")
+    group.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds after which an unfinished generation request is aborted with a 504 (a stream "
+                            "gets an error event); None: no limit")
+    group.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+                       help="seconds one engine step may run before the engine counts as stalled and the server "
+                            "exits with status 1 (a dead or frozen engine is noticed within about a second "
+                            "regardless); 0: never")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT, seconds that requests in flight may take to finish before the "
+                            "server closes them and exits")
 
 
 def build_parser() -> argparse.ArgumentParser:

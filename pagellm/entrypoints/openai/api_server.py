@@ -6,24 +6,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagellm import __version__
-from pagellm.config import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.cli import API_KEY_ENV, engine_args_from
-from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, log_and_respond
+from pagellm.entrypoints.openai.auth import APIKeyMiddleware
+from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, request_id_of
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
 from pagellm.entrypoints.openai.protocol import (
@@ -39,6 +38,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
+from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
 from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
@@ -46,16 +46,18 @@ from pagellm.tokenizer.chat_template import compile_chat_template
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
-"""Paths answered without the API key: probes and scrapers carry no credentials."""
-GRACEFUL_SHUTDOWN_S = 5
-"""How long open streams may run on after SIGINT/SIGTERM before the server closes them."""
+ENGINE_DEAD_EXIT_CODE = 1
+"""The server's exit status after its engine core died, froze or stalled: a supervisor should restart it."""
 
 
 def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
-    """The app serving `engine`; requests may name any of the served names (the first is the default)."""
+              limits: ServerLimits | None = None, traffic: TrafficState | None = None,
+              protect_metrics: bool = False) -> FastAPI:
+    """The app serving `engine`; requests may name any of the served names (the first is the default).
+
+    `traffic` bounds requests in flight (default: TrafficLimits.for_engine) and may carry a request
+    timeout; with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
@@ -64,18 +66,35 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
     chats = OpenAIServingChat(engine, names, chat_template, limits)
     tokens = OpenAIServingTokens(engine, names, chat_template, limits)
 
+    traffic = traffic or TrafficState(TrafficLimits.for_engine(engine.config.args.max_num_seqs))
+
     app = FastAPI(title="pagellm", version=__version__)
     install_error_handlers(app)
+    # Inside the API key check: an unauthenticated client takes no place in the queue.
+    app.add_middleware(TrafficMiddleware, state=traffic)
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        open_paths = PROBE_PATHS - {"/metrics"} if protect_metrics else PROBE_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     # Added last, so outermost: every response (a 401 or 413 too) carries X-Request-Id.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=limits.max_request_body_bytes)
     app.add_middleware(RequestIdMiddleware)
 
-    @app.get("/health")
-    async def health() -> Response:
+    async def liveness(request: Request) -> Response:
+        """Liveness: 503 once the engine core has died, frozen or stalled (the server then exits)."""
         if not engine.is_running:
-            return error_response(APIError("the engine process is not running", 503))
+            return error_response(APIError("the engine core is not running (it died, froze or stalled)", 503),
+                                  request_id_of(request.scope))
+        return Response(status_code=200)
+
+    app.add_api_route("/health", liveness, methods=["GET"])
+    app.add_api_route("/health/live", liveness, methods=["GET"])
+
+    @app.get("/health/ready")
+    async def readiness(request: Request) -> Response:
+        """Readiness: 503 unless alive, not shutting down and below capacity (a request would be taken)."""
+        problem = "the engine core is not running" if not engine.is_running else traffic.not_ready_reason()
+        if problem is not None:
+            return error_response(APIError(problem, 503), request_id_of(request.scope))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -111,29 +130,6 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
     return app
 
 
-class APIKeyMiddleware:
-    """401 for any path but OPEN_PATHS without `Authorization: Bearer <key>`.
-
-    A plain ASGI middleware, not a route dependency, so the key is checked before the body is
-    parsed (an unauthenticated client learns nothing from validation errors), and streamed
-    responses pass through untouched.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                response = log_and_respond(scope, APIError(
-                    "missing or wrong API key: send the header `Authorization: Bearer <key>`", 401))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def load_chat_template(value: str | None) -> str | None:
     """`--chat-template`: a file's content, or the value itself when it is an inline template."""
     if value is None:
@@ -154,38 +150,71 @@ def default_served_name(model: str | None) -> str:
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    """Start the engine process and serve until SIGINT/SIGTERM; `ns` holds `pagellm serve`'s flags."""
+    """Start the engine process and serve until SIGINT/SIGTERM (exit status 0), or until the engine
+    core dies, freezes or stalls (ENGINE_DEAD_EXIT_CODE); `ns` holds `pagellm serve`'s flags."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = engine_args_from(ns)
-    names = ns.served_model_name or [default_served_name(args.model)]
-    chat_template = load_chat_template(ns.chat_template)
-    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     # Bind before the model loads, so a busy port fails in a moment rather than after start-up.
     sock = _bind(ns.host, ns.port)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
     try:
-        asyncio.run(_serve(args, names, chat_template, api_key, sock, ns.uvicorn_log_level,
-                           ServerLimits.from_namespace(ns)))
+        return asyncio.run(_serve(ns, sock))
     finally:
         sock.close()
-    return 0
 
 
-async def _serve(args: EngineArgs, names: list[str], chat_template: str | None, api_key: str | None,
-                 sock: socket.socket, log_level: str, limits: ServerLimits) -> None:
+async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
+    args = engine_args_from(ns)
+    names = ns.served_model_name or [default_served_name(args.model)]
+    chat_template = load_chat_template(ns.chat_template)
+    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+    limits = ServerLimits.from_namespace(ns)
+    traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs, ns.max_waiting_requests, ns.request_timeout))
+    if ns.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout:g}")
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     metrics = PrometheusStatLogger(names[0], **bucket_bound)
-    engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger()])
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger()],
+                                       stall_timeout_s=ns.engine_stall_timeout or None)
     try:
-        app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits)
+        app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
+                        traffic=traffic, protect_metrics=ns.protect_metrics)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d%s", ", ".join(names), host, port,
                     " (API key required)" if api_key else "")
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        await uvicorn.Server(config).serve(sockets=[sock])
+        server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
+                                                timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
+        watcher = asyncio.create_task(_stop_when_engine_dies(engine, server))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            watcher.cancel()
+        return 0 if engine.is_running else ENGINE_DEAD_EXIT_CODE
     finally:
         engine.shutdown()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGINT/SIGTERM also marks the server draining (readiness and new
+    requests get 503) while uvicorn stops listening and lets requests in flight finish, for at most
+    --shutdown-timeout seconds."""
+
+    def __init__(self, config: uvicorn.Config, traffic: TrafficState) -> None:
+        super().__init__(config)
+        self.traffic = traffic
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.traffic.draining = True
+        super().handle_exit(sig, frame)
+
+
+async def _stop_when_engine_dies(engine: AsyncLLM, server: uvicorn.Server) -> None:
+    # Requests in flight have already been failed; serving on would only answer 503s. Exiting
+    # lets a supervisor restart the whole server.
+    reason = await engine.wait_until_dead()
+    logger.error("%s; stopping the server (exit status %d) so that a supervisor restarts it", reason,
+                 ENGINE_DEAD_EXIT_CODE)
+    server.should_exit = True
 
 
 def _exit_cleanly(signum: int, frame: object) -> None:

@@ -1,0 +1,168 @@
+"""Traffic control at the server's edge: a bound on generation requests in flight (503 with
+`Retry-After` past it), refusal of new requests while draining for shutdown, and a per-request
+deadline (504).
+
+The overload rule, exactly: a request to a generation path is *in flight* from the moment this
+middleware starts handling it until its response's last byte is sent (or the client leaves).
+While `max_num_seqs + max_waiting_requests` requests are in flight, the next one is refused at
+once, before its body is read: the engine can run `max_num_seqs` of them and at most
+`max_waiting_requests` more wait their turn. A request counts once whatever its `n`. The check and
+the count happen on the server's one event loop with no `await` between them, so concurrent
+arrivals cannot both take the last place.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagellm.entrypoints.openai.errors import APIError, error_response, request_id_of, sse_error
+
+logger = logging.getLogger(__name__)
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""The paths that occupy the engine, hence counted and bounded in time."""
+PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
+"""Answered even while draining: supervisors and load balancers must see the state."""
+RETRY_AFTER_S = 1
+"""`Retry-After` on a 503: short, since a slot frees up whenever any request finishes."""
+WAITING_PER_SEQ = 4
+"""Default `--max-waiting-requests` per `--max-num-seqs` (1024 for the default 256)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficLimits:
+    max_num_seqs: int
+    """The engine's `max_num_seqs`: requests it can run at once."""
+    max_waiting_requests: int
+    """Requests that may wait beyond those (`--max-waiting-requests`); 0: none wait."""
+    request_timeout_s: float | None = None
+    """A generation request still unfinished after this long is aborted with a 504 (None: no limit)."""
+
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be positive seconds, got {self.request_timeout_s}")
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int, max_waiting_requests: int | None = None,
+                   request_timeout_s: float | None = None) -> "TrafficLimits":
+        """None waiting: WAITING_PER_SEQ per sequence the engine runs."""
+        waiting = WAITING_PER_SEQ * max_num_seqs if max_waiting_requests is None else max_waiting_requests
+        return cls(max_num_seqs, waiting, request_timeout_s)
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.max_num_seqs + self.max_waiting_requests
+
+
+@dataclass
+class TrafficState:
+    """Shared by the middleware, the readiness probe and the shutdown signal handler."""
+
+    limits: TrafficLimits
+    in_flight: int = 0
+    draining: bool = False
+    """Set on SIGINT/SIGTERM: new requests get 503 while the ones in flight finish."""
+
+    def refusal(self, path: str) -> str | None:
+        """Why a new request to `path` is refused now (None: it is taken). While draining only
+        probes are answered; otherwise only generation requests are bounded."""
+        if path in PROBE_PATHS or (path not in GENERATION_PATHS and not self.draining):
+            return None
+        return self.not_ready_reason()
+
+    def not_ready_reason(self) -> str | None:
+        """Why a new generation request would be refused now (None: it would be taken)."""
+        if self.draining:
+            return "the server is shutting down and takes no new requests; retry on another replica or later"
+        if self.in_flight >= self.limits.max_in_flight:
+            return (f"the server is at capacity ({self.in_flight} requests in flight, the most it takes is "
+                    f"--max-num-seqs {self.limits.max_num_seqs} + --max-waiting-requests "
+                    f"{self.limits.max_waiting_requests}); retry after {RETRY_AFTER_S} s")
+        return None
+
+
+class TrafficMiddleware:
+    """Applies TrafficState's refusals and counts, and the request timeout, to HTTP requests."""
+
+    def __init__(self, app: ASGIApp, state: TrafficState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.state.refusal(scope["path"])
+        if refusal is not None:
+            logger.warning("%s %s -> 503 [request id %s]: %s", scope["method"], scope["path"],
+                           request_id_of(scope), refusal)
+            response = error_response(APIError(refusal, 503), request_id_of(scope))
+            response.headers["Retry-After"] = str(RETRY_AFTER_S)
+            await response(scope, receive, send)
+            return
+        if scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.state.in_flight += 1
+        try:
+            await self._run_with_deadline(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+    async def _run_with_deadline(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout_s = self.state.limits.request_timeout_s
+        if timeout_s is None:
+            await self.app(scope, receive, send)
+            return
+        response = _ResponseProgress(send)
+        # A task of its own, rather than asyncio.wait_for, so that a TimeoutError raised inside the
+        # app is never mistaken for this deadline.
+        task = asyncio.ensure_future(self.app(scope, receive, response.send))
+        try:
+            done, _ = await asyncio.wait((task,), timeout=timeout_s)
+        finally:
+            if not task.done():  # the deadline passed, or this request was cancelled (server stop)
+                task.cancel()
+        if done:
+            task.result()
+            return
+        # Cancelling the handler closes the engine's output stream, which aborts the request and
+        # frees its KV blocks.
+        await asyncio.gather(task, return_exceptions=True)
+        error = APIError(f"the request did not finish within this server's --request-timeout of {timeout_s:g} s "
+                         "and was aborted; ask for fewer tokens or retry later", 504)
+        logger.warning("%s %s -> 504 [request id %s]: %s", scope["method"], scope["path"], request_id_of(scope),
+                       error.message)
+        await response.finish_with(error, scope, receive)
+
+
+class _ResponseProgress:
+    """Follows what a response has sent, so a timed-out one can be ended in a valid way."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.finished = False
+        self.streaming = False
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.streaming = Headers(raw=message["headers"]).get("content-type", "").startswith("text/event-stream")
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.finished = True
+        await self._send(message)
+
+    async def finish_with(self, error: APIError, scope: Scope, receive: Receive) -> None:
+        """`error` as the whole response if none has begun; as a last server-sent event in a stream."""
+        if not self.started:
+            await error_response(error, request_id_of(scope))(scope, receive, self._send)
+        elif not self.finished:
+            body = sse_error(error, request_id_of(scope)) + "data: [DONE]\n\n" if self.streaming else ""
+            await self._send({"type": "http.response.body", "body": body.encode(), "more_body": False})
