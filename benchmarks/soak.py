@@ -6,8 +6,9 @@ Loopback only, bounded in time and count. Starts `pagellm serve` on 127.0.0.1 (o
 completions and chat, streamed and not, some with n > 1, logprobs or stop strings, some invalid (each
 must get its own 4xx in OpenAI's error shape), and `--num-aborts` streams cut by the client at random
 points, spread evenly over the run. The server's RSS (API process plus engine core) is sampled
-throughout; growth is measured from the first sample after `--warmup-s`. At the end it waits for the
-server to go idle and reads /metrics: nothing running or waiting, no KV block held.
+throughout; growth is measured from the first samples after `--warmup-s` to the last ones of the
+load. At the end it waits for the server to go idle and reads /metrics: nothing running or waiting,
+no KV block held.
 
     .venv/bin/python -m benchmarks.soak                                      # 20 min, 1,000 cut streams
     .venv/bin/python -m benchmarks.soak --duration-s 150 --num-aborts 120 --warmup-s 30
@@ -23,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +63,7 @@ class Spec:
     body: dict[str, Any] | bytes
     expect_status: int = 200
     cut_after: int | None = None
-    """Stream: close the connection after this many events (0: right after the headers)."""
+    """Stream: close the connection after this many events."""
 
 
 @dataclass(slots=True)
@@ -89,53 +91,48 @@ def _chat(rng: random.Random, model: str, **fields: Any) -> dict[str, Any]:
             "temperature": rng.choice((0.0, 0.7)), **fields}
 
 
-_USAGE = {"stream_options": {"include_usage": True}}
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+_STREAM = {"stream": True, "stream_options": {"include_usage": True}}
+MIX = (  # kind, weight, path, fields beyond the prompt, max_tokens, temperature and seed
+    ("completion", 3, COMPLETIONS, {}),
+    ("completion_stream", 3, COMPLETIONS, _STREAM),
+    ("chat", 3, CHAT, {}),
+    ("chat_stream", 3, CHAT, _STREAM),
+    ("completion_n2_logprobs", 1, COMPLETIONS, {"n": 2, "temperature": 0.8, "logprobs": 2}),
+    ("chat_n2_stream", 1, CHAT, {"n": 2, "temperature": 0.8, **_STREAM}),
+    ("chat_logprobs_stream", 1, CHAT, {"logprobs": True, "top_logprobs": 2, **_STREAM}),
+    ("completion_stop", 2, COMPLETIONS, {"stop": ["."]}),
+)
 
 
 def valid_spec(rng: random.Random, model: str) -> Spec:
-    """A request the server must answer in full, drawn from a fixed mix."""
-    choices = {
-        "completion": lambda: Spec("completion", "/v1/completions", _completion(rng, model)),
-        "completion_stream": lambda: Spec("completion_stream", "/v1/completions",
-                                          _completion(rng, model, stream=True, **_USAGE)),
-        "chat": lambda: Spec("chat", "/v1/chat/completions", _chat(rng, model)),
-        "chat_stream": lambda: Spec("chat_stream", "/v1/chat/completions", _chat(rng, model, stream=True, **_USAGE)),
-        "completion_n2_logprobs": lambda: Spec("completion_n2_logprobs", "/v1/completions",
-                                               _completion(rng, model, n=2, seed=rng.randint(0, 999), temperature=0.8,
-                                                           logprobs=2)),
-        "chat_n2_stream": lambda: Spec("chat_n2_stream", "/v1/chat/completions",
-                                       _chat(rng, model, n=2, seed=rng.randint(0, 999), temperature=0.8, stream=True,
-                                             **_USAGE)),
-        "chat_logprobs_stream": lambda: Spec("chat_logprobs_stream", "/v1/chat/completions",
-                                             _chat(rng, model, logprobs=True, top_logprobs=2, stream=True, **_USAGE)),
-        "completion_stop": lambda: Spec("completion_stop", "/v1/completions", _completion(rng, model, stop=["."])),
-    }
-    weights = {"completion": 3, "completion_stream": 3, "chat": 3, "chat_stream": 3, "completion_n2_logprobs": 1,
-               "chat_n2_stream": 1, "chat_logprobs_stream": 1, "completion_stop": 2}
-    kind = rng.choices(list(weights), list(weights.values()))[0]
-    return choices[kind]()
+    """A request the server must answer in full, drawn from MIX."""
+    kind, _, path, fields = rng.choices(MIX, [weight for _, weight, _, _ in MIX])[0]
+    make = _chat if path == CHAT else _completion
+    return Spec(kind, path, make(rng, model, **{"seed": rng.randint(0, 999), **fields}))
 
 
 def invalid_spec(rng: random.Random, model: str, max_model_len: int) -> Spec:
     """A request the server must refuse with this exact status, in OpenAI's error shape."""
     path, body, status = rng.choice((
-        ("/v1/completions", b"{not json", 400),
-        ("/v1/completions", {"model": model, "prompt": "hi", "temperature": -1}, 400),
-        ("/v1/completions", {"model": model, "prompt": "hi", "tempreature": 0.5}, 400),
-        ("/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404),
-        ("/v1/completions", {"model": model, "prompt": "hi", "max_tokens": max_model_len}, 400),
-        ("/v1/chat/completions", {"model": model, "messages": []}, 400),
-        ("/v1/chat/completions", {"model": model, "messages": "hello"}, 400),
+        (COMPLETIONS, b"{not json", 400),
+        (COMPLETIONS, {"model": model, "prompt": "hi", "temperature": -1}, 400),
+        (COMPLETIONS, {"model": model, "prompt": "hi", "tempreature": 0.5}, 400),
+        (COMPLETIONS, {"model": "no-such-model", "prompt": "hi"}, 404),
+        (COMPLETIONS, {"model": model, "prompt": "hi", "max_tokens": max_model_len}, 400),
+        (CHAT, {"model": model, "messages": []}, 400),
+        (CHAT, {"model": model, "messages": "hello"}, 400),
     ))
     return Spec("invalid", path, body, expect_status=status)
 
 
 def cut_spec(rng: random.Random, model: str) -> Spec:
-    """A long stream (EOS ignored) that the client closes after 0-16 events."""
-    make, path = rng.choice(((_completion, "/v1/completions"), (_chat, "/v1/chat/completions")))
-    body = make(rng, model, stream=True, ignore_eos=True)
+    """A long stream (EOS ignored) that the client closes after 1-16 events: after the first one the request
+    is surely in the engine, so every cut must show up on /metrics as one abort."""
+    path = rng.choice((COMPLETIONS, CHAT))
+    body = (_chat if path == CHAT else _completion)(rng, model, stream=True, ignore_eos=True)
     body["max_tokens"] = rng.randint(64, 256)
-    return Spec("cut_stream", path, body, cut_after=rng.randint(0, 16))
+    return Spec("cut_stream", path, body, cut_after=rng.randint(1, 16))
 
 
 # -- sending and checking ----------------------------------------------------------------------------------
@@ -188,8 +185,6 @@ async def _send_stream(http: httpx.AsyncClient, spec: Spec) -> Result:
     async with http.stream("POST", spec.path, json=spec.body) as response:
         if response.status_code != spec.expect_status:
             return _status_error(spec, response.status_code, (await response.aread()).decode(errors="replace"))
-        if spec.cut_after == 0:
-            return Result(CUT)  # leaving the block closes the connection mid-stream
         num_events, done, usage = 0, False, None
         finished: set[int] = set()
         saw_logprobs = False
@@ -204,7 +199,7 @@ async def _send_stream(http: httpx.AsyncClient, spec: Spec) -> Result:
                 return Result("bad_response", detail=f"{spec.kind}: error event: {line[:300]}")
             num_events += 1
             if num_events == spec.cut_after:
-                return Result(CUT)
+                return Result(CUT)  # leaving the block closes the connection mid-stream
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices", []):
                 saw_logprobs |= bool(choice.get("logprobs"))
@@ -353,16 +348,22 @@ async def drive(url: str, pid: int | None, args: argparse.Namespace) -> dict[str
         "idle": {"reached": idle, "running": after["pagellm:num_requests_running"],
                  "waiting": after["pagellm:num_requests_waiting"], "kv_cache_usage": kv_usage,
                  "leaked_blocks": None if args.num_blocks is None else round(kv_usage * args.num_blocks)},
-        "rss": rss_summary(rss, args.warmup_s) if pid is not None else None,
+        "rss": rss_summary(rss, args.warmup_s, args.duration_s) if pid is not None else None,
     }
 
 
-def rss_summary(samples: list[tuple[float, int]], warmup_s: float) -> dict[str, Any]:
-    """RSS at the first sample after the warm-up and at the last one under load, and the growth between."""
-    steady = [(t, b) for t, b in samples if t >= warmup_s] or samples[-1:]
-    start_mib, end_mib = steady[0][1] / (1 << 20), steady[-1][1] / (1 << 20)
-    return {"start_mib": start_mib, "end_mib": end_mib, "peak_mib": max(b for _, b in samples) / (1 << 20),
-            "growth": end_mib / start_mib - 1, "start_at_s": steady[0][0], "end_at_s": steady[-1][0],
+def rss_summary(samples: list[tuple[float, int]], warmup_s: float, duration_s: float) -> dict[str, Any]:
+    """Median RSS over the first window after the warm-up and over the last window of the load, and the
+    growth between. Medians over a window (a tenth of the run, at most a minute), so that one sample
+    taken during a burst of in-flight requests does not decide the result."""
+    window_s = min(60.0, duration_s / 10)
+    under_load = [(t, b) for t, b in samples if warmup_s <= t <= duration_s] or samples
+    first_s, last_s = under_load[0][0], under_load[-1][0]
+    start = statistics.median(b for t, b in under_load if t <= first_s + window_s) / (1 << 20)
+    end = statistics.median(b for t, b in under_load if t >= last_s - window_s) / (1 << 20)
+    return {"start_mib": start, "end_mib": end, "peak_mib": max(b for _, b in samples) / (1 << 20),
+            "growth": end / start - 1, "window_s": window_s, "start_window_at_s": first_s,
+            "end_window_at_s": last_s - window_s,
             "samples": [[round(t, 1), round(b / (1 << 20), 1)] for t, b in samples]}
 
 
@@ -441,7 +442,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument("--num-aborts", type=int, default=1000, help="streams cut by the client, spread over the run")
     p.add_argument("--invalid-fraction", type=float, default=0.03)
-    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth is measured from the first sample after")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth is measured from the samples after")
     p.add_argument("--rss-interval-s", type=float, default=5.0)
     p.add_argument("--idle-timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
