@@ -36,6 +36,7 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
     attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton. None: triton on CUDA (when Triton is installed), torch on CPU.')
+    async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, 'GPUs per model replica (only 1 is supported so far).')
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')

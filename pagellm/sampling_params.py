@@ -165,6 +165,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature is not None and self.temperature < _GREEDY_EPS
 
+    @property
+    def reads_output_history(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens).
+        The engine steps such requests without overlap, so that history is complete."""
+        return bool(self._bad_words_token_ids or self.min_tokens > 0 or self.repetition_penalty not in (None, 1.0)
+                    or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+
 
 def _token_key(key) -> int:
     """logit_bias keys arrive as strings from JSON."""

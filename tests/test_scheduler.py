@@ -537,21 +537,39 @@ def test_request_that_can_never_fit_is_refused_not_spun_forever():
             d.step()
 
 
+def test_overlapped_schedule_decodes_from_a_placeholder():
+    # schedule() for step N+1 may run before step N's tokens are known (async scheduling): a
+    # request that samples at step N is scheduled again with that token as a placeholder input.
+    s = Scheduler(limits(num_blocks=4, block_size=4))
+    s.add_request(Request("c", prompt(1, 4), SamplingParams(max_tokens=3), frozenset({EOS}), max_tokens=3))
+    out1 = s.schedule()
+    out2 = s.schedule()                      # before step 1's token is known
+    assert out1.num_scheduled_tokens == {"c": 4} and out2.num_scheduled_tokens == {"c": 1}
+    c = s.requests["c"]
+    assert c.num_output_placeholders == 2 and c.num_computed_tokens == 5
+    s.update_from_output(ModelRunnerOutput(["c"], [50]))
+    assert s.schedule().num_scheduled_tokens == {"c": 1}   # samples the third and last token
+    assert s.schedule().num_scheduled_tokens == {}         # two in flight reach max_tokens
+    s.update_from_output(ModelRunnerOutput(["c"], [51]))
+    assert s.update_from_output(ModelRunnerOutput(["c"], [52]))[0].finish_reason == "length"
+    assert c.output_token_ids == [50, 51, 52]
+    assert_drained(s)
+
+
 def test_late_output_for_request_preempted_by_overlapped_schedule():
-    # schedule() counts handed-out tokens as computed so that the next schedule() may overlap
-    # with the running step (see the comment in Scheduler.schedule). Pipelined like that
-    # (schedule N+1 before update N), a request can be preempted while a sampled token for it
-    # is still in flight. Its late output must not crash update_from_output.
+    # Pipelined (schedule N+1 before update N), a request can be preempted while a token sampled
+    # for it is still in flight: that token is dropped and sampled again after recomputation.
     s = Scheduler(limits(num_blocks=2, block_size=4))
     eos = frozenset({EOS})
     s.add_request(Request("c", prompt(1, 4), SamplingParams(max_tokens=5), eos, max_tokens=5))
-    out1 = s.schedule()                      # c's prefill: block 1 of 2
-    s.add_request(Request("b", prompt(2, 1), SamplingParams(max_tokens=1), eos, max_tokens=1))
-    out2 = s.schedule()                      # overlapped with step 1: b's prefill, block 2 of 2
-    assert out1.num_scheduled_tokens == {"c": 4} and out2.num_scheduled_tokens == {"b": 1}
-    s.update_from_output(ModelRunnerOutput(["c"], [50]))   # step 1 done
-    out3 = s.schedule()                      # c's decode needs a 3rd block: b is preempted
-    assert "b" in out3.freed_req_ids and s.requests["b"].status == RequestStatus.PREEMPTED
-    s.update_from_output(ModelRunnerOutput(["b"], [51]))   # step 2's token for b arrives late
+    s.add_request(Request("b", prompt(2, 1), SamplingParams(max_tokens=2), eos, max_tokens=2))
+    out1 = s.schedule()                      # c's prefill fills block 1, b's takes block 2
+    assert out1.num_scheduled_tokens == {"c": 4, "b": 1}
+    out2 = s.schedule()                      # c's placeholder decode needs a 3rd block: b is preempted
+    assert out2.num_scheduled_tokens == {"c": 1} and "b" in out2.freed_req_ids
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0
+    s.update_from_output(ModelRunnerOutput(["c", "b"], [50, 51]))   # b's token arrives late
+    assert b.output_token_ids == [] and s.requests["c"].output_token_ids == [50]
     s.finish_requests(list(s.requests), RequestStatus.FINISHED_ABORTED)
     assert_drained(s)

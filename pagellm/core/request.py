@@ -64,6 +64,8 @@ class Request:
     """Prompt tokens served from the prefix cache at first scheduling (-1: not scheduled yet)."""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    num_output_placeholders: int = 0
+    """Tokens sampled by a step still in flight: scheduled as input before their ids are known."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -75,6 +77,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    def reaches_limit_in_flight(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight already take it to max_tokens or max_model_len, so it ends
+        when they arrive and must not be scheduled further."""
+        return self.num_output_placeholders > 0 and (
+            self.num_output_tokens + self.num_output_placeholders >= self.max_tokens
+            or self.num_tokens_with_placeholders >= max_model_len)
 
     @property
     def num_output_tokens(self) -> int:

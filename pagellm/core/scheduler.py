@@ -57,6 +57,8 @@ class Scheduler:
         self._freed_req_ids: set[str] = set()
         """Requests the workers must forget at the next step."""
         self._known_to_workers: set[str] = set()
+        self._num_history_requests = 0
+        """Requests whose sampling reads their output so far (see `can_overlap`)."""
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
@@ -69,6 +71,7 @@ class Scheduler:
         check_prompt_fits(request.num_tokens, self.limits.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._num_history_requests += request.sampling_params.reads_output_history
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort). Unknown or already finished ids are ignored."""
@@ -89,12 +92,22 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._num_history_requests -= request.sampling_params.reads_output_history
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the tokens of the one in flight are known.
+
+        Requests then decode from placeholders (their last token stays on the device), which is
+        exact unless sampling reads the output history on the host (penalties, bad words,
+        min_tokens): while such a request exists, steps run one at a time."""
+        return self._num_history_requests == 0
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -108,8 +121,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+            if num_new <= 0 or request.reaches_limit_in_flight(self.limits.max_model_len):
                 i += 1
                 continue
             new_blocks = self.kv.allocate_slots(request, num_new)
@@ -168,9 +181,13 @@ class Scheduler:
         )
         self._freed_req_ids = set()
         # The tokens handed out are counted as computed once scheduled: the step that computes
-        # them always runs before the next schedule().
+        # them is always launched before the next schedule(). One reaching the end of its known
+        # tokens samples one more, a placeholder until its id comes back.
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
 
@@ -178,6 +195,8 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token in flight is dropped: recomputation samples it again (same seed, same position).
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -192,8 +211,10 @@ class Scheduler:
         prompt_logprobs = output.prompt_logprobs or {}
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:  # aborted or preempted meanwhile
+            if (request is None or request.status != RequestStatus.RUNNING  # aborted or preempted meanwhile
+                    or request.num_output_placeholders == 0):  # sampled before a preemption: dropped
                 continue
+            request.num_output_placeholders -= 1
             request.append_token(token_id)
             self.num_generation_tokens += 1
             finished = request.check_stop(token_id, self.limits.max_model_len)

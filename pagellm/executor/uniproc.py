@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.worker.model_runner import StepInFlight
 from pagellm.worker.worker import Worker
 
 
@@ -19,3 +20,6 @@ class UniProcExecutor:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(so)
+
+    def launch_step(self, so: SchedulerOutput) -> StepInFlight:
+        return self.worker.launch_step(so)

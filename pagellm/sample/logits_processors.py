@@ -102,7 +102,7 @@ class LogitsProcessors:
         out = cls(
             disallowed=disallowed,
             banned=(ints(ban_rows), ints(ban_ids)) if ban_rows else None,
-            bias=(ints(bias_rows), ints(bias_ids), torch.tensor(bias_values, dtype=torch.float32).to(device))
+            bias=(ints(bias_rows), ints(bias_ids), torch.tensor(bias_values, dtype=torch.float32).to(device, non_blocking=True))
             if bias_rows else None,
             history=None, num_prompt_tokens=None, repetition=None, frequency=None, presence=None,
         )
@@ -120,14 +120,14 @@ class LogitsProcessors:
         history = np.full((num_rows, max_len), vocab_size, dtype=np.int64)
         for i in rows:
             history[i, :len(token_ids[i])] = token_ids[i]
-        self.history = torch.from_numpy(history).to(device)
-        self.num_prompt_tokens = torch.tensor(num_prompt_tokens, dtype=torch.int64).to(device)
+        self.history = torch.from_numpy(history).to(device, non_blocking=True)
+        self.num_prompt_tokens = torch.tensor(num_prompt_tokens, dtype=torch.int64).to(device, non_blocking=True)
 
         def per_row(name: str, neutral: float) -> torch.Tensor:
             values = [neutral] * num_rows
             for i, p in zip(rows, params):
                 values[i] = getattr(p, name)
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
 
         if any(p.repetition_penalty not in (None, 1.0) for p in params):
             self.repetition = per_row("repetition_penalty", 1.0)

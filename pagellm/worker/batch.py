@@ -26,10 +26,6 @@ class CachedRequestState:
     """Prompt logprobs of the chunks computed so far, until the prompt finishes; None when not
     wanted or already delivered."""
 
-    @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
 
 @dataclass(slots=True)
 class FlatBatch:
@@ -44,7 +40,13 @@ class FlatBatch:
     """[num_sampling] int64: rows of the hidden states whose next token is sampled."""
     sampling_req_ids: list[str]
     """The requests behind `logits_indices`, in the same order."""
+    num_generated: list[int]
+    """Per sampling row, the tokens its request generated before the one sampled now."""
     prompt_logprobs: "PromptLogprobsPlan | None" = None
+    placeholder_rows: np.ndarray | None = None
+    """Rows of `input_ids` whose token was sampled by the step still in flight (left 0 here)..."""
+    placeholder_req_ids: list[str] | None = None
+    """...and, row for row, the requests that sampled them."""
 
 
 @dataclass(slots=True)
@@ -99,20 +101,26 @@ class RequestStates:
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
         positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
 
-        input_ids = np.empty(num_tokens, dtype=np.int64)
+        input_ids = np.zeros(num_tokens, dtype=np.int64)
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        placeholder_rows, placeholder_req_ids = [], []
         for i, s in enumerate(states):
             start, end = s.num_computed_tokens, s.num_computed_tokens + int(query_lens[i])
-            input_ids[query_start_loc[i]:query_start_loc[i + 1]] = s.token_ids[start:end]
+            known = min(end, len(s.token_ids))
+            row = int(query_start_loc[i])
+            input_ids[row:row + known - start] = s.token_ids[start:known]
+            if end > known:  # the last input is the token the previous step is still sampling
+                placeholder_rows.append(row + known - start)
+                placeholder_req_ids.append(s.req_id)
             block_table[i, :len(s.block_ids)] = s.block_ids
         slot_mapping = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
                         * self.block_size + positions % self.block_size)
 
-        # A request samples when this step reaches the end of its known tokens (a finished
-        # prefill or a decode); a mid-prompt chunk does not.
+        # A request samples when this step reaches the end of its tokens, known or in flight (a
+        # finished prefill or a decode); a mid-prompt chunk does not.
         token_counts = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
-        sampling_rows = np.flatnonzero(seq_lens == token_counts)
+        sampling_rows = np.flatnonzero(seq_lens >= token_counts)
         logits_indices = query_start_loc[sampling_rows + 1] - 1
 
         dev = self.device
@@ -133,7 +141,10 @@ class RequestStates:
             attn_metadata=attn_metadata,
             logits_indices=_to_device(logits_indices, torch.int64, dev),
             sampling_req_ids=[req_ids[i] for i in sampling_rows],
+            num_generated=[int(seq_lens[i]) - states[i].num_prompt_tokens for i in sampling_rows],
             prompt_logprobs=self._plan_prompt_logprobs(states, query_start_loc, query_lens),
+            placeholder_rows=np.asarray(placeholder_rows, dtype=np.int64) if placeholder_rows else None,
+            placeholder_req_ids=placeholder_req_ids or None,
         )
 
     def _plan_prompt_logprobs(self, states: list[CachedRequestState], query_start_loc: np.ndarray,
@@ -161,8 +172,16 @@ class RequestStates:
 
     def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
         for req_id, token_id in zip(req_ids, token_ids):
-            self.states[req_id].token_ids.append(token_id)
+            state = self.states.get(req_id)
+            if state is not None:  # None: freed (finished, aborted, preempted) while in flight
+                state.token_ids.append(token_id)
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+    # non_blocking: a blocking host-to-device copy would wait for the step still running on the
+    # GPU, which is what async scheduling overlaps with.
+    host = np.ascontiguousarray(array, dtype=_NUMPY_TYPES[dtype])
+    return torch.from_numpy(host).to(device, non_blocking=True)
+
+
+_NUMPY_TYPES = {torch.int32: np.int32, torch.int64: np.int64}

@@ -35,6 +35,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
+        """Token ids sampled by the latest launched step, still on the device."""
+        self._last_sampled_rows: dict[str, int] = {}
+        """Request -> its row in `_last_sampled`."""
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.args.seed)
 
@@ -130,12 +134,25 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch_step(so).result()
+
+    @torch.inference_mode()
+    def launch_step(self, so: SchedulerOutput) -> "StepInFlight":
+        """Queue one step's GPU work and the copy of its results to the host, without waiting.
+
+        Decode inputs whose token the previous step is still sampling are taken from that step's
+        device tensor of sampled ids, so the next step can be launched before this one's results
+        are read.
+        """
         self.requests.update(so)
         if so.is_empty:
-            return ModelRunnerOutput([], [])
+            return StepInFlight.done(ModelRunnerOutput([], []))
         batch = self.requests.build(so)
+        if batch.placeholder_rows is not None:
+            rows = [self._last_sampled_rows[r] for r in batch.placeholder_req_ids]
+            batch.input_ids[torch.from_numpy(batch.placeholder_rows).to(self.device, non_blocking=True)] = \
+                self._last_sampled[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)]
         hidden = self._forward(batch)
         plan = batch.prompt_logprobs
         req_ids = batch.sampling_req_ids
@@ -145,19 +162,13 @@ class ModelRunner:
             to_host += prompt_logprobs(hidden[plan.hidden_indices], plan.targets, plan.max_logprobs,
                                        self.model.compute_logits)
         if states:
-            to_host += self._sample(hidden[batch.logits_indices], states)
+            sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated)
+            self._last_sampled = sampled[0]
+            self._last_sampled_rows = {r: i for i, r in enumerate(req_ids)}
+            to_host += sampled
         if not to_host:
-            return ModelRunnerOutput([], [])
-        host = _to_host(to_host)
-        if plan is not None:
-            self._stash_prompt_logprobs(plan, host[:3])
-            host = host[3:]
-        if not states:
-            return ModelRunnerOutput([], [])
-        token_ids = host[0].tolist()
-        self.requests.append_sampled(req_ids, token_ids)
-        return ModelRunnerOutput(req_ids, token_ids, _sampled_logprobs(states, host[1:]) or None,
-                                 _finished_prompt_logprobs(states) or None)
+            return StepInFlight.done(ModelRunnerOutput([], []))
+        return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         md = batch.attn_metadata
@@ -165,7 +176,8 @@ class ModelRunner:
             return self.graphs.run(batch.input_ids, batch.positions, md)
         return self.model(batch.input_ids, batch.positions, md)
 
-    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState]) -> list[torch.Tensor]:
+    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState],
+                num_generated: list[int]) -> list[torch.Tensor]:
         """The sampled token ids, then (ids, logprobs, ranks) of the rows that asked for logprobs."""
         params = [s.sampling_params for s in states]
         logits = self.model.compute_logits(hidden)
@@ -175,39 +187,90 @@ class ModelRunner:
         processors = LogitsProcessors.build(
             params, [s.token_ids for s in states], [s.num_prompt_tokens for s in states],
             [s.eos_token_ids for s in states], self.arch.vocab_size, self.device)
-        md = SamplingMetadata.build(params, [s.num_generated for s in states], self.arch.vocab_size,
+        md = SamplingMetadata.build(params, num_generated, self.arch.vocab_size,
                                     self.device, self._default_generator, processors)
         sampled = sample(logits, md)
         if raw_logprobs is None:
             return [sampled]
         k = max(params[i].logprobs for i in logprob_rows)
-        rows = torch.tensor(logprob_rows, dtype=torch.int64).to(self.device)
+        rows = torch.tensor(logprob_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return [sampled, *gather_logprobs(raw_logprobs, sampled[rows], k)]
 
-    def _stash_prompt_logprobs(self, plan: PromptLogprobsPlan, arrays: list[np.ndarray]) -> None:
+    def stash_prompt_logprobs(self, plan: PromptLogprobsPlan, arrays: list[np.ndarray]) -> None:
         ids, values, ranks = arrays
         start = 0
         for req_id, count in plan.counts:
-            state = self.requests.states[req_id]
-            width = state.sampling_params.prompt_logprobs + 1
             end = start + count
-            state.prompt_logprobs_parts.append((ids[start:end, :width], values[start:end, :width], ranks[start:end]))
+            state = self.requests.states.get(req_id)
+            if state is not None and state.prompt_logprobs_parts is not None:  # else freed while in flight
+                width = state.sampling_params.prompt_logprobs + 1
+                state.prompt_logprobs_parts.append(
+                    (ids[start:end, :width], values[start:end, :width], ranks[start:end]))
             start = end
 
 
-def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
-    """One device-to-host copy for the whole step: the tensors travel flattened in one float64
-    buffer (exact for token ids and ranks) and come back in their own shapes and kinds."""
-    if len(tensors) == 1:
-        return [tensors[0].cpu().numpy()]
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
-    arrays, start = [], 0
-    for t in tensors:
-        size = t.numel()
-        part = flat[start:start + size].reshape(t.shape)
-        arrays.append(part.astype(np.int64) if not t.is_floating_point() else part)
-        start += size
-    return arrays
+class _HostCopy:
+    """One device-to-host copy for the whole step, started now and read later: the tensors travel
+    flattened in one float64 buffer (exact for token ids and ranks) and come back in their own
+    shapes and kinds."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._specs = [(t.shape, t.is_floating_point()) for t in tensors]
+        flat = tensors[0] if len(tensors) == 1 else torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        if flat.is_cuda:
+            self._buffer = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._buffer.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._buffer, self._event = flat, None
+
+    def arrays(self) -> list[np.ndarray]:
+        if self._event is not None:
+            self._event.synchronize()
+        flat = self._buffer.numpy()
+        if len(self._specs) == 1:
+            return [flat]
+        arrays, start = [], 0
+        for shape, is_float in self._specs:
+            size = int(np.prod(shape))
+            part = flat[start:start + size].reshape(shape)
+            arrays.append(part if is_float else part.astype(np.int64))
+            start += size
+        return arrays
+
+
+class StepInFlight:
+    """A launched step whose results are read from the host copy on `result()`."""
+
+    def __init__(self, runner: ModelRunner | None, copy: _HostCopy | None, plan: PromptLogprobsPlan | None,
+                 req_ids: list[str], states: list[CachedRequestState],
+                 output: ModelRunnerOutput | None = None) -> None:
+        self._runner, self._copy, self._plan = runner, copy, plan
+        self._req_ids, self._states = req_ids, states
+        self._output = output
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> "StepInFlight":
+        return cls(None, None, None, [], [], output)
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step, record its tokens in the worker's states, and return them (once)."""
+        if self._output is None:
+            self._output = self._read()
+        return self._output
+
+    def _read(self) -> ModelRunnerOutput:
+        host = self._copy.arrays()
+        if self._plan is not None:
+            self._runner.stash_prompt_logprobs(self._plan, host[:3])
+            host = host[3:]
+        if not self._states:
+            return ModelRunnerOutput([], [])
+        token_ids = host[0].tolist()
+        self._runner.requests.append_sampled(self._req_ids, token_ids)
+        return ModelRunnerOutput(self._req_ids, token_ids, _sampled_logprobs(self._states, host[1:]) or None,
+                                 _finished_prompt_logprobs(self._states) or None)
 
 
 def _rows(arrays: list[np.ndarray], rows: list[int] | slice, k: int) -> TokenLogprobs:

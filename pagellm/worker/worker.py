@@ -7,7 +7,7 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
@@ -63,3 +63,6 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)
+
+    def launch_step(self, so: SchedulerOutput) -> StepInFlight:
+        return self.runner.launch_step(so)
