@@ -22,6 +22,13 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
+TUNING = {
+    "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2},
+    "prefill": {"block_n": 32, "k_rows": False, "num_warps": 4, "num_stages": 2},
+}
+"""Launch parameters for head_dim 128 by kind of step (short queries or prefill chunks); head_dim
+64 always takes 64-key tiles. `benchmarks/attention_kernel_bench.py` sweeps these on a GPU."""
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -65,7 +72,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 def _attend_tile(
     q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, K_ROWS: tl.constexpr,
 ):
     """One BLOCK_N-key tile of the online softmax: returns the updated (max, sum, accumulator)."""
     dims = tl.arange(0, HEAD_DIM)
@@ -73,8 +80,11 @@ def _attend_tile(
     k_ok = k_idx < kv_hi
     page = tl.load(block_table_ptr + seq * stride_bt + k_idx // BLOCK_SIZE, mask=k_ok, other=0)
     in_page = k_idx % BLOCK_SIZE
-    k = tl.load(k_cache_ptr + (page * stride_kb + in_page * stride_ks + kv_head * stride_kh)[None, :]
-                + dims[:, None], mask=k_ok[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+    key_rows = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+    if K_ROWS:  # keys as stored, [BLOCK_N, HEAD_DIM], transposed for the dot
+        k = tl.trans(tl.load(k_cache_ptr + key_rows[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0))
+    else:
+        k = tl.load(k_cache_ptr + key_rows[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
     s = tl.dot(q, k) * scale_log2  # log2 domain: exp2 below
     visible = k_ok[None, :] & (k_idx[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
@@ -98,7 +108,7 @@ def _paged_attention_kernel(
     stride_pt, stride_ph, stride_ps,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, K_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -144,14 +154,14 @@ def _paged_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
                 scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS)
             start += BLOCK_N
     else:
         for start in range(kv_lo, kv_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
                 scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     token = q_start + q_idx
@@ -205,8 +215,10 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     # tl.dot needs at least 16 rows; short queries fill them with more query tokens.
-    block_q = max(1, (16 if max_query_len <= 16 else 64) // group_p)
-    block_n = 64 if head_dim <= 64 else 32 if max_query_len > 16 else 64
+    decode = max_query_len <= 16
+    block_q = max(1, (16 if decode else 64) // group_p)
+    cfg = TUNING["decode" if decode else "prefill"]
+    block_n = 64 if head_dim <= 64 else cfg["block_n"]
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     if num_splits > 1:
         part_out = query.new_empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32)
@@ -222,7 +234,7 @@ def paged_attention(
         num_heads * num_splits, num_splits, 1,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
-        num_warps=4, num_stages=2,
+        K_ROWS=cfg["k_rows"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

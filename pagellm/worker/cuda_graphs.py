@@ -20,9 +20,16 @@ from pagellm.attention.backend import AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
+MAX_CAPTURE_SIZE = 512
+"""Largest batch captured: beyond it a step's GPU work dwarfs its launches, and every captured size
+costs start-up time and memory."""
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Batch sizes to capture: 1, 2, 4, then every multiple of 8 up to max_num_seqs (and it)."""
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    """Batch sizes to capture: 1, 2, 4, then every multiple of 8 up to max_num_seqs (and it), at
+    most MAX_CAPTURE_SIZE."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8)) + [top]
     return sorted(set(sizes))
 
 
