@@ -56,9 +56,9 @@ from pagellm.loader import resolve_model
 
 DEFAULT_SHAREGPT_REQUESTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_1000_seed0.json.gz")
 DEFAULT_CAPS = {
-    "ceilings": 20, "kernel_tests": 75, "datasets.random": 20, "datasets.sharegpt": 20, "backend_check": 45,
-    "engine.load": 45, "engine.sampling_features": 20, "engine.batch1_decode": 40, "engine.random": 140,
-    "engine.sharegpt": 90, "hf.load": 30, "hf.sharegpt": 35, "hf.random": 55, "hf.batch1_decode": 20,
+    "ceilings": 20, "kernel_tests": 120, "datasets.random": 20, "datasets.sharegpt": 20, "backend_check": 45,
+    "engine.load": 45, "engine.sampling_features": 20, "engine.batch1_decode": 40, "engine.random": 130,
+    "engine.sharegpt": 60, "hf.load": 30, "hf.sharegpt": 110, "hf.random": 100, "hf.batch1_decode": 20,
 }
 """Seconds per phase; together more than the default budget, which clips the last ones if earlier ones run long."""
 _SMOKE = {"num_prompts": 4, "input_len": 32, "output_len": 8, "sharegpt_prompts": 4, "hf_requests": 2,
@@ -221,9 +221,10 @@ def _engine_phases(runner: PhaseRunner, args: argparse.Namespace, ctx: SimpleNam
     leave it inconsistent), load a fresh one before the next phase."""
     state: dict[str, Any] = {}
 
-    def load(deadline: float) -> dict[str, Any]:
+    def load(deadline: float, max_num_seqs: int) -> dict[str, Any]:
         start = time.perf_counter()
-        state["llm"] = LLM(**dataclasses.asdict(engine_args_from(args)))
+        state["llm"] = LLM(**{**dataclasses.asdict(engine_args_from(args)), "max_num_seqs": max_num_seqs})
+        state["max_num_seqs"] = max_num_seqs
         result = {"startup_s": time.perf_counter() - start, **engine_summary(state["llm"])}
         if ctx.config.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(ctx.config.device)
@@ -238,8 +239,15 @@ def _engine_phases(runner: PhaseRunner, args: argparse.Namespace, ctx: SimpleNam
     steps += [(name, lambda llm, deadline, r=getattr(ctx, name): _engine_throughput(llm, r, deadline, ctx))
               for name in ("random", "sharegpt") if getattr(ctx, name) is not None]
     for i, (name, fn) in enumerate(steps):
+        # A throughput phase may ask for its own max_num_seqs (the right concurrency depends on
+        # how much KV its requests need): the engine is reloaded with it.
+        max_num_seqs = getattr(args, f"{name}_max_num_seqs", None) or args.max_num_seqs
+        if state.get("max_num_seqs") not in (None, max_num_seqs):
+            state.clear()
+            _free_memory()
         if "llm" not in state:
-            runner.run("engine.load" if i == 0 else f"engine.reload_for_{name}", load)
+            runner.run("engine.load" if i == 0 else f"engine.reload_for_{name}",
+                       lambda deadline, n=max_num_seqs: load(deadline, n))
             if "llm" not in state:
                 break
         runner.run(f"engine.{name}", lambda deadline: fn(state["llm"], deadline))
@@ -390,6 +398,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--sharegpt-prompts", type=int, default=1000)
+    p.add_argument("--random-max-num-seqs", type=int, default=None,
+                   help="engine max_num_seqs for the random run (default: --max-num-seqs)")
+    p.add_argument("--sharegpt-max-num-seqs", type=int, default=None,
+                   help="engine max_num_seqs for the ShareGPT run (default: --max-num-seqs)")
     p.add_argument("--sharegpt-requests", default=DEFAULT_SHAREGPT_REQUESTS,
                    help="requests file from --write-sharegpt-requests; '' samples ShareGPT here")
     p.add_argument("--dataset-path", default=None, help="ShareGPT JSON to sample from; default: the package's")
