@@ -283,22 +283,22 @@ async def cut_loop(http: httpx.AsyncClient, load: Load, rng: random.Random) -> N
     await asyncio.gather(*streams)
 
 
-def server_rss(pid: int) -> int:
-    """Resident bytes of the process and all its descendants (the engine core is a child)."""
+def server_rss(pid: int) -> tuple[int, int]:
+    """Resident bytes of the process and of all its descendants (the engine core is a child)."""
     process = psutil.Process(pid)
-    total = 0
-    for p in (process, *process.children(recursive=True)):
+    children = 0
+    for child in process.children(recursive=True):
         try:
-            total += p.memory_info().rss
+            children += child.memory_info().rss
         except psutil.NoSuchProcess:  # a helper process that just exited
             pass
-    return total
+    return process.memory_info().rss, children
 
 
-async def sample_rss(pid: int, interval_s: float, start: float, samples: list[tuple[float, int]]) -> None:
+async def sample_rss(pid: int, interval_s: float, start: float, samples: list[tuple[float, int, int]]) -> None:
     loop = asyncio.get_running_loop()
     while True:
-        samples.append((loop.time() - start, server_rss(pid)))
+        samples.append((loop.time() - start, *server_rss(pid)))
         await asyncio.sleep(interval_s)  # a sampling period, not synchronization
 
 
@@ -319,7 +319,7 @@ async def drive(url: str, pid: int | None, args: argparse.Namespace) -> dict[str
     loop = asyncio.get_running_loop()
     load = Load(loop.time(), model["id"], args.duration_s, args.num_aborts, model["max_model_len"],
                 args.invalid_fraction)
-    rss: list[tuple[float, int]] = []
+    rss: list[tuple[float, int, int]] = []
     sampler = (asyncio.create_task(sample_rss(pid, args.rss_interval_s, load.start, rss))
                if pid is not None else None)
     # No connection limit: a cut stream must start on time even while every client is waiting.
@@ -352,19 +352,29 @@ async def drive(url: str, pid: int | None, args: argparse.Namespace) -> dict[str
     }
 
 
-def rss_summary(samples: list[tuple[float, int]], warmup_s: float, duration_s: float) -> dict[str, Any]:
+def rss_summary(samples: list[tuple[float, int, int]], warmup_s: float, duration_s: float) -> dict[str, Any]:
     """Median RSS over the first window after the warm-up and over the last window of the load, and the
-    growth between. Medians over a window (a tenth of the run, at most a minute), so that one sample
-    taken during a burst of in-flight requests does not decide the result."""
+    growth between, for the server in all and for the API process and its children (the engine core)
+    apart. Medians over a window (a tenth of the run, at most a minute), so that one sample taken
+    during a burst of in-flight requests does not decide the result."""
     window_s = min(60.0, duration_s / 10)
-    under_load = [(t, b) for t, b in samples if warmup_s <= t <= duration_s] or samples
+    under_load = [s for s in samples if warmup_s <= s[0] <= duration_s] or samples
     first_s, last_s = under_load[0][0], under_load[-1][0]
-    start = statistics.median(b for t, b in under_load if t <= first_s + window_s) / (1 << 20)
-    end = statistics.median(b for t, b in under_load if t >= last_s - window_s) / (1 << 20)
-    return {"start_mib": start, "end_mib": end, "peak_mib": max(b for _, b in samples) / (1 << 20),
-            "growth": end / start - 1, "window_s": window_s, "start_window_at_s": first_s,
-            "end_window_at_s": last_s - window_s,
-            "samples": [[round(t, 1), round(b / (1 << 20), 1)] for t, b in samples]}
+
+    def mib(window: list[tuple[float, int, int]], part: slice) -> float:
+        return statistics.median(sum(s[part]) for s in window) / (1 << 20)
+
+    start_window = [s for s in under_load if s[0] <= first_s + window_s]
+    end_window = [s for s in under_load if s[0] >= last_s - window_s]
+    summary: dict[str, Any] = {"window_s": window_s, "start_window_at_s": first_s, "end_window_at_s": last_s - window_s}
+    for name, part in (("", slice(1, 3)), ("api_", slice(1, 2)), ("engine_core_", slice(2, 3))):
+        summary[f"{name}start_mib"], summary[f"{name}end_mib"] = mib(start_window, part), mib(end_window, part)
+    summary["growth"] = summary["end_mib"] / summary["start_mib"] - 1
+    summary["peak_mib"] = max(api + children for _, api, children in samples) / (1 << 20)
+    # [seconds, API process MiB, its children's MiB]
+    summary["samples"] = [[round(t, 1), round(api / (1 << 20), 1), round(children / (1 << 20), 1)]
+                          for t, api, children in samples]
+    return summary
 
 
 def goals(report: dict[str, Any]) -> dict[str, bool]:
@@ -386,8 +396,10 @@ def print_report(report: dict[str, Any]) -> None:
             ["aborts seen by the server", report["server_aborts"]], ["preemptions", report["preemptions"]],
             ["unexpected errors", report["num_errors"]], ["requests/s", report["requests_per_s"]],
             ["output tok/s", report["output_tok_per_s"]], ["RSS start MiB", rss.get("start_mib", "-")],
-            ["RSS end MiB", rss.get("end_mib", "-")],
-            ["RSS growth %", 100 * rss["growth"] if rss else "-"],
+            ["RSS end MiB", rss.get("end_mib", "-")], ["RSS growth %", 100 * rss["growth"] if rss else "-"],
+            ["  API process start/end MiB", f"{rss['api_start_mib']:.0f}/{rss['api_end_mib']:.0f}" if rss else "-"],
+            ["  engine core start/end MiB",
+             f"{rss['engine_core_start_mib']:.0f}/{rss['engine_core_end_mib']:.0f}" if rss else "-"],
             ["KV usage after idle", report["idle"]["kv_cache_usage"]],
             ["leaked blocks", report["idle"]["leaked_blocks"]]]
     rows += [[f"goal {name}", "met" if met else "MISSED"] for name, met in report["goals"].items()]
