@@ -9,14 +9,13 @@ import time
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pagellm import LLM, SamplingParams
 from pagellm.entrypoints.cli import main
 from pagellm.entrypoints.openai.api_server import load_chat_template
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.sampling_params import RequestOutputKind
-from server_utils import RemoteServer
+from server_utils import RemoteServer, metric_samples
 
 MODEL_NAME = "smollm2"
 MAX_LEN = 1024
@@ -54,17 +53,6 @@ def chat_messages(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
 
 
-def metric_samples(server: RemoteServer) -> dict[str, float]:
-    """`name{finished_reason=...}` -> value for every sample on /metrics (parsed by prometheus_client)."""
-    text = httpx.get(f"{server.url}/metrics").text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            reason = sample.labels.get("finished_reason")
-            samples[f"{sample.name}{{{reason}}}" if reason else sample.name] = sample.value
-    return samples
-
-
 def wait_until(predicate, what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not predicate():
@@ -75,7 +63,7 @@ def wait_until(predicate, what: str) -> None:
 def wait_until_aborted_and_freed(server: RemoteServer, before: dict[str, float]) -> None:
     """One more aborted request than in `before`, none running, and no KV blocks in use."""
     def done() -> bool:
-        now = metric_samples(server)
+        now = metric_samples(server.url)
         return (now["pagellm:request_success_total{abort}"] == before["pagellm:request_success_total{abort}"] + 1
                 and now["pagellm:num_requests_running"] == 0 and now["pagellm:kv_cache_usage_perc"] == 0)
 
@@ -207,17 +195,17 @@ def test_tokenize_detokenize(server, client, offline):
 
 
 def test_metrics_parse_and_count_tokens(server, client):
-    before = metric_samples(server)
+    before = metric_samples(server.url)
     client.completions.create(model=MODEL_NAME, prompt="Metrics are", max_tokens=4, temperature=0.0)
-    wait_until(lambda: metric_samples(server)["pagellm:generation_tokens_total"]
+    wait_until(lambda: metric_samples(server.url)["pagellm:generation_tokens_total"]
                >= before["pagellm:generation_tokens_total"] + 4, "generation tokens counted")
-    after = metric_samples(server)
+    after = metric_samples(server.url)
     assert after["pagellm:prompt_tokens_total"] > before["pagellm:prompt_tokens_total"]
     assert after["pagellm:request_success_total{length}"] == before["pagellm:request_success_total{length}"] + 1
 
 
 def test_client_disconnect_aborts_the_request(server):
-    before = metric_samples(server)
+    before = metric_samples(server.url)
     body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True,
             "stream": True}
     with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -226,14 +214,14 @@ def test_client_disconnect_aborts_the_request(server):
             data_lines = (line for line in response.iter_lines() if line.startswith("data: "))
             for _ in range(3):
                 next(data_lines)
-            assert metric_samples(server)["pagellm:num_requests_running"] == 1
+            assert metric_samples(server.url)["pagellm:num_requests_running"] == 1
     # Leaving the block closed the connection mid-stream.
 
     wait_until_aborted_and_freed(server, before)
 
 
 def test_client_timeout_aborts_a_non_streamed_request(server):
-    before = metric_samples(server)
+    before = metric_samples(server.url)
     body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
