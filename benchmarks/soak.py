@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import psutil  # installed with accelerate (the test extra)
+import psutil
 
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, summarize, write_json
 from pagellm.loader import default_model_path
