@@ -50,6 +50,12 @@ def completion_body(topic: str, max_tokens: int, **extra) -> dict:
             "max_tokens": max_tokens, **extra}
 
 
+def greedy_request(i: int, max_tokens: int) -> tuple[bool, dict]:
+    """(chat?, body) of the i-th of a set of greedy requests: chat and completions in turn."""
+    chat = i % 2 == 0
+    return chat, (chat_body if chat else completion_body)(TOPICS[i // 2], max_tokens)
+
+
 async def greedy_text(client: openai.AsyncOpenAI, chat: bool, body: dict) -> tuple[str, str]:
     """The text and finish reason of one non-streamed request."""
     if chat:
@@ -69,10 +75,10 @@ async def wait_until_idle(server: RemoteServer, num_aborted: float, timeout_s: f
 
 
 def test_preemption_storm_gives_the_texts_of_requests_run_alone(server):
-    """64 greedy requests at once on a tiny KV cache: preempted and recomputed many times over, each
-    still gets exactly the text (and finish reason) it gets running alone on the same server."""
-    requests = [(i % 2 == 0, (chat_body if i % 2 == 0 else completion_body)(TOPICS[i // 2], 16 + i % 5))
-                for i in range(64)]
+    """64 greedy requests at once on a tiny KV cache, preempted and recomputed: each still gets exactly
+    the text (and finish reason) it gets running alone on the same server (alone, none is preempted:
+    one request fits)."""
+    requests = [greedy_request(i, 16 + i % 5) for i in range(64)]
 
     async def run() -> tuple[list, list]:
         client = async_client(server)
@@ -134,8 +140,7 @@ def test_abort_storm_leaves_nothing_running_and_no_block_held(server):
     is an abort, the server ends idle with no KV block held, and the survivors, and a greedy request
     after the storm, get the texts they got before it."""
     rng = random.Random(STORM_SEED)
-    survivors = [(i % 2 == 0, (chat_body if i % 2 == 0 else completion_body)(TOPICS[i], SURVIVOR_TOKENS))
-                 for i in range(NUM_SURVIVORS)]
+    survivors = [greedy_request(i, SURVIVOR_TOKENS) for i in range(NUM_SURVIVORS)]
 
     def cut_request(**ignore_eos) -> tuple[bool, dict, int]:
         """(chat?, body, events before the cut), drawn from the seeded RNG."""
