@@ -16,13 +16,11 @@ PROMPTS = [
     "The capital of France is",
     "Write a haiku about autumn leaves.",
     "List three prime numbers larger than 50:",
-    "def fibonacci(n):",
     "Once upon a time, in a small village by the sea,",
-    "The three laws of robotics are",
 ]
 VARIANTS = {
     "default": {},
-    "preemption": dict(num_gpu_blocks_override=7, max_model_len=112),
+    "preemption": dict(num_gpu_blocks_override=4, max_model_len=64),
     "chunked prefill": dict(max_num_batched_tokens=8, max_num_seqs=4),
 }
 
@@ -53,7 +51,10 @@ def assert_same_outputs(got, expected) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_overlap_gives_the_same_greedy_outputs(smollm2_path: str, variant: str) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, stop=["\n\n"])
+    # A stop string ends some requests after a few tokens: only the default variant uses one, so
+    # the others keep enough requests growing to preempt each other.
+    stop = ["\n\n"] if variant == "default" else None
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, stop=stop)
     expected, _ = run(smollm2_path, False, params, **VARIANTS[variant])
     got, llm = run(smollm2_path, True, params, **VARIANTS[variant])
     assert llm.llm_engine.engine_core.overlap
