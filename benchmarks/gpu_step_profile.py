@@ -41,6 +41,30 @@ def graph_replay_ms(runner: Any, size: int, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
+def kernel_breakdown(runner: Any, size: int, iters: int = 10) -> dict[str, Any]:
+    """GPU time per decode step by kernel name, for the graph replay of `size` rows and for the same
+    forward run eagerly (launch gaps show as the difference between the sum and the step time)."""
+    graph, _ = runner.graphs._graphs[size]
+    md = runner.graphs._metadata(size)
+    ids, positions = runner.graphs.input_ids[:size], runner.graphs.positions[:size]
+    found = {}
+    for label, step in (("graph", graph.replay), ("eager", lambda: runner.model(ids, positions, md))):
+        step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+        kernels = []
+        for evt in prof.key_averages():
+            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+            if us > 0:
+                kernels.append({"name": evt.key[:120], "calls_per_step": evt.count / iters, "us_per_step": us / iters})
+        kernels.sort(key=lambda r: -r["us_per_step"])
+        found[label] = {"sum_us_per_step": sum(r["us_per_step"] for r in kernels), "kernels": kernels[:40]}
+    return found
+
+
 def engine_step_ms(llm: LLM, batch: int, input_len: int, output_len: int) -> float:
     """Wall time per decode step: (generate with output_len) - (generate with 1 token), over the steps."""
     prompts = [{"prompt_token_ids": [(7 * i + j) % 30000 + 100 for j in range(input_len)]} for i in range(batch)]
@@ -94,6 +118,13 @@ def main() -> None:
                         "host_ms": step - replay, "tok_per_s": batch / step * 1e3})
         rows.append([batch, f"{replay:.2f}", f"{step:.2f}", f"{step - replay:.2f}", f"{batch / step * 1e3:.0f}"])
 
+    breakdown = {size: kernel_breakdown(runner, size) for size in {1, runner.graphs.max_size}}
+    for size, found in breakdown.items():
+        for label, table in found.items():
+            print(f"batch {size} {label}: kernels sum {table['sum_us_per_step']:.0f} us per step")
+            for r in table["kernels"][:20]:
+                print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:5.0f}  {r['name']}")
+
     profile = cProfile.Profile()
     batch = args.batch_sizes[-1]
     prompts = [{"prompt_token_ids": [(5 * i + j) % 30000 + 100 for j in range(args.input_len)]} for i in range(batch)]
@@ -104,7 +135,7 @@ def main() -> None:
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
 
     payload = {**run_metadata(), "model": args.model, "startup_s": startup_s, "graph_vs_eager": check, "steps": results,
-               "graph_sizes": runner.graphs.sizes, "profile_top": text.getvalue()}
+               "graph_sizes": runner.graphs.sizes, "kernel_breakdown": breakdown, "profile_top": text.getvalue()}
     if args.out_dir:
         write_json(payload, Path(args.out_dir) / "gpu_step_profile.json")
     print(text.getvalue()[:6000])

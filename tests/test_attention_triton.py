@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 from attn_utils import build_metadata  # noqa: E402
 from pagellm.attention import get_attn_backend  # noqa: E402
 from pagellm.attention.triton_backend import decode_splits  # noqa: E402
+from pagellm.attention import triton_kernels  # noqa: E402
 from pagellm.attention.triton_kernels import paged_attention  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -109,6 +110,15 @@ def test_no_cache_is_causal_within_each_prompt(dtype, num_heads: int, num_kv_hea
     ref = get_attn_backend("torch").forward(query, key, value, None, md, 0.125)
 
     check(out, ref, dtype)
+
+
+def test_large_decode_batch_tiles_match_torch_backend(monkeypatch) -> None:
+    # The "large_decode" tiles, taken here by a small batch so that the interpreter can run it.
+    monkeypatch.setattr(triton_kernels, "LARGE_DECODE_PROGRAMS", 8)
+    shapes = [(0, 1), (127, 1), (300, 1), (129, 1)]
+    md, query, key, value, cache = random_paged_batch(shapes, 16, 8, 2, 128, DTYPES[0], seed=5)
+    out, ref, _, _ = run_both(md, query, key, value, cache, 128**-0.5)
+    check(out, ref, DTYPES[0])
 
 
 def test_padding_slots_are_not_written() -> None:

@@ -29,6 +29,8 @@ SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-byte
 API_KEY = "pagellm-test-" + os.urandom(8).hex()
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG_REQUEST = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True}
+LONG_REQUEST_SDK = {**{k: v for k, v in LONG_REQUEST.items() if k != "ignore_eos"}, "extra_body": {"ignore_eos": True}}
+"""LONG_REQUEST as the openai client's arguments (vLLM's extras travel in extra_body)."""
 DETECT_S = 3.0
 """How soon a dead or frozen engine must show: about a second, plus slack for a loaded machine."""
 EXIT_S = 30.0
@@ -142,6 +144,25 @@ def test_request_timeout_cancels_the_handler_and_answers_504():
     asyncio.run(run())
 
 
+def test_request_timeout_header_shortens_the_limit_and_is_validated():
+    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0, request_timeout_s=60.0))
+
+    async def run() -> None:
+        cancelled: list[str] = []
+        async with _traffic_client(state, asyncio.Event(), cancelled) as client:
+            shortened = await client.post("/v1/completions", headers={"X-Request-Timeout": "0.2"})
+            assert shortened.status_code == 504
+            assert "X-Request-Timeout of 0.2 s" in shortened.json()["error"]["message"]
+            for bad in ("0", "-1", "soon", "nan", "inf"):
+                refused = await client.post("/v1/completions", headers={"X-Request-Timeout": bad})
+                assert refused.status_code == 400, bad
+                assert refused.json()["error"]["param"] == "X-Request-Timeout"
+        assert cancelled == ["/v1/completions"], "a refused header never reaches the handler"
+        assert state.in_flight == 0
+
+    asyncio.run(run())
+
+
 def test_draining_refuses_everything_but_probes():
     state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=2), draining=True)
 
@@ -227,6 +248,16 @@ def test_api_key_guards_every_model_path_and_is_never_logged(limited):
     for path in PROBE_PATHS - {"/metrics"}:
         assert httpx.get(f"{limited.url}{path}").status_code == 200, path
     assert API_KEY not in limited.log_tail(1_000_000)
+
+
+def test_request_timeout_header_from_the_openai_client(limited):
+    client = openai.OpenAI(base_url=f"{limited.url}/v1", api_key=API_KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as timed_out:
+        client.completions.create(**LONG_REQUEST_SDK, extra_headers={"X-Request-Timeout": "1"})
+    assert timed_out.value.status_code == 504 and "X-Request-Timeout of 1 s" in timed_out.value.message
+    with pytest.raises(openai.BadRequestError, match="X-Request-Timeout"):
+        client.completions.create(**LONG_REQUEST_SDK, extra_headers={"X-Request-Timeout": "never"})
+    asyncio.run(wait_for(lambda: is_idle(metric_samples(limited.url, AUTH))))
 
 
 def test_request_timeout_answers_504_and_frees_the_kv_cache(smollm2_path):

@@ -26,9 +26,11 @@ _MAX_DIRTY_PATHS = 100
 def run_metadata(commit: str | None = None) -> dict[str, Any]:
     """Date, command line, git state, hardware and library versions of the current process.
 
-    `commit`: the commit the code came from, for a copy without git history (a GPU machine).
+    `commit`: the commit the code came from, for a copy without git history (a GPU machine);
+    default: $PAGELLM_COMMIT.
     """
     git = git_state()
+    commit = commit or os.environ.get("PAGELLM_COMMIT")
     if commit:
         git.update(commit=commit, commit_source="given by the caller")
     return {

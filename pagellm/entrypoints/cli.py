@@ -105,7 +105,8 @@ def _add_reliability_args(serve: argparse.ArgumentParser) -> None:
                             "that, new ones get 503 with Retry-After at once. None: 4 per --max-num-seqs")
     group.add_argument("--request-timeout", type=float, default=None,
                        help="seconds after which an unfinished generation request is aborted with a 504 (a stream "
-                            "gets an error event); None: no limit")
+                            "gets an error event); None: no limit. A client may set a shorter limit for one "
+                            "request with the header X-Request-Timeout: <seconds>")
     group.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
                        help="seconds one engine step may run before the engine counts as stalled and the server "
                             "exits with status 1 (a dead or frozen engine is noticed within about a second "

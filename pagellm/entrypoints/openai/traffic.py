@@ -1,6 +1,7 @@
 """Traffic control at the server's edge: a bound on generation requests in flight (503 with
 `Retry-After` past it), refusal of new requests while draining for shutdown, and a per-request
-deadline (504).
+deadline (504): the server's `--request-timeout`, which a client may shorten for one request with
+the `X-Request-Timeout: <seconds>` header (the smaller of the two applies).
 
 The overload rule, exactly: a request to a generation path is *in flight* from the moment this
 middleware starts handling it until its response's last byte is sent (or the client leaves).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -27,6 +29,8 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """The paths that occupy the engine, hence counted and bounded in time."""
 PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
 """Answered even while draining: supervisors and load balancers must see the state."""
+TIMEOUT_HEADER = "x-request-timeout"
+"""A client's own deadline for one generation request, in seconds (capped by `--request-timeout`)."""
 RETRY_AFTER_S = 1
 """`Retry-After` on a 503: short, since a slot frees up whenever any request finishes."""
 WAITING_PER_SEQ = 4
@@ -109,14 +113,36 @@ class TrafficMiddleware:
         if scope["path"] not in GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
+        try:
+            timeout_s, source = self._deadline(scope)
+        except APIError as error:
+            await error_response(error, request_id_of(scope))(scope, receive, send)
+            return
         self.state.in_flight += 1
         try:
-            await self._run_with_deadline(scope, receive, send)
+            await self._run_with_deadline(scope, receive, send, timeout_s, source)
         finally:
             self.state.in_flight -= 1
 
-    async def _run_with_deadline(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timeout_s = self.state.limits.request_timeout_s
+    def _deadline(self, scope: Scope) -> tuple[float | None, str]:
+        """This request's time limit in seconds (None: none) and what set it, for the 504's message."""
+        server_s = self.state.limits.request_timeout_s
+        header = Headers(scope=scope).get(TIMEOUT_HEADER)
+        if header is None:
+            return server_s, "this server's --request-timeout"
+        try:
+            client_s = float(header)
+        except ValueError:
+            client_s = math.nan
+        if not math.isfinite(client_s) or client_s <= 0:
+            raise APIError(f"the X-Request-Timeout header must be a positive number of seconds, got {header!r}",
+                           param="X-Request-Timeout")
+        if server_s is not None and server_s <= client_s:
+            return server_s, "this server's --request-timeout"
+        return client_s, "the request's X-Request-Timeout"
+
+    async def _run_with_deadline(self, scope: Scope, receive: Receive, send: Send, timeout_s: float | None,
+                                 source: str) -> None:
         if timeout_s is None:
             await self.app(scope, receive, send)
             return
@@ -135,7 +161,7 @@ class TrafficMiddleware:
         # Cancelling the handler closes the engine's output stream, which aborts the request and
         # frees its KV blocks.
         await asyncio.gather(task, return_exceptions=True)
-        error = APIError(f"the request did not finish within this server's --request-timeout of {timeout_s:g} s "
+        error = APIError(f"the request did not finish within {source} of {timeout_s:g} s "
                          "and was aborted; ask for fewer tokens or retry later", 504)
         logger.warning("%s %s -> 504 [request id %s]: %s", scope["method"], scope["path"], request_id_of(scope),
                        error.message)
