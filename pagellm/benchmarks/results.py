@@ -29,10 +29,9 @@ def run_metadata(commit: str | None = None) -> dict[str, Any]:
     `commit`: the commit the code came from, for a copy without git history (a GPU machine);
     default: $PAGELLM_COMMIT.
     """
-    git = git_state()
     commit = commit or os.environ.get("PAGELLM_COMMIT")
-    if commit:
-        git.update(commit=commit, commit_source="given by the caller")
+    # A copy without our history cannot say whether it differs from that commit.
+    git = {"commit": commit, "commit_source": "given by the caller", "dirty": None} if commit else git_state()
     return {
         "date_utc": utc_now().isoformat(timespec="seconds"),
         # orig_argv, not argv: under `python -m` argv[0] is the module's file path, not what was typed.
