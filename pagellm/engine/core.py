@@ -7,6 +7,7 @@ from pagellm.config import EngineConfig
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
+from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor.uniproc import UniProcExecutor
 from pagellm.worker.model_runner import StepInFlight
 
@@ -34,6 +35,7 @@ class EngineCore:
         # Overlap pays only where the device runs asynchronously to the host.
         self.overlap = args.async_scheduling if args.async_scheduling is not None else config.device.type == "cuda"
         self._in_flight: StepInFlight | None = None
+        self._heap = HeapTrimmer()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -58,6 +60,7 @@ class EngineCore:
         self._in_flight = launched
         if not overlap:
             outputs += self._collect()
+        self._heap.maybe_trim()
         return outputs
 
     def _collect(self) -> list[EngineCoreOutput]:
