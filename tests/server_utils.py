@@ -84,7 +84,7 @@ class RemoteServer:
 
 
 def metric_samples(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """`name{finished_reason}` (or `name`) -> value for every sample on the server's /metrics, parsed by
+    """`name{finished_reason}` or `name{reason}` (or `name`) -> value for every sample on the server's /metrics, parsed by
     prometheus_client; `headers` may carry the API key (`--protect-metrics`)."""
     # urllib, not httpx.get: httpx builds an SSL context per call (~20 ms of CPU), too dear for a poll
     # loop on a 2-core machine that is also running the server.
@@ -94,7 +94,7 @@ def metric_samples(url: str, headers: dict[str, str] | None = None) -> dict[str,
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            reason = sample.labels.get("finished_reason")
+            reason = sample.labels.get("finished_reason") or sample.labels.get("reason")
             samples[f"{sample.name}{{{reason}}}" if reason else sample.name] = sample.value
     return samples
 

@@ -103,7 +103,8 @@ def _traffic_client(state: TrafficState, release: asyncio.Event, cancelled: list
 
 
 def test_requests_past_capacity_get_503_with_retry_after_at_once():
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=1))
+    turned_away: list[str] = []
+    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=1), on_turned_away=turned_away.append)
 
     async def run() -> None:
         release = asyncio.Event()
@@ -120,12 +121,15 @@ def test_requests_past_capacity_get_503_with_retry_after_at_once():
             release.set()
             assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200, 200]
         assert state.in_flight == 0 and state.not_ready_reason() is None
+        assert turned_away == ["at_capacity"]
 
     asyncio.run(run())
 
 
 def test_request_timeout_cancels_the_handler_and_answers_504():
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0, request_timeout_s=0.3))
+    turned_away: list[str] = []
+    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0, request_timeout_s=0.3),
+                         on_turned_away=turned_away.append)
 
     async def run() -> None:
         cancelled: list[str] = []
@@ -140,6 +144,7 @@ def test_request_timeout_cancels_the_handler_and_answers_504():
             assert json.loads(events[1])["error"]["code"] == 504
         assert cancelled == ["/v1/completions", "/v1/chat/completions"]
         assert state.in_flight == 0
+        assert turned_away == ["timed_out", "timed_out"]
 
     asyncio.run(run())
 
@@ -164,7 +169,9 @@ def test_request_timeout_header_shortens_the_limit_and_is_validated():
 
 
 def test_draining_refuses_everything_but_probes():
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=2), draining=True)
+    turned_away: list[str] = []
+    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=2), draining=True,
+                         on_turned_away=turned_away.append)
 
     async def run() -> None:
         async with _traffic_client(state, asyncio.Event(), []) as client:
@@ -175,6 +182,7 @@ def test_draining_refuses_everything_but_probes():
                 assert (await client.get(path)).status_code == 200
 
     asyncio.run(run())
+    assert turned_away == ["draining"], "only generation requests are counted"
 
 
 def test_api_key_check_is_exact():
@@ -231,6 +239,9 @@ def test_burst_of_10x_capacity_is_bounded_and_every_accepted_request_completes(l
     for probe in ("/health", "/health/live", "/health/ready"):
         assert httpx.get(f"{limited.url}{probe}").status_code == 200
     asyncio.run(wait_for(lambda: is_idle(metric_samples(limited.url, AUTH))))
+    samples = metric_samples(limited.url, AUTH)
+    assert samples["pagellm:http_requests_turned_away_total{at_capacity}"] == len(refused)
+    assert samples["pagellm:http_requests_turned_away_total{draining}"] == 0
 
 
 def test_api_key_guards_every_model_path_and_is_never_logged(limited):
@@ -258,6 +269,7 @@ def test_request_timeout_header_from_the_openai_client(limited):
     with pytest.raises(openai.BadRequestError, match="X-Request-Timeout"):
         client.completions.create(**LONG_REQUEST_SDK, extra_headers={"X-Request-Timeout": "never"})
     asyncio.run(wait_for(lambda: is_idle(metric_samples(limited.url, AUTH))))
+    assert metric_samples(limited.url, AUTH)["pagellm:http_requests_turned_away_total{timed_out}"] == 1
 
 
 def test_request_timeout_answers_504_and_frees_the_kv_cache(smollm2_path):
@@ -285,6 +297,7 @@ def test_request_timeout_answers_504_and_frees_the_kv_cache(smollm2_path):
         assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 504
         asyncio.run(wait_for(lambda: is_idle(metric_samples(server.url))))
         assert metric_samples(server.url)["pagellm:request_success_total{abort}"] == 2
+        assert metric_samples(server.url)["pagellm:http_requests_turned_away_total{timed_out}"] == 2
     finally:
         assert server.stop() == 0
 

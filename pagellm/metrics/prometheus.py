@@ -10,6 +10,8 @@ from pagellm.metrics.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Created up front so every reason's series exists (at 0) before its first request ends."""
+TURNED_AWAY_REASONS = ("at_capacity", "draining", "timed_out")
+"""Why the server answered a generation request without running it to its end (503, 503, 504)."""
 
 # Seconds. First tokens range from a few ms (short cached prompt on a GPU) to minutes (long
 # prompts queued behind others on a CPU); token gaps are usually tens of ms; whole requests can
@@ -86,6 +88,13 @@ class PrometheusStatLogger:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
 
+        self.http_turned_away = Counter(
+            "pagellm:http_requests_turned_away",
+            "Generation requests answered 503 (at capacity, draining) or 504 (past their time limit).",
+            labels + ["reason"], registry=self.registry)
+        for reason in TURNED_AWAY_REASONS:
+            self.http_turned_away.labels(model_name, reason)
+
         self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
                                              "Time to first token in seconds.", TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds",
@@ -133,6 +142,12 @@ class PrometheusStatLogger:
             self.request_queue_time.observe(finished.queued_time)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+
+    def record_turned_away(self, reason: str) -> None:
+        """One generation request the server's edge answered without running it to its end."""
+        if reason not in TURNED_AWAY_REASONS:
+            raise ValueError(f"reason must be one of {', '.join(TURNED_AWAY_REASONS)}, got {reason!r}")
+        self.http_turned_away.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         """The registry's current state in the Prometheus text exposition format."""

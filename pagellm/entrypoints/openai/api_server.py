@@ -174,6 +174,7 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout:g}")
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     metrics = PrometheusStatLogger(names[0], **bucket_bound)
+    traffic.on_turned_away = metrics.record_turned_away
     engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger()],
                                        stall_timeout_s=ns.engine_stall_timeout or None)
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
@@ -72,23 +73,35 @@ class TrafficState:
     in_flight: int = 0
     draining: bool = False
     """Set on SIGINT/SIGTERM: new requests get 503 while the ones in flight finish."""
+    on_turned_away: Callable[[str], None] | None = None
+    """Told why each generation request was answered without running to its end: "at_capacity" or
+    "draining" (503), "timed_out" (504); the server counts these in its metrics."""
 
-    def refusal(self, path: str) -> str | None:
-        """Why a new request to `path` is refused now (None: it is taken). While draining only
-        probes are answered; otherwise only generation requests are bounded."""
+    def refusal(self, path: str) -> tuple[str, str] | None:
+        """(why, message) when a new request to `path` is refused now; None: it is taken. While
+        draining only probes are answered; otherwise only generation requests are bounded."""
         if path in PROBE_PATHS or (path not in GENERATION_PATHS and not self.draining):
             return None
-        return self.not_ready_reason()
+        return self._refusal()
 
     def not_ready_reason(self) -> str | None:
         """Why a new generation request would be refused now (None: it would be taken)."""
+        refusal = self._refusal()
+        return None if refusal is None else refusal[1]
+
+    def _refusal(self) -> tuple[str, str] | None:
         if self.draining:
-            return "the server is shutting down and takes no new requests; retry on another replica or later"
+            return "draining", "the server is shutting down and takes no new requests; retry on another replica or later"
         if self.in_flight >= self.limits.max_in_flight:
-            return (f"the server is at capacity ({self.in_flight} requests in flight, the most it takes is "
-                    f"--max-num-seqs {self.limits.max_num_seqs} + --max-waiting-requests "
-                    f"{self.limits.max_waiting_requests}); retry after {RETRY_AFTER_S} s")
+            return "at_capacity", (
+                f"the server is at capacity ({self.in_flight} requests in flight, the most it takes is "
+                f"--max-num-seqs {self.limits.max_num_seqs} + --max-waiting-requests "
+                f"{self.limits.max_waiting_requests}); retry after {RETRY_AFTER_S} s")
         return None
+
+    def turned_away(self, why: str) -> None:
+        if self.on_turned_away is not None:
+            self.on_turned_away(why)
 
 
 class TrafficMiddleware:
@@ -104,9 +117,12 @@ class TrafficMiddleware:
             return
         refusal = self.state.refusal(scope["path"])
         if refusal is not None:
+            why, message = refusal
             logger.warning("%s %s -> 503 [request id %s]: %s", scope["method"], scope["path"],
-                           request_id_of(scope), refusal)
-            response = error_response(APIError(refusal, 503), request_id_of(scope))
+                           request_id_of(scope), message)
+            if scope["path"] in GENERATION_PATHS:
+                self.state.turned_away(why)
+            response = error_response(APIError(message, 503), request_id_of(scope))
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
             await response(scope, receive, send)
             return
@@ -165,6 +181,7 @@ class TrafficMiddleware:
                          "and was aborted; ask for fewer tokens or retry later", 504)
         logger.warning("%s %s -> 504 [request id %s]: %s", scope["method"], scope["path"], request_id_of(scope),
                        error.message)
+        self.state.turned_away("timed_out")
         await response.finish_with(error, scope, receive)
 
 
