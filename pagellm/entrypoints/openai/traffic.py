@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagellm.entrypoints.openai.errors import APIError, error_response, request_id_of, sse_error
+from pagellm.entrypoints.openai.errors import APIError, error_response, log_and_respond, request_id_of, sse_error
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class TrafficMiddleware:
         try:
             timeout_s, source = self._deadline(scope)
         except APIError as error:
-            await error_response(error, request_id_of(scope))(scope, receive, send)
+            await log_and_respond(scope, error)(scope, receive, send)
             return
         self.state.in_flight += 1
         try:
