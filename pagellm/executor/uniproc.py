@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pagellm.config import EngineConfig
-from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.outputs import SchedulerOutput
 from pagellm.worker.model_runner import StepInFlight
 from pagellm.worker.worker import Worker
 
@@ -17,9 +17,6 @@ class UniProcExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(so)
 
     def launch_step(self, so: SchedulerOutput) -> StepInFlight:
         return self.worker.launch_step(so)

@@ -134,9 +134,6 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch_step(so).result()
-
     @torch.inference_mode()
     def launch_step(self, so: SchedulerOutput) -> "StepInFlight":
         """Queue one step's GPU work and the copy of its results to the host, without waiting.

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.core.outputs import SchedulerOutput
 from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
@@ -60,9 +60,6 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(so)
 
     def launch_step(self, so: SchedulerOutput) -> StepInFlight:
         return self.runner.launch_step(so)
