@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pagellm.loader import ModelSource, resolve_model
+from pagellm.model_arch import ModelArchConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -38,7 +39,9 @@ class EngineArgs:
     attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton. None: triton on CUDA (when Triton is installed), torch on CPU.')
     async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
-    tensor_parallel_size: int = _arg(1, 'GPUs per model replica (only 1 is supported so far).')
+    tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
+    pipeline_parallel_size: int = _arg(1, "Stages the layers are split into (pipeline parallel), each on its own tensor-parallel group of ranks.")
+    distributed_executor_backend: str | None = _arg(None, "How ranks are run: uni (in the engine's process; one rank only) | mp (one process per rank, this machine) | ray (Ray actors, one machine or several). None: uni for one rank, else mp.")
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
 
     @classmethod
@@ -63,8 +66,15 @@ class EngineArgs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs a token each step")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 for now, got {self.tensor_parallel_size}")
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.distributed_executor_backend == "uni" and world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
+                             f"pipeline_parallel_size is {world_size}: use 'mp' or 'ray'")
 
     def create_engine_config(self) -> "EngineConfig":
         self.validate()
@@ -76,6 +86,7 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})")
+        parallel = ParallelConfig.resolve(self, arch, device)
         on_gpu = device.type == "cuda"
         max_num_batched_tokens = self.max_num_batched_tokens or max(8192 if on_gpu else 2048, self.max_num_seqs)
         return EngineConfig(
@@ -86,7 +97,47 @@ class EngineArgs:
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             attention_backend=self.attention_backend or _default_attention_backend(device),
+            parallel=parallel,
         )
+
+
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(slots=True, frozen=True)
+class ParallelConfig:
+    """How one model replica is split over ranks (see `pagellm.distributed`)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    executor_backend: str = "uni"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @classmethod
+    def resolve(cls, args: EngineArgs, arch: ModelArchConfig, device: torch.device) -> "ParallelConfig":
+        """Check the split against the model and the machine; fail naming the flag."""
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        for name, size in (("num_attention_heads", arch.num_attention_heads),
+                           ("intermediate_size", arch.intermediate_size)):
+            if size % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({size})")
+        kv = arch.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_key_value_heads ({kv}) "
+                             f"or be a multiple of it")
+        if pp > arch.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {arch.num_hidden_layers} layers")
+        world_size = tp * pp
+        if device.type == "cuda":
+            available = torch.cuda.device_count() - (device.index or 0)
+            if world_size > available:
+                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need as many "
+                                 f"GPUs from {device}, but {available} are available")
+        backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
+        return cls(tp, pp, backend)
 
 
 @dataclass(slots=True)
@@ -100,6 +151,7 @@ class EngineConfig:
     max_model_len: int
     max_num_batched_tokens: int
     attention_backend: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def default_cpu_kv_cache_bytes(self) -> int:
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -28,6 +28,10 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int]
+    """Output tokens the workers have not seen, from position max(num_computed_tokens, prompt
+    length) on; sent only when workers do not learn sampled tokens themselves (several pipeline
+    stages), else empty."""
 
 
 @dataclass(slots=True)

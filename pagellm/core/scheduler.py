@@ -47,8 +47,12 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True) -> None:
+        """`workers_see_samples`: whether the workers learn each sampled token themselves (one
+        pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
+        token before it is scheduled again (no placeholders), and the scheduler output carries it."""
         self.limits = limits
+        self.workers_see_samples = workers_see_samples
         self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -122,7 +126,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
-            if num_new <= 0 or request.reaches_limit_in_flight(self.limits.max_model_len):
+            if (num_new <= 0 or request.reaches_limit_in_flight(self.limits.max_model_len)
+                    or (request.num_output_placeholders and not self.workers_see_samples)):
                 i += 1
                 continue
             new_blocks = self.kv.allocate_slots(request, num_new)
@@ -137,8 +142,11 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+            start = request.num_computed_tokens
+            new_token_ids = ([] if self.workers_see_samples else
+                             request.all_token_ids[max(start, request.num_prompt_tokens):start + num_new])
             cached_reqs.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens))
+                request.request_id, [b.block_id for b in new_blocks], start, new_token_ids))
             i += 1
 
         # Admitting new work right after a preemption would only thrash.

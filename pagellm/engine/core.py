@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.heap import HeapTrimmer
-from pagellm.executor.uniproc import UniProcExecutor
-from pagellm.worker.model_runner import StepInFlight
+from pagellm.executor import StepFuture, create_executor
 
 logger = logging.getLogger(__name__)
 
@@ -17,24 +17,32 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.executor = UniProcExecutor(config)
-        num_blocks = self.executor.determine_num_blocks()
-        args = config.args
-        # Validates that max_model_len fits before the cache is allocated.
-        limits = SchedulerLimits(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=config.max_model_len,
-            block_size=args.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-        )
-        self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(limits)
+        self.executor = create_executor(config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            args = config.args
+            # Validates that max_model_len fits before the cache is allocated.
+            limits = SchedulerLimits(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=config.max_model_len,
+                block_size=args.block_size,
+                num_blocks=num_blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+            )
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        pipelined = config.parallel.pipeline_parallel_size > 1
+        # Later stages never see sampled ids on the device, so with several stages the scheduler
+        # sends tokens and requests wait for theirs (no placeholders).
+        self.scheduler = Scheduler(limits, workers_see_samples=not pipelined)
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host.
-        self.overlap = args.async_scheduling if args.async_scheduling is not None else config.device.type == "cuda"
-        self._in_flight: StepInFlight | None = None
+        overlap = args.async_scheduling if args.async_scheduling is not None else config.device.type == "cuda"
+        self.overlap = overlap and not pipelined
+        self._in_flight: deque[StepFuture] = deque()
         self._heap = HeapTrimmer()
 
     def add_request(self, request: Request) -> None:
@@ -43,36 +51,45 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def step(self) -> list[EngineCoreOutput]:
-        """Schedule and launch a step, then return the results of the one before it.
+    @property
+    def _max_in_flight(self) -> int:
+        """Steps launched and not yet collected while a step is being scheduled: one per pipeline
+        stage (a batch queue, so that no stage idles), two with overlap (step N+1 is scheduled
+        and launched while the device runs step N), else one."""
+        if self.executor.max_concurrent_batches > 1:
+            return self.executor.max_concurrent_batches
+        return 2 if self.overlap and self.scheduler.can_overlap else 1
 
-        With overlap, the host schedules and prepares step N+1 while the GPU runs step N; the
-        results of a step therefore come back from the next call (the last ones from a call that
-        finds nothing more to schedule). Without it, each call runs one step to the end.
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch a step, then return the results of the oldest step in flight once
+        as many steps are in flight as may be, or when there is nothing new to launch.
+
+        With overlap, the host schedules and prepares step N+1 while the device runs step N, so a
+        step's results come back from the next call; with pipeline stages, from the call that
+        fills the pipeline. Otherwise each call runs one step to the end.
         """
-        overlap = self.overlap and self.scheduler.can_overlap
-        outputs = [] if overlap else self._collect()
+        depth = self._max_in_flight
+        outputs = []
+        while len(self._in_flight) >= depth:  # e.g. overlap just ended: tokens must be known first
+            outputs += self._collect()
         so = self.scheduler.schedule()
-        launched = None
-        if not (so.is_empty and not so.freed_req_ids):
-            launched = self.executor.launch_step(so)
-        outputs += self._collect()
-        self._in_flight = launched
-        if not overlap:
+        launched = not (so.is_empty and not so.freed_req_ids)
+        if launched:
+            self._in_flight.append(self.executor.execute_model(so))
+        if self._in_flight and (len(self._in_flight) >= depth or not launched):
             outputs += self._collect()
         self._heap.maybe_trim()
         return outputs
 
     def _collect(self) -> list[EngineCoreOutput]:
-        """Wait for the step in flight, if any, and apply its tokens."""
-        if self._in_flight is None:
-            return []
-        step, self._in_flight = self._in_flight, None
-        return self.scheduler.update_from_output(step.result())
+        """Wait for the oldest step in flight and apply its tokens."""
+        return self.scheduler.update_from_output(self._in_flight.popleft().result())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -71,6 +71,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, h
         finally:
             stop.set()
             heartbeat.join()
+            core.shutdown()
     finally:
         outputs.close(linger=1000)
         inputs.close(linger=0)

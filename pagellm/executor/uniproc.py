@@ -1,22 +1,29 @@
-"""A single worker in the engine's own process."""
+"""One worker in the engine's own process."""
 from __future__ import annotations
+
+from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import SchedulerOutput
-from pagellm.worker.model_runner import StepInFlight
+from pagellm.executor.base import Executor, StepFuture
 from pagellm.worker.worker import Worker
 
 
-class UniProcExecutor:
+class UniProcExecutor(Executor):
+    worker: Worker
+    """In this process, so profilers and benchmarks may reach its runner."""
+
     def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
         self.worker = Worker(config)
         self.worker.load_model()
 
-    def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_kv_cache(num_blocks)
+    def execute_model(self, so: SchedulerOutput) -> StepFuture:
+        self.worker.execute_model(so)
+        return StepFuture(self.worker.collect)
 
-    def launch_step(self, so: SchedulerOutput) -> StepInFlight:
-        return self.worker.launch_step(so)
+    def shutdown(self) -> None:
+        pass

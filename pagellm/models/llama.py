@@ -1,6 +1,7 @@
 """Llama (and Mistral, same weights and graph): the base the Qwen models override in small places."""
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -8,6 +9,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.layer import Attention
+from pagellm.distributed import parallel_state
 from pagellm.model_arch import ModelArchConfig
 from pagellm.models.layers import (
     MergedColumnParallelLinear,
@@ -29,6 +31,23 @@ _STACKED_PARAMS = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
+"""(hidden, residual) [T, hidden_size] each: what one pipeline stage hands the next."""
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The contiguous layers of pipeline stage `pp_rank`; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
+class OtherStageLayer(nn.Module):
+    """Stands in for a layer another pipeline stage holds, so that parameter names stay global."""
 
 
 def _parts_of(param_name: str) -> set:
@@ -124,23 +143,36 @@ class LlamaModel(nn.Module):
         self, config: ModelArchConfig, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        ps = parallel_state()
+        self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
+        self.local_layers = stage_layers(config.num_hidden_layers, ps.pp_rank, ps.pp_size)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.is_first_stage else None)
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls) if i in self.local_layers
+            else OtherStageLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attn_metadata)
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The last stage returns the final hidden states; the others, what the next stage takes
+        as `intermediate` (the first stage embeds `input_ids` instead)."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for i in self.local_layers:
+            hidden, residual = self.layers[i](positions, hidden, residual, attn_metadata)
+        if not self.is_last_stage:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -157,21 +189,36 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attn_backend, self.attention_cls)
-        tied = self.model.embed_tokens.weight if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, weight=tied)
+        self.lm_head = None
+        if self.model.is_last_stage:
+            shares_embedding = config.tie_word_embeddings and self.model.is_first_stage
+            tied = self.model.embed_tokens.weight if shares_embedding else None
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, weight=tied)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions [T] (flat batch) -> final hidden states [T, hidden_size]."""
-        return self.model(input_ids, positions, attn_metadata)
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions [T] (flat batch) -> final hidden states [T, hidden_size] (on the
+        last pipeline stage; see `LlamaModel.forward`)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [self.model.layers[i].self_attn.attn for i in self.model.local_layers]
+
+    def _on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to a pipeline stage other than this one."""
+        layer = _LAYER_INDEX.match(name)
+        if layer is not None:
+            return int(layer.group(1)) not in self.model.local_layers
+        if name.startswith("model.embed_tokens."):  # also the head's weight when tied
+            tied_head_here = self.config.tie_word_embeddings and self.lm_head is not None
+            return self.model.embed_tokens is None and not tied_head_here
+        return name.startswith(("model.norm.", "lm_head.")) and not self.model.is_last_stage
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this rank's parameters; returns the names filled."""
@@ -181,7 +228,11 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from the config
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # shares the embedding, already loaded
+                continue  # shares the embedding, loaded from its own name
+            if self._on_other_stage(name):
+                continue
+            if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+                name = "lm_head.weight"  # a last stage without the embedding holds the tied head alone
             target, shard_id = name, None
             for hf_part, fused_part, part_id in _STACKED_PARAMS:
                 if hf_part in name:

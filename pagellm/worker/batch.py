@@ -85,6 +85,9 @@ class RequestStates:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:
+                start = max(cached.num_computed_tokens, state.num_prompt_tokens)
+                state.token_ids[start:] = cached.new_token_ids
 
     def build(self, so: SchedulerOutput) -> FlatBatch:
         req_ids = list(so.num_scheduled_tokens)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.loader import initialize_dummy_weights, iter_weights
 from pagellm.models import get_model_class
 from pagellm.sample.logits_processors import LogitsProcessors
@@ -18,7 +20,7 @@ from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates
+from pagellm.worker.batch import CachedRequestState, PromptLogprobsPlan, RequestStates
 from pagellm.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,7 @@ class ModelRunner:
         self.dtype = config.dtype
         self.arch = config.source.arch
         self.block_size = config.args.block_size
+        self.ps = parallel_state()
         self.requests = RequestStates(self.block_size, self.device)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -66,9 +69,10 @@ class ModelRunner:
         logger.info("loaded %s (%s) in %.2f s", self.config.source.path, self.dtype, time.perf_counter() - start)
 
     def kv_bytes_per_block(self) -> int:
-        a = self.arch
+        """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads."""
+        layers = self.model.attention_layers()
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * a.num_hidden_layers * self.block_size * a.num_key_value_heads * a.head_dim * elem
+        return 2 * len(layers) * self.block_size * layers[0].num_kv_heads * layers[0].head_dim * elem
 
     def profile_peak_memory(self) -> int:
         """Peak bytes allocated on the GPU during the largest possible step, weights included."""
@@ -81,9 +85,10 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def run_largest_step(self) -> torch.Tensor:
+    def run_largest_step(self) -> torch.Tensor | None:
         """The largest step the scheduler can produce, run before the KV cache exists: a full
-        token budget of fresh prompts, each sampling with top-k/top-p. Returns the sampled ids."""
+        token budget of fresh prompts, each sampling with top-k/top-p. Returns the sampled ids (on
+        the last pipeline stage)."""
         num_tokens = self.config.max_num_batched_tokens
         num_seqs = min(self.config.args.max_num_seqs, num_tokens)
         # Spread the tokens over num_seqs prompts, as a full step of fresh prompts would be.
@@ -103,7 +108,10 @@ class ModelRunner:
             seq_lens_cpu=lens.astype(np.int32),
         )
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, torch.from_numpy(positions).to(self.device), md)
+        hidden = self._run_stage(input_ids, torch.from_numpy(positions).to(self.device), md)
+        if isinstance(hidden, _StageSend):
+            hidden.wait()
+            return None
         logits = self.model.compute_logits(hidden[torch.from_numpy(qsl[1:] - 1).to(self.device)])
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50).apply_model_defaults({})] * num_seqs
         sampling = SamplingMetadata.build(params, [0] * num_seqs, self.arch.vocab_size, self.device,
@@ -111,9 +119,8 @@ class ModelRunner:
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        a = self.arch
-        shape = (num_blocks, self.block_size, a.num_key_value_heads, a.head_dim)
         layers = self.model.attention_layers()
+        shape = (num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -126,7 +133,7 @@ class ModelRunner:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
         the torch attention backend, which plans on the host)."""
         if (self.device.type != "cuda" or self.config.args.enforce_eager
-                or self.config.attention_backend != "triton"):
+                or self.config.attention_backend != "triton" or self.ps.pp_size > 1):
             return
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.graphs = DecodeGraphs(self.model, self.config.args.max_num_seqs, max_blocks, self.device)
@@ -150,34 +157,64 @@ class ModelRunner:
             rows = [self._last_sampled_rows[r] for r in batch.placeholder_req_ids]
             batch.input_ids[torch.from_numpy(batch.placeholder_rows).to(self.device, non_blocking=True)] = \
                 self._last_sampled[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)]
-        hidden = self._forward(batch)
+        hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata)
+        if isinstance(hidden, _StageSend):
+            return StepInFlight.sending(hidden)
         plan = batch.prompt_logprobs
         req_ids = batch.sampling_req_ids
         states = [self.requests.states[r] for r in req_ids]
         to_host: list[torch.Tensor] = []
         if plan is not None:
-            to_host += prompt_logprobs(hidden[plan.hidden_indices], plan.targets, plan.max_logprobs,
-                                       self.model.compute_logits)
+            # Every TP rank takes part in the logits' all-gather; only the driver reports them.
+            scored = prompt_logprobs(hidden[plan.hidden_indices], plan.targets, plan.max_logprobs,
+                                     self.model.compute_logits)
+            if self.ps.is_driver:
+                to_host += scored
+            else:
+                plan = None
         if states:
             sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated)
-            self._last_sampled = sampled[0]
-            self._last_sampled_rows = {r: i for i, r in enumerate(req_ids)}
+            if sampled:
+                self._last_sampled = sampled[0]
+                self._last_sampled_rows = {r: i for i, r in enumerate(req_ids)}
             to_host += sampled
         if not to_host:
             return StepInFlight.done(ModelRunnerOutput([], []))
         return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states)
 
-    def _forward(self, batch: FlatBatch) -> torch.Tensor:
-        md = batch.attn_metadata
-        if self.graphs is not None and md.max_query_len == 1 and md.num_seqs <= self.graphs.max_size:
-            return self.graphs.run(batch.input_ids, batch.positions, md)
-        return self.model(batch.input_ids, batch.positions, md)
+    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   md: AttentionMetadata) -> "torch.Tensor | _StageSend":
+        """This pipeline stage's part of the forward: the final hidden states on the last stage,
+        else the send of its intermediate tensors to the next stage (started, not waited for)."""
+        if self.ps.pp_size == 1:
+            if self.graphs is not None and md.max_query_len == 1 and md.num_seqs <= self.graphs.max_size:
+                return self.graphs.run(input_ids, positions, md)
+            return self.model(input_ids, positions, md)
+        intermediate = None
+        if not self.ps.is_first_stage:
+            shape = (md.num_tokens, self.arch.hidden_size)
+            intermediate = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                            torch.empty(shape, dtype=self.dtype, device=self.device))
+            recv_from_prev_stage(list(intermediate))
+        out = self.model(input_ids, positions, md, intermediate)
+        if self.ps.is_last_stage:
+            return out
+        tensors = [t.contiguous() for t in out]
+        return _StageSend(tensors, send_to_next_stage(tensors))
 
     def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState],
                 num_generated: list[int]) -> list[torch.Tensor]:
-        """The sampled token ids, then (ids, logprobs, ranks) of the rows that asked for logprobs."""
+        """The sampled token ids, then (ids, logprobs, ranks) of the rows that asked for logprobs.
+
+        The driver samples. With one pipeline stage the other TP ranks receive its ids, since
+        their next step may take its inputs from them (placeholders); with several, sampled tokens
+        reach every rank through the scheduler output and the other ranks return nothing."""
+        logits = self.model.compute_logits(hidden)  # a TP collective: every rank computes it
+        if not self.ps.is_driver:
+            if self.ps.pp_size > 1:
+                return []
+            return [tensor_parallel_broadcast(torch.empty(len(states), dtype=torch.int64, device=self.device))]
         params = [s.sampling_params for s in states]
-        logits = self.model.compute_logits(hidden)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs are of the model's raw distribution, before penalties and temperature.
         raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
@@ -187,6 +224,8 @@ class ModelRunner:
         md = SamplingMetadata.build(params, num_generated, self.arch.vocab_size,
                                     self.device, self._default_generator, processors)
         sampled = sample(logits, md)
+        if self.ps.pp_size == 1:
+            tensor_parallel_broadcast(sampled)
         if raw_logprobs is None:
             return [sampled]
         k = max(params[i].logprobs for i in logprob_rows)
@@ -237,6 +276,19 @@ class _HostCopy:
         return arrays
 
 
+@dataclass(slots=True)
+class _StageSend:
+    """Intermediate tensors on their way to the next pipeline stage."""
+
+    tensors: list[torch.Tensor]
+    """Kept alive until the sends complete."""
+    works: list
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 class StepInFlight:
     """A launched step whose results are read from the host copy on `result()`."""
 
@@ -246,13 +298,25 @@ class StepInFlight:
         self._runner, self._copy, self._plan = runner, copy, plan
         self._req_ids, self._states = req_ids, states
         self._output = output
+        self._send: _StageSend | None = None
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> "StepInFlight":
         return cls(None, None, None, [], [], output)
 
+    @classmethod
+    def sending(cls, send: "_StageSend") -> "StepInFlight":
+        """A step of a stage before the last: done once its tensors reached the next stage."""
+        step = cls.done(ModelRunnerOutput([], []))
+        step._send = send
+        return step
+
     def result(self) -> ModelRunnerOutput:
-        """Wait for the step, record its tokens in the worker's states, and return them (once)."""
+        """Wait for the step, record its tokens in the worker's states, and return them (once;
+        empty on every rank but the driver)."""
+        if self._send is not None:
+            self._send.wait()
+            self._send = None
         if self._output is None:
             self._output = self._read()
         return self._output
@@ -265,7 +329,11 @@ class StepInFlight:
         if not self._states:
             return ModelRunnerOutput([], [])
         token_ids = host[0].tolist()
-        self._runner.requests.append_sampled(self._req_ids, token_ids)
+        ps = self._runner.ps
+        if ps.pp_size == 1:  # with several stages, the next scheduler output brings them
+            self._runner.requests.append_sampled(self._req_ids, token_ids)
+        if not ps.is_driver:
+            return ModelRunnerOutput([], [])
         return ModelRunnerOutput(self._req_ids, token_ids, _sampled_logprobs(self._states, host[1:]) or None,
                                  _finished_prompt_logprobs(self._states) or None)
 

@@ -1,30 +1,55 @@
-"""One worker per device: loads the model, sizes and allocates the KV cache, runs steps."""
+"""One worker per rank: joins its replica's process group, loads its shard of the model, sizes
+and allocates its KV cache, and runs steps. Every executor drives the same Worker."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import deque
 
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.core.outputs import SchedulerOutput
+from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.distributed import init_distributed, parallel_state
 from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
 _GiB = 1 << 30
 
+COLLECTIVE_TIMEOUT_S = 600.0
+"""How long a rank waits in a collective for its peers before it fails. Peers run the same step,
+so a healthy wait is short; a pipeline stage may wait a whole long prefill of the stage before it
+on the CPU. A dead peer is noticed much sooner, by the executor."""
+
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+        """`rank` in the replica (stage-major, see `pagellm.distributed`); with more than one rank,
+        `distributed_init_method` is where the ranks meet (`file://...` or `tcp://host:port`)."""
+        parallel = config.parallel
         if config.device.type == "cuda":
+            # Rank r of a replica takes the r-th GPU from the configured one on this machine; under
+            # Ray each actor sees only its own GPU (index 0).
+            config = dataclasses.replace(config, device=torch.device("cuda", config.device.index + rank))
             torch.cuda.set_device(config.device)
+        if parallel.world_size > 1:
+            backend = "nccl" if config.device.type == "cuda" else "gloo"
+            init_distributed(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, backend,
+                             distributed_init_method, COLLECTIVE_TIMEOUT_S)
+        self.config = config
+        self.rank = rank
         self.runner = ModelRunner(config)
+        self._in_flight: deque[StepInFlight] = deque()
+
+    @property
+    def is_driver(self) -> bool:
+        return parallel_state().is_driver
 
     def load_model(self) -> None:
         self.runner.load_model()
 
     def determine_num_blocks(self) -> int:
-        """KV blocks that fit the memory budget (or the explicit override)."""
+        """KV blocks that fit this rank's memory budget (or the explicit override)."""
         args = self.config.args
         if args.num_gpu_blocks_override is not None:
             return args.num_gpu_blocks_override
@@ -32,7 +57,8 @@ class Worker:
         if args.kv_cache_memory_bytes is not None:
             budget = args.kv_cache_memory_bytes
         elif self.config.device.type == "cpu":
-            budget = self.config.default_cpu_kv_cache_bytes()
+            # The CPU budget is for the whole replica: its ranks share one machine's memory.
+            budget = self.config.default_cpu_kv_cache_bytes() // self.config.parallel.world_size
         else:
             budget = self._gpu_kv_budget()
         num_blocks = budget // block_bytes
@@ -61,5 +87,16 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()
 
-    def launch_step(self, so: SchedulerOutput) -> StepInFlight:
-        return self.runner.launch_step(so)
+    def execute_model(self, so: SchedulerOutput) -> None:
+        """Launch a step; its results are read by a later `collect`, steps in launch order."""
+        self._in_flight.append(self.runner.launch_step(so))
+
+    def collect(self) -> ModelRunnerOutput | None:
+        """Wait for the oldest step launched, record its tokens in this worker's own states, and
+        return its results on the driver (None on the other ranks)."""
+        output = self._in_flight.popleft().result()
+        return output if self.is_driver else None
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
