@@ -67,6 +67,10 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.stats()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if any (also done at exit)."""
+        self.engine_core.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights)")

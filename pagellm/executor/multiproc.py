@@ -77,6 +77,7 @@ class MultiprocExecutor(Executor):
         try:
             self._wait(set(range(world_size)), time.monotonic() + STARTUP_TIMEOUT_S)
             self.collective_rpc("load_model")
+            logger.info("%d ranks ready (pids %s)", world_size, " ".join(str(pid) for pid in self.pids))
         except BaseException:
             self.shutdown()
             raise
@@ -112,16 +113,29 @@ class MultiprocExecutor(Executor):
             if self._output.poll(_POLL_MS):
                 kind, rank, payload = pickle.loads(self._output.recv())
                 if kind == "error":
-                    self._fail(f"rank {rank} failed: {payload}")
+                    # A rank that lost a peer fails in its collective: name the dead peer first.
+                    dead = self._dead_rank(wait_s=1.0, besides=rank)
+                    self._fail(f"{dead + '; then ' if dead else ''}rank {rank} failed: {payload}")
                 replies[rank] = payload
                 continue
-            dead = [(rank, p.exitcode) for rank, p in enumerate(self._procs) if p.exitcode is not None]
+            dead = self._dead_rank()
             if dead:
-                rank, code = dead[0]
-                self._fail(f"rank {rank} (pid {self._procs[rank].pid}) exited with code {code}")
+                self._fail(dead)
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"ranks {sorted(ranks - replies.keys())} did not answer in time")
         return replies
+
+    def _dead_rank(self, wait_s: float = 0.0, besides: int | None = None) -> str | None:
+        """'rank R (pid P) exited with code C' for the first rank but `besides` found dead within
+        `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, proc in enumerate(self._procs):
+                if rank != besides and proc.exitcode is not None:
+                    return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
 
     def _fail(self, reason: str) -> None:
         logger.error("distributed executor: %s; stopping every rank", reason)

@@ -1,0 +1,174 @@
+"""Tensor and pipeline parallel on the CPU (gloo, one process per rank) against one rank.
+
+SmolLM2 has 9 query heads, 3 KV heads and 30 layers: TP=3, PP=2, PP=3 and TP=3 x PP=2 must give
+the single rank's greedy tokens. TP=2 and TP=4 (KV heads replicated) run a tiny random Llama
+whose heads divide, checked by logprobs. A rank killed mid-run fails the engine at once and
+leaves no process behind.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.executor.base import WorkerFailedError
+from pagellm.models.llama import stage_layers
+from test_greedy_vs_hf import CONVERSATIONS
+
+NUM_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+CPU = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28}
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2_path: str) -> list[list[int]]:
+    llm = LLM(smollm2_path, **CPU)
+    tok = llm.get_tokenizer()
+    return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+            for c in CONVERSATIONS[:5]]
+
+
+@pytest.fixture(scope="module")
+def single_rank_tokens(smollm2_path: str, chat_prompts) -> list[list[int]]:
+    llm = LLM(smollm2_path, **CPU)
+    return _tokens(llm.generate(chat_prompts, GREEDY, use_tqdm=False))
+
+
+def _run_split(smollm2_path: str, prompts, **kwargs) -> tuple[list[list[int]], int]:
+    """Greedy tokens per prompt, and the number of preemptions."""
+    llm = LLM(smollm2_path, **{**CPU, **kwargs})
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        core = llm.llm_engine.engine_core
+        assert not core.has_unfinished_requests()
+        assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
+        return _tokens(outputs), core.stats().num_preemptions
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("split", [
+    {"tensor_parallel_size": 3},
+    {"pipeline_parallel_size": 2},
+    {"pipeline_parallel_size": 3},
+    {"tensor_parallel_size": 3, "pipeline_parallel_size": 2},
+    # Small steps and a small cache: prefills are chunked across micro-batches and requests
+    # preempt each other while others are in flight in the pipeline.
+    {"pipeline_parallel_size": 2, "max_num_batched_tokens": 32, "max_num_seqs": 5,
+     "max_model_len": 160, "num_gpu_blocks_override": 10},
+    # One rank, in its own process: the process boundary alone.
+    {"distributed_executor_backend": "mp"},
+], ids=["tp3", "pp2", "pp3", "tp3xpp2", "pp2-chunked-preempted", "mp1"])
+def test_split_model_gives_the_single_rank_greedy_tokens(smollm2_path, chat_prompts, single_rank_tokens, split):
+    tokens, num_preemptions = _run_split(smollm2_path, chat_prompts, **split)
+    assert tokens == single_rank_tokens
+    if "num_gpu_blocks_override" in split:
+        assert num_preemptions > 0
+
+
+def test_pipeline_stages_reuse_the_prefix_cache(smollm2_path, chat_prompts, single_rank_tokens):
+    # The same prompts twice in one batch: the second copies hit blocks the first ones wrote.
+    llm = LLM(smollm2_path, **CPU, pipeline_parallel_size=2)
+    try:
+        llm.generate(chat_prompts[:2], GREEDY, use_tqdm=False)
+        outputs = llm.generate(chat_prompts, GREEDY, use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+        assert stats.prefix_cache_hits > 0
+        assert _tokens(outputs) == single_rank_tokens
+    finally:
+        llm.llm_engine.shutdown()
+
+
+# -- TP=2 and TP=4 on a tiny random model, compared by logprobs ---------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    """A random Qwen2-style model (biased q/k/v): 8 heads, 2 KV heads, vocab 330 (not a multiple of 4)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(vocab_size=330, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(330)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+def _logprobs(path: str, **kwargs) -> tuple[list[list[int]], torch.Tensor]:
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 320 + 5 for j in range(9 + 4 * i)]} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=5, prompt_logprobs=5, ignore_eos=True)
+    llm = LLM(path, **CPU, **kwargs)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    values = []
+    for out in outputs:
+        for position in out.prompt_logprobs[1:]:
+            values += sorted(lp.logprob for lp in position.values())
+        for position in out.outputs[0].logprobs:
+            values += sorted(lp.logprob for lp in position.values())
+    return _tokens(outputs), torch.tensor(values)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_logprobs_match_one_rank(tiny_llama, tp):
+    ref_tokens, ref = _logprobs(tiny_llama)
+    tokens, values = _logprobs(tiny_llama, tensor_parallel_size=tp)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(values, ref, atol=1e-4, rtol=1e-4)
+
+
+# -- failures -----------------------------------------------------------------------------------------
+
+def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(smollm2_path):
+    # Rank 1 is not the driver: the engine waits on rank 0, which waits on rank 1 in an all-reduce.
+    llm = LLM(smollm2_path, **CPU, tensor_parallel_size=3)
+    engine = llm.llm_engine
+    pids = engine.engine_core.executor.pids
+    engine.add_request("0", {"prompt_token_ids": list(range(100, 140))},
+                       SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="rank 1"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - killed < 10
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size \\(2\\) must divide the model's num_attention_heads \\(9\\)"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
+    ({"pipeline_parallel_size": 31}, "pipeline_parallel_size \\(31\\) exceeds the model's 30 layers"),
+    ({"tensor_parallel_size": 3, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
+    ({"distributed_executor_backend": "threads"}, "distributed_executor_backend must be one of"),
+])
+def test_invalid_splits_fail_at_start_naming_the_flag(smollm2_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=smollm2_path, device="cpu", **kwargs).create_engine_config()
+
+
+def test_stage_layers_are_contiguous_and_cover_the_model():
+    for num_layers, stages in [(30, 2), (30, 4), (7, 3), (3, 3)]:
+        ranges = [stage_layers(num_layers, s, stages) for s in range(stages)]
+        assert [i for r in ranges for i in r] == list(range(num_layers))
+        assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
