@@ -7,6 +7,7 @@ recomputation) must give the same tokens as running the request alone.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -572,4 +573,41 @@ def test_late_output_for_request_preempted_by_overlapped_schedule():
     s.update_from_output(ModelRunnerOutput(["c", "b"], [50, 51]))   # b's token arrives late
     assert b.output_token_ids == [] and s.requests["c"].output_token_ids == [50]
     s.finish_requests(list(s.requests), RequestStatus.FINISHED_ABORTED)
+    assert_drained(s)
+
+
+def test_pipeline_batches_wait_for_tokens_and_carry_them_to_the_workers():
+    # Several pipeline stages: batches are scheduled while earlier ones are in flight, a request
+    # is not scheduled again before its token is back, and workers (which never see samples)
+    # learn each token from the scheduler output. Chunked prompts go on in the next batch.
+    s = Scheduler(limits(max_num_batched_tokens=12), workers_see_samples=False)
+    lengths = {"a": 20, "b": 7, "c": 3}
+    for rid, n in lengths.items():
+        s.add_request(Request(rid, prompt(len(rid) + n, n), SamplingParams(max_tokens=5), frozenset({EOS}),
+                              max_tokens=5))
+    worker: dict[str, list[int]] = {}
+    in_flight: deque[tuple[set[str], ModelRunnerOutput]] = deque()  # (scheduled ids, output)
+    chunked_while_in_flight = False
+    while s.has_unfinished_requests() or in_flight:
+        out = s.schedule()
+        for new in out.scheduled_new_reqs:
+            worker[new.req_id] = list(new.token_ids)
+        for cached in out.scheduled_cached_reqs:
+            tokens, num_prompt = worker[cached.req_id], lengths[cached.req_id]
+            for scheduled, output in in_flight:
+                assert cached.req_id not in output.req_ids, "scheduled while its token was in flight"
+                chunked_while_in_flight |= cached.req_id in scheduled
+            tokens[max(cached.num_computed_tokens, num_prompt):] = cached.new_token_ids
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            if s.requests[rid].num_computed_tokens == len(worker[rid]):  # reached the end: samples
+                sampled[rid] = next_token(worker[rid], lengths[rid])
+        if not out.is_empty:
+            in_flight.append((set(out.num_scheduled_tokens),
+                              ModelRunnerOutput(list(sampled), list(sampled.values()))))
+        if len(in_flight) == 2 or (out.is_empty and in_flight):
+            s.update_from_output(in_flight.popleft()[1])
+    assert chunked_while_in_flight
+    for rid, n in lengths.items():
+        assert worker[rid][n:n + 4] == reference(prompt(len(rid) + n, n), 4)
     assert_drained(s)
