@@ -7,10 +7,13 @@ leaves no process behind.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
+import httpx
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.executor.base import WorkerFailedError
 from pagellm.models.llama import stage_layers
+from server_utils import RemoteServer
 from test_greedy_vs_hf import CONVERSATIONS
 
 NUM_TOKENS = 16
@@ -172,3 +176,47 @@ def test_stage_layers_are_contiguous_and_cover_the_model():
         ranges = [stage_layers(num_layers, s, stages) for s in range(stages)]
         assert [i for r in ranges for i in r] == list(range(num_layers))
         assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+# -- through the server -------------------------------------------------------------------------------
+
+def _rank_pids(server: RemoteServer) -> list[int]:
+    match = re.search(r"ranks ready \(pids ([\d ]+)\)", server.log_tail(1_000_000))
+    assert match is not None, server.log_tail()
+    return [int(pid) for pid in match.group(1).split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("mid_stream", [True, False], ids=["mid-stream", "idle"])
+def test_server_with_a_killed_rank_fails_requests_and_exits_1_leaving_no_process(smollm2_path, mid_stream):
+    server = RemoteServer(smollm2_path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+                          "--kv-cache-memory-bytes", str(64 << 20), "--pipeline-parallel-size", "2",
+                          "--served-model-name", "m")
+    try:
+        pids = [*_rank_pids(server), server.engine_pid()]
+        if mid_stream:
+            request = {"model": "m", "prompt": "Tell me a very long story.", "max_tokens": 900,
+                       "ignore_eos": True, "stream": True}
+            with httpx.Client(base_url=server.url, timeout=30.0) as http:
+                with http.stream("POST", "/v1/completions", json=request) as response:
+                    events = (line for line in response.iter_lines() if line.startswith("data: "))
+                    next(events)
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed = time.monotonic()
+                    rest = list(events)
+            assert time.monotonic() - killed < 10, "the stream ended late"
+            assert rest[-1] == "data: [DONE]" and "error" in json.loads(rest[-2].removeprefix("data: "))
+        else:
+            os.kill(pids[1], signal.SIGKILL)
+        assert server.process.wait(timeout=30) == 1
+        assert "exited with code -9" in server.log_tail(1_000_000)
+        assert all(_gone(pid) for pid in pids)
+    finally:
+        server.stop()

@@ -88,6 +88,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
+    def check_health(self) -> None:
+        """Raise if the executor lost a rank."""
+        self.executor.check_health()
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 

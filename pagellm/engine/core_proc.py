@@ -122,7 +122,11 @@ def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: _
                 except ValueError as e:
                     rejected.append((message.request_id, str(e)))
             timeout_ms = 0
-        step_outputs = core.step() if core.has_unfinished_requests() else []
+        if core.has_unfinished_requests():
+            step_outputs = core.step()
+        else:
+            core.check_health()  # a rank that dies while idle fails the engine now, not at the next request
+            step_outputs = []
         outputs.send(encoder.encode(CoreOutputs(step_outputs, core.stats(), rejected)))
         progress.num_steps += 1
 

@@ -48,6 +48,10 @@ class Executor(ABC):
     def shutdown(self) -> None:
         """Stop every rank; safe to call more than once."""
 
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a rank is gone (the engine calls this while idle, when no
+        step would notice)."""
+
     @property
     def max_concurrent_batches(self) -> int:
         """Steps that can usefully be in flight at once: one per pipeline stage."""

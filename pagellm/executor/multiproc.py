@@ -100,6 +100,11 @@ class MultiprocExecutor(Executor):
         self._send("collect", (), "driver")
         return self._wait({self._driver_rank})[self._driver_rank]
 
+    def check_health(self) -> None:
+        dead = self._dead_rank()
+        if dead:
+            self._fail(dead)
+
     def _send(self, method: str, args: tuple, reply: str) -> None:
         message = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._inputs:
