@@ -41,6 +41,7 @@ class EngineArgs:
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
     pipeline_parallel_size: int = _arg(1, "Stages the layers are split into (pipeline parallel), each on its own tensor-parallel group of ranks.")
+    data_parallel_size: int = _arg(1, "Engine replicas behind one server (pagellm serve), each with its own KV cache and its own tensor x pipeline ranks; requests are routed by prompt prefix and load.")
     distributed_executor_backend: str | None = _arg(None, "How ranks are run: uni (in the engine's process; one rank only) | mp (one process per rank, this machine) | ray (Ray actors, one machine or several). None: uni for one rank, else mp.")
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
 
@@ -68,6 +69,7 @@ class EngineArgs:
                 f"({self.max_num_seqs}): every running sequence needs a token each step")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        _check_positive("data_parallel_size", self.data_parallel_size)
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
@@ -110,6 +112,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    """Replicas, each of `world_size` ranks (the server runs one engine core per replica)."""
     executor_backend: str = "uni"
 
     @property
@@ -130,14 +134,14 @@ class ParallelConfig:
                              f"or be a multiple of it")
         if pp > arch.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {arch.num_hidden_layers} layers")
-        world_size = tp * pp
+        world_size, dp = tp * pp, args.data_parallel_size
         if device.type == "cuda":
             available = torch.cuda.device_count() - (device.index or 0)
-            if world_size > available:
-                raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world_size} ranks need as many "
-                                 f"GPUs from {device}, but {available} are available")
+            if world_size * dp > available:
+                raise ValueError(f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = "
+                                 f"{dp * world_size} ranks need as many GPUs from {device}, but {available} are available")
         backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
-        return cls(tp, pp, backend)
+        return cls(tp, pp, dp, backend)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,8 @@ cancellation, errors that reach the caller, and a dead core detected."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -113,7 +115,7 @@ def test_dead_core_fails_requests(smollm2_path):
 
         task = asyncio.create_task(consume())
         await wait_for(lambda: len(seen) >= 1)
-        llm._process.kill()
+        os.kill(llm.engine_pids[0], signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             await task
         assert not llm.is_running
@@ -141,7 +143,7 @@ def test_core_exits_when_the_api_process_is_killed(smollm2_path, tmp_path):
         "if __name__ == '__main__':\n"
         f"    llm = AsyncLLM.from_engine_args(EngineArgs({smollm2_path!r}, device='cpu', dtype='float32',\n"
         f"                                             kv_cache_memory_bytes={KV_BYTES}, max_model_len={MAX_LEN}))\n"
-        "    print(llm._process.pid, flush=True)\n"
+        "    print(llm.engine_pids[0], flush=True)\n"
         "    time.sleep(600)\n")
     api = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     core_pid = int(api.stdout.readline())

@@ -20,7 +20,7 @@ def samples(logger: PrometheusStatLogger) -> dict[tuple[str, frozenset], float]:
 
 
 def value(parsed: dict, name: str, **labels: str) -> float:
-    return parsed[(name, frozenset({"model_name": "tiny", **labels}.items()))]
+    return parsed[(name, frozenset({"model_name": "tiny", "engine": "0", **labels}.items()))]
 
 
 def finished(reason: str, e2e: float, queued: float, prompt: int, gen: int) -> FinishedRequestStats:
@@ -99,7 +99,7 @@ def test_prometheus_exposed_names_and_separate_registries():
     assert value(samples(first), "pagellm:prompt_tokens_total") == 5
     # A second logger in the same process neither collides nor sees the first one's counts.
     assert samples(second)[("pagellm:prompt_tokens_total",
-                            frozenset({"model_name": "other"}.items()))] == 0
+                            frozenset({"model_name": "other", "engine": "0"}.items()))] == 0
     names = {name for name, _ in samples(first)}
     expected = {
         "pagellm:num_requests_running", "pagellm:num_requests_waiting",
@@ -113,6 +113,21 @@ def test_prometheus_exposed_names_and_separate_registries():
     expected |= {f"{h}_{suffix}" for h in histograms for suffix in ("bucket", "count", "sum")}
     assert expected <= names
     assert first.content_type.startswith("text/plain")
+
+
+def test_prometheus_engines_of_data_parallel_replicas_have_their_own_series():
+    logger = PrometheusStatLogger("tiny", num_engines=2)
+    assert value(samples(logger), "pagellm:prefix_cache_hits_total", engine="1") == 0  # exists from the start
+    logger.record(SchedulerStats(num_running_reqs=3, prefix_cache_hits=40), IterationStats(num_prompt_tokens=7), 0)
+    logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_hits=10), IterationStats(num_prompt_tokens=2), 1)
+    logger.record(SchedulerStats(num_running_reqs=2, prefix_cache_hits=45), IterationStats(), 0)
+    parsed = samples(logger)
+    # Each engine's running totals become increments on its own: 45 and 10, not 45 + 10 - 40.
+    assert value(parsed, "pagellm:prefix_cache_hits_total", engine="0") == 45
+    assert value(parsed, "pagellm:prefix_cache_hits_total", engine="1") == 10
+    assert value(parsed, "pagellm:num_requests_running", engine="0") == 2
+    assert value(parsed, "pagellm:num_requests_running", engine="1") == 1
+    assert value(parsed, "pagellm:prompt_tokens_total", engine="1") == 2
 
 
 def test_token_count_buckets_stop_at_max():

@@ -1,17 +1,16 @@
 """AsyncLLM: the API-process side of the engine, for the server.
 
 Tokenization, validation, detokenization and statistics happen here, in the asyncio process; the
-step loop runs in a separate engine-core process (`core_proc.py`), reached over ZMQ sockets: requests
-in, outputs back, and heartbeats from a thread of the core, from which `liveness.py` judges whether
-the core is dead, frozen or stalled.
+step loop runs in separate engine-core processes (`core_proc.py`), one per data-parallel replica,
+reached over ZMQ sockets (`core_client.py`): requests in, outputs back, and heartbeats from a
+thread of each core, from which `liveness.py` judges whether a core is dead, frozen or stalled.
+Requests are routed to replicas by prefix and load (`dp_router.py`).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import multiprocessing
-import os
-import tempfile
 import time
 from collections.abc import AsyncIterator
 
@@ -20,21 +19,13 @@ import zmq.asyncio
 
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.core.outputs import SchedulerStats
-from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S, run_engine_core
-from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S, LivenessMonitor
+from pagellm.engine.core_client import CoreClient
+from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S
+from pagellm.engine.dp_router import DataParallelRouter
+from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
-from pagellm.engine.wire import (
-    AbortRequests,
-    AddRequest,
-    CoreOutputs,
-    Ready,
-    Shutdown,
-    StartupFailed,
-    encoder,
-    heartbeat_decoder,
-    output_decoder,
-)
+from pagellm.engine.wire import AbortRequests, AddRequest, CoreOutputs, encoder, heartbeat_decoder, output_decoder
 from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -42,12 +33,8 @@ from pagellm.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 600.0
-"""Longest wait for the core to load the model and size its cache."""
-
-
 class EngineDeadError(RuntimeError):
-    """The engine-core process exited, froze or stalled."""
+    """An engine-core process exited, froze or stalled."""
 
 
 class AsyncLLM:
@@ -56,34 +43,31 @@ class AsyncLLM:
         """`stall_timeout_s`: how long one engine step may run before the engine counts as dead
         (None: never; a core that stops heartbeating or exits is dead regardless)."""
         self.config: EngineConfig = args.create_engine_config()
-        self._liveness = LivenessMonitor(stall_timeout_s)
         self.tokenizer: Tokenizer | None = load_tokenizer(self.config.source)
         self.processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self._queues: dict[str, asyncio.Queue] = {}
-        self._stats = SchedulerStats()
+        self._core_of: dict[str, CoreClient] = {}
+        """Caller request id -> the replica serving it."""
         self._dead_reason: str | None = None
+        """Why the engine stopped taking requests: the first core found dead."""
         self._output_task: asyncio.Task | None = None
-
-        self._ipc_dir = tempfile.TemporaryDirectory(prefix="pagellm-")
-        input_address = f"ipc://{os.path.join(self._ipc_dir.name, 'input')}"
-        output_address = f"ipc://{os.path.join(self._ipc_dir.name, 'output')}"
-        heartbeat_address = f"ipc://{os.path.join(self._ipc_dir.name, 'heartbeat')}"
+        self._dead: asyncio.Future | None = None
+        """Done once a core is found dead (`wait_until_dead`)."""
         self._ctx = zmq.asyncio.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(input_address)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(output_address)
-        self._heartbeats = self._ctx.socket(zmq.PULL)
-        self._heartbeats.bind(heartbeat_address)
-        # spawn, not fork: the child must not inherit this process's threads or CUDA state.
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(args, input_address, output_address, heartbeat_address),
-            name="pagellm-engine-core", daemon=True)
-        self._process.start()
-        self.num_blocks = self._wait_until_ready()
-        self._liveness.start(time.monotonic())
+        self._cores: list[CoreClient] = []
+        num_replicas = self.config.parallel.data_parallel_size
+        self.router = DataParallelRouter(num_replicas, args.block_size)
+        try:
+            for index in range(num_replicas):
+                self._cores.append(CoreClient(_replica_args(args, self.config, index), index, self._ctx,
+                                              stall_timeout_s))
+            for core in self._cores:
+                core.wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
@@ -91,26 +75,15 @@ class AsyncLLM:
         return cls(args, stat_loggers, stall_timeout_s)
 
     @property
-    def engine_pid(self) -> int | None:
-        """The engine-core process's pid (for supervisors, and tests that kill or freeze it)."""
-        return self._process.pid
+    def engine_pids(self) -> list[int]:
+        """The engine-core processes' pids, one per replica (for supervisors, and tests that kill
+        or freeze one)."""
+        return [core.process.pid for core in self._cores]
 
-    def _wait_until_ready(self) -> int:
-        sync_socket = zmq.Socket.shadow(self._output.underlying)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if sync_socket.poll(200):
-                message = output_decoder.decode(sync_socket.recv())
-                if isinstance(message, Ready):
-                    logger.info("engine core ready (pid %d): %d KV blocks", self._process.pid, message.num_blocks)
-                    return message.num_blocks
-                if isinstance(message, StartupFailed):
-                    self._process.join(timeout=10)
-                    raise RuntimeError(f"engine core failed to start: {message.error}")
-            elif not self._process.is_alive():
-                raise RuntimeError(f"engine core exited during start-up (exit code {self._process.exitcode})")
-        self.shutdown()
-        raise RuntimeError(f"engine core did not become ready within {STARTUP_TIMEOUT_S:.0f} s")
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of each replica (the smallest, should they differ)."""
+        return min(core.num_blocks for core in self._cores)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -124,13 +97,18 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request, text = self.processor.process(request_id, prompt, sampling_params)
         core_requests = self.output_processor.add_request(request, text)
+        cost = sum(r.num_prompt_tokens + r.max_tokens for r in core_requests)
+        core = self._cores[self.router.route(request.prompt_token_ids, cost, [c.load for c in self._cores],
+                                             [c.failure_reason is None for c in self._cores])]
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._core_of[request_id] = core
+        core.load += cost
         finished = False
         try:
             # Inside the try: a cancellation between the sends still withdraws the ones sent.
             for core_request in core_requests:
-                await self._input.send(encoder.encode(AddRequest(
+                await core.input.send(encoder.encode(AddRequest(
                     core_request.request_id, core_request.prompt_token_ids, core_request.sampling_params,
                     sorted(core_request.eos_token_ids), core_request.max_tokens, core_request.arrival_time)))
             while not finished:
@@ -140,9 +118,11 @@ class AsyncLLM:
                 finished = item.finished
                 yield item
         finally:
+            core.load -= cost
             self._queues.pop(request_id, None)
             if not finished:  # the consumer went away (client disconnect, cancellation)
                 self._abort_now([request_id])
+            self._core_of.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)
@@ -153,121 +133,144 @@ class AsyncLLM:
 
     def _abort_now(self, request_ids: list[str]) -> list[RequestOutput]:
         stats = IterationStats()
-        core_ids = self.output_processor.core_request_ids(request_ids)
+        by_core: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            core = self._core_of.get(request_id)
+            if core is not None:
+                by_core.setdefault(core.index, []).extend(self.output_processor.core_request_ids([request_id]))
         outputs = self.output_processor.abort(request_ids, stats)
-        if outputs and not self._dead_reason:
-            self._send_abort(core_ids)
-            self._log_stats(stats)
+        for index, core_ids in by_core.items():
+            self._send_abort(self._cores[index], core_ids)
+        if outputs:
+            self._log_stats(stats, 0)
         return outputs
 
-    def _send_abort(self, core_request_ids: list[str]) -> None:
+    def _send_abort(self, core: CoreClient, core_request_ids: list[str]) -> None:
+        if core.failure_reason is not None:
+            return
         # A plain (non-awaited) send: this also runs from generators' `finally` during cancellation.
-        self._input.send(encoder.encode(AbortRequests(core_request_ids)), flags=zmq.NOBLOCK)
+        core.input.send(encoder.encode(AbortRequests(core_request_ids)), flags=zmq.NOBLOCK)
 
     # -- the output loop --------------------------------------------------------------------------
 
     def _ensure_output_task(self) -> None:
         # Restarted when done: each asyncio.run() (tests, scripts) ends the previous loop's task.
         if self._dead_reason is None and (self._output_task is None or self._output_task.done()):
-            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+            loop = asyncio.get_running_loop()
+            self._dead = loop.create_future()
+            self._output_task = loop.create_task(self._output_loop())
 
     async def _output_loop(self) -> None:
-        """Hand outputs to their requests and watch the core's liveness, until it is dead."""
+        """Hand outputs to their requests and watch the cores' liveness. A core found dead fails
+        its own requests and marks the engine dead (no new requests); the others' requests go on."""
         poller = zmq.asyncio.Poller()
-        poller.register(self._output, zmq.POLLIN)
-        poller.register(self._heartbeats, zmq.POLLIN)
+        for core in self._cores:
+            poller.register(core.output, zmq.POLLIN)
+            poller.register(core.heartbeats, zmq.POLLIN)
         try:
             while True:
                 await poller.poll(int(HEARTBEAT_INTERVAL_S * 1000))
-                while await self._output.poll(0):
-                    message = output_decoder.decode(await self._output.recv())
-                    if isinstance(message, CoreOutputs):
-                        self._handle(message)
+                live = [core for core in self._cores if core.failure_reason is None]
+                for core in live:
+                    while await core.output.poll(0):
+                        message = output_decoder.decode(await core.output.recv())
+                        if isinstance(message, CoreOutputs):
+                            self._handle(core, message)
                 # Every pending heartbeat is read before judging: after this process was busy for a
                 # while, queued heartbeats are not silence.
                 now = time.monotonic()
-                while await self._heartbeats.poll(0):
-                    beat = heartbeat_decoder.decode(await self._heartbeats.recv())
-                    self._liveness.on_heartbeat(beat.num_steps, now)
-                failure = self._failure(now)
-                if failure is not None:
-                    self._fail_all(failure)
-                    return
+                for core in live:
+                    while await core.heartbeats.poll(0):
+                        beat = heartbeat_decoder.decode(await core.heartbeats.recv())
+                        core.liveness.on_heartbeat(beat.num_steps, now)
+                for core in live:
+                    reason = core.failure(now)
+                    if reason is not None:
+                        self._fail_core(core, reason)
         except Exception as e:  # a bug here must fail requests, not leave them waiting forever
             logger.exception("engine output loop failed")
-            self._fail_all(f"engine output loop failed: {type(e).__name__}: {e}")
+            for core in self._cores:
+                if core.failure_reason is None:
+                    self._fail_core(core, f"engine output loop failed: {type(e).__name__}: {e}")
 
-    def _failure(self, now: float) -> str | None:
-        if not self._process.is_alive():
-            return f"engine core process exited (exit code {self._process.exitcode})"
-        return self._liveness.failure(now)
-
-    def _handle(self, message: CoreOutputs) -> None:
-        self._stats = message.stats
+    def _handle(self, core: CoreClient, message: CoreOutputs) -> None:
+        core.stats = message.stats
         for core_request_id, error in message.rejected:
             # A rejected child fails its whole parent: its siblings are withdrawn too.
             request_id = self.output_processor.caller_request_id(core_request_id)
             siblings = [i for i in self.output_processor.core_request_ids([request_id]) if i != core_request_id]
             self.output_processor.abort([request_id])
-            if siblings and not self._dead_reason:
-                self._send_abort(siblings)
+            if siblings:
+                self._send_abort(core, siblings)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(ValueError(error))
         stats = IterationStats()
         processed = self.output_processor.process(message.outputs, stats)
-        if processed.reqs_to_abort and not self._dead_reason:
-            self._send_abort(processed.reqs_to_abort)  # ended by a stop string; the core would go on
+        if processed.reqs_to_abort:
+            self._send_abort(core, processed.reqs_to_abort)  # ended by a stop string; the core would go on
         for out in processed.request_outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
-        self._log_stats(stats)
+        self._log_stats(stats, core.index)
 
-    def _log_stats(self, stats: IterationStats) -> None:
+    def _log_stats(self, stats: IterationStats, engine_index: int) -> None:
+        scheduler_stats = self._cores[engine_index].stats
         for stat_logger in self.stat_loggers:
-            stat_logger.record(self._stats, stats)
+            stat_logger.record(scheduler_stats, stats, engine_index)
 
-    def _fail_all(self, reason: str) -> None:
-        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
-        self._dead_reason = reason
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(reason))
+    def _fail_core(self, core: CoreClient, reason: str) -> None:
+        """Fail the requests of a replica that died; the other replicas' requests go on."""
+        core.failure_reason = reason
+        if self._dead_reason is None:
+            self._dead_reason = reason if len(self._cores) == 1 else f"engine core {core.index}: {reason}"
+            if self._dead is not None and not self._dead.done():
+                self._dead.set_result(None)
+        failed = [request_id for request_id, owner in self._core_of.items() if owner is core]
+        logger.error("engine core %d: %s; failing its %d in-flight requests", core.index, reason, len(failed))
+        for request_id in failed:
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(EngineDeadError(reason))
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
 
     async def wait_until_dead(self) -> str:
-        """Watch the core from now on (not only once a request comes) and return why it died."""
+        """Watch the cores from now on (not only once a request comes) and return why one died."""
         self._ensure_output_task()
         if self._dead_reason is None:
-            await asyncio.shield(self._output_task)
-        return self._dead_reason or "engine output loop ended"
+            await asyncio.shield(self._dead)
+        return self._dead_reason
 
     # -- state and shutdown -------------------------------------------------------------------------
 
     def get_stats(self) -> SchedulerStats:
-        return self._stats
+        """The replicas' latest scheduler stats, summed (KV usage: their mean)."""
+        total = SchedulerStats()
+        for field in dataclasses.fields(SchedulerStats):
+            setattr(total, field.name, sum(getattr(core.stats, field.name) for core in self._cores))
+        total.kv_cache_usage /= len(self._cores)
+        return total
 
     @property
     def is_running(self) -> bool:
-        return self._dead_reason is None and self._process.is_alive()
+        return self._dead_reason is None and all(core.process.is_alive() for core in self._cores)
 
     def shutdown(self) -> None:
-        if self._process.is_alive() and self._dead_reason is None:
-            try:
-                zmq.Socket.shadow(self._input.underlying).send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self._process.join(timeout=10)
-        if self._process.is_alive():  # a frozen or stalled core would not act on SIGTERM (or Shutdown)
-            self._process.kill()
-            self._process.join(timeout=5)
+        for core in self._cores:
+            core.shutdown(graceful=self._dead_reason is None)
         if self._output_task is not None:
             self._output_task.cancel()
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._heartbeats.close(linger=0)
         self._ctx.term()
-        self._ipc_dir.cleanup()
+
+
+def _replica_args(args: EngineArgs, config: EngineConfig, index: int) -> EngineArgs:
+    """Replica `index`'s engine arguments: on CUDA, the next `world_size` GPUs after the previous
+    replica's."""
+    if config.device.type != "cuda" or index == 0:
+        return args
+    first_gpu = config.device.index + index * config.parallel.world_size
+    return dataclasses.replace(args, device=f"cuda:{first_gpu}")

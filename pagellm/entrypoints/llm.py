@@ -31,6 +31,9 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        if kwargs.get("data_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size is for pagellm serve, which runs one engine core per replica; "
+                             "offline, run one LLM per replica (each on its own devices)")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Tokenizer:

@@ -27,52 +27,60 @@ class CumulativeDelta:
         return delta
 
 
+@dataclass(slots=True)
+class _Interval:
+    """What one engine did since its previous log line."""
+
+    start: float
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_prefix_queries: int = 0
+    num_prefix_hits: int = 0
+
+
 class LoggingStatLogger:
-    """Logs one line of throughput and cache state at most once per `interval_s`.
+    """Logs one line of throughput and cache state per engine at most once per `interval_s`.
 
     The interval is checked inside `record`, so nothing is logged while no outputs arrive and no
-    thread or timer is needed; `clock` is injectable so tests can move time by hand.
+    thread or timer is needed; `clock` is injectable so tests can move time by hand. With several
+    engines (data parallel), each line names its engine.
     """
 
     def __init__(self, interval_s: float = 10.0,
                  logger: logging.Logger = logging.getLogger("pagellm.metrics"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, num_engines: int = 1) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.interval_s = interval_s
         self._logger = logger
         self._clock = clock
-        self._prefix_queries = CumulativeDelta()
-        self._prefix_hits = CumulativeDelta()
-        self._reset(clock())
+        self._prefix = "Engine %d: " if num_engines > 1 else ""
+        start = clock()
+        self._intervals = [_Interval(start) for _ in range(num_engines)]
+        self._prefix_queries = [CumulativeDelta() for _ in range(num_engines)]
+        self._prefix_hits = [CumulativeDelta() for _ in range(num_engines)]
 
-    def _reset(self, now: float) -> None:
-        self._last_log_time = now
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
-        self._num_prefix_queries = 0
-        self._num_prefix_hits = 0
-
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        self._num_prompt_tokens += iteration_stats.num_prompt_tokens
-        self._num_generation_tokens += iteration_stats.num_generation_tokens
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
+        interval = self._intervals[engine_index]
+        interval.num_prompt_tokens += iteration_stats.num_prompt_tokens
+        interval.num_generation_tokens += iteration_stats.num_generation_tokens
         # Trackers are updated on every call, not only when logging, so the interval's hit rate
         # covers exactly the queries made since the previous line.
-        self._num_prefix_queries += self._prefix_queries.update(
-            scheduler_stats.prefix_cache_queries)
-        self._num_prefix_hits += self._prefix_hits.update(scheduler_stats.prefix_cache_hits)
+        interval.num_prefix_queries += self._prefix_queries[engine_index].update(scheduler_stats.prefix_cache_queries)
+        interval.num_prefix_hits += self._prefix_hits[engine_index].update(scheduler_stats.prefix_cache_hits)
 
         now = self._clock()
-        elapsed = now - self._last_log_time
+        elapsed = now - interval.start
         if elapsed < self.interval_s:
             return
-        hit_rate = (self._num_prefix_hits / self._num_prefix_queries
-                    if self._num_prefix_queries else 0.0)
+        hit_rate = (interval.num_prefix_hits / interval.num_prefix_queries
+                    if interval.num_prefix_queries else 0.0)
+        prefix_args = (engine_index,) if self._prefix else ()
         self._logger.info(
-            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            self._prefix + "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-            "Prefix cache hit rate: %.1f%%",
-            self._num_prompt_tokens / elapsed, self._num_generation_tokens / elapsed,
+            "Prefix cache hit rate: %.1f%%", *prefix_args,
+            interval.num_prompt_tokens / elapsed, interval.num_generation_tokens / elapsed,
             scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
             scheduler_stats.kv_cache_usage * 100, hit_rate * 100)
-        self._reset(now)
+        self._intervals[engine_index] = _Interval(now)

@@ -48,24 +48,24 @@ class PrometheusStatLogger:
     """The Content-Type header for `render()`'s bytes."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
-                 max_model_len: int = 131072) -> None:
-        """`max_model_len` bounds the token-count histograms' buckets."""
+                 max_model_len: int = 131072, num_engines: int = 1) -> None:
+        """`max_model_len` bounds the token-count histograms' buckets. Metrics of the engine carry
+        an `engine` label (the data-parallel replica, "0" to `num_engines - 1`)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry).labels(model_name)
+            return Gauge(name, doc, labels, registry=self.registry)
 
         def counter(name: str, doc: str) -> Counter:
             # prometheus_client appends `_total` on exposition, so the name here goes without it.
-            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+            return Counter(name, doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
         self.num_requests_running = gauge("pagellm:num_requests_running",
                                           "Number of requests in model execution batches.")
@@ -85,13 +85,11 @@ class PrometheusStatLogger:
                                          "Prompt tokens found in the prefix cache.")
         self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
                                        labels + ["finished_reason"], registry=self.registry)
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
 
         self.http_turned_away = Counter(
             "pagellm:http_requests_turned_away",
             "Generation requests answered 503 (at capacity, draining) or 504 (past their time limit).",
-            labels + ["reason"], registry=self.registry)
+            ["model_name", "reason"], registry=self.registry)
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
 
@@ -114,34 +112,44 @@ class PrometheusStatLogger:
             "pagellm:request_generation_tokens",
             "Generated length of finished requests in tokens.", token_buckets)
 
-        self._preemptions_delta = CumulativeDelta()
-        self._prefix_queries_delta = CumulativeDelta()
-        self._prefix_hits_delta = CumulativeDelta()
+        # Totals since each engine started, turned into increments per engine.
+        self._deltas = [(CumulativeDelta(), CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
+        for engine in range(num_engines):  # every series exists from the start, at zero
+            for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
+                           self.prompt_tokens, self.generation_tokens, self.num_preemptions,
+                           self.prefix_cache_queries, self.prefix_cache_hits, self.time_to_first_token,
+                           self.inter_token_latency, self.e2e_request_latency, self.request_queue_time,
+                           self.request_prompt_tokens, self.request_generation_tokens):
+                family.labels(model_name, str(engine))
+            for reason in FINISH_REASONS:
+                self.request_success.labels(model_name, str(engine), reason)
+        for reason in TURNED_AWAY_REASONS:
+            self.http_turned_away.labels(model_name, reason)
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
-        self.num_requests_running.set(scheduler_stats.num_running_reqs)
-        self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-        self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
+        labels = (self.model_name, str(engine_index))
+        self.num_requests_running.labels(*labels).set(scheduler_stats.num_running_reqs)
+        self.num_requests_waiting.labels(*labels).set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage.labels(*labels).set(scheduler_stats.kv_cache_usage)
 
         # These arrive as totals since the engine started; Prometheus counters want increments.
-        self.num_preemptions.inc(self._preemptions_delta.update(scheduler_stats.num_preemptions))
-        self.prefix_cache_queries.inc(
-            self._prefix_queries_delta.update(scheduler_stats.prefix_cache_queries))
-        self.prefix_cache_hits.inc(
-            self._prefix_hits_delta.update(scheduler_stats.prefix_cache_hits))
+        preemptions, prefix_queries, prefix_hits = self._deltas[engine_index]
+        self.num_preemptions.labels(*labels).inc(preemptions.update(scheduler_stats.num_preemptions))
+        self.prefix_cache_queries.labels(*labels).inc(prefix_queries.update(scheduler_stats.prefix_cache_queries))
+        self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
 
-        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        self.prompt_tokens.labels(*labels).inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
-            self.time_to_first_token.observe(ttft)
+            self.time_to_first_token.labels(*labels).observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
-            self.inter_token_latency.observe(itl)
+            self.inter_token_latency.labels(*labels).observe(itl)
         for finished in iteration_stats.finished_requests:
-            self.request_success.labels(self.model_name, finished.finish_reason).inc()
-            self.e2e_request_latency.observe(finished.e2e_latency)
-            self.request_queue_time.observe(finished.queued_time)
-            self.request_prompt_tokens.observe(finished.num_prompt_tokens)
-            self.request_generation_tokens.observe(finished.num_generation_tokens)
+            self.request_success.labels(*labels, finished.finish_reason).inc()
+            self.e2e_request_latency.labels(*labels).observe(finished.e2e_latency)
+            self.request_queue_time.labels(*labels).observe(finished.queued_time)
+            self.request_prompt_tokens.labels(*labels).observe(finished.num_prompt_tokens)
+            self.request_generation_tokens.labels(*labels).observe(finished.num_generation_tokens)
 
     def record_turned_away(self, reason: str) -> None:
         """One generation request the server's edge answered without running it to its end."""

@@ -36,4 +36,7 @@ class IterationStats:
 class StatLogger(Protocol):
     """Receives every iteration's stats in the API process."""
 
-    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None: ...
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats,
+               engine_index: int = 0) -> None:
+        """`scheduler_stats` of engine `engine_index` (a data-parallel replica), and what its latest
+        outputs added."""

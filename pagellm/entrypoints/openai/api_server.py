@@ -169,13 +169,15 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     chat_template = load_chat_template(ns.chat_template)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     limits = ServerLimits.from_namespace(ns)
-    traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs, ns.max_waiting_requests, ns.request_timeout))
+    # Every data-parallel replica runs max_num_seqs sequences.
+    traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs * args.data_parallel_size,
+                                                    ns.max_waiting_requests, ns.request_timeout))
     if ns.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout:g}")
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    metrics = PrometheusStatLogger(names[0], **bucket_bound)
+    metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size)
     traffic.on_turned_away = metrics.record_turned_away
-    engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger()],
+    engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger(num_engines=args.data_parallel_size)],
                                        stall_timeout_s=ns.engine_stall_timeout or None)
     try:
         app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
