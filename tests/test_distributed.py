@@ -71,7 +71,10 @@ def _run_split(smollm2_path: str, prompts, **kwargs) -> tuple[list[list[int]], i
      "max_model_len": 160, "num_gpu_blocks_override": 10},
     # One rank, in its own process: the process boundary alone.
     {"distributed_executor_backend": "mp"},
-], ids=["tp3", "pp2", "pp3", "tp3xpp2", "pp2-chunked-preempted", "mp1"])
+    # Ranks as Ray actors on a local Ray instance.
+    {"tensor_parallel_size": 3, "distributed_executor_backend": "ray"},
+    {"pipeline_parallel_size": 2, "distributed_executor_backend": "ray"},
+], ids=["tp3", "pp2", "pp3", "tp3xpp2", "pp2-chunked-preempted", "mp1", "ray-tp3", "ray-pp2"])
 def test_split_model_gives_the_single_rank_greedy_tokens(smollm2_path, chat_prompts, single_rank_tokens, split):
     tokens, num_preemptions = _run_split(smollm2_path, chat_prompts, **split)
     assert tokens == single_rank_tokens
@@ -139,9 +142,10 @@ def test_tensor_parallel_logprobs_match_one_rank(tiny_llama, tp):
 
 # -- failures -----------------------------------------------------------------------------------------
 
-def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(smollm2_path):
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(smollm2_path, backend):
     # Rank 1 is not the driver: the engine waits on rank 0, which waits on rank 1 in an all-reduce.
-    llm = LLM(smollm2_path, **CPU, tensor_parallel_size=3)
+    llm = LLM(smollm2_path, **CPU, tensor_parallel_size=3, distributed_executor_backend=backend)
     engine = llm.llm_engine
     pids = engine.engine_core.executor.pids
     engine.add_request("0", {"prompt_token_ids": list(range(100, 140))},
@@ -150,13 +154,14 @@ def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(smollm2
         engine.step()
     os.kill(pids[1], signal.SIGKILL)
     killed = time.monotonic()
-    with pytest.raises(WorkerFailedError, match="rank 1"):
+    with pytest.raises(WorkerFailedError, match="rank 1" if backend == "mp" else "Ray rank"):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - killed < 10
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    deadline = time.monotonic() + 10  # Ray reaps killed actors' processes by itself, shortly after
+    while not all(_gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived the engine"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -23,14 +23,16 @@ on the CPU. A dead peer is noticed much sooner, by the executor."""
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None,
+                 gpu_index: int | None = None) -> None:
         """`rank` in the replica (stage-major, see `pagellm.distributed`); with more than one rank,
-        `distributed_init_method` is where the ranks meet (`file://...` or `tcp://host:port`)."""
+        `distributed_init_method` is where the ranks meet (`file://...` or `tcp://host:port`).
+        On CUDA, rank r takes the r-th GPU from the configured one, unless `gpu_index` names its
+        GPU (a Ray actor sees only its own, as index 0)."""
         parallel = config.parallel
         if config.device.type == "cuda":
-            # Rank r of a replica takes the r-th GPU from the configured one on this machine; under
-            # Ray each actor sees only its own GPU (index 0).
-            config = dataclasses.replace(config, device=torch.device("cuda", config.device.index + rank))
+            index = config.device.index + rank if gpu_index is None else gpu_index
+            config = dataclasses.replace(config, device=torch.device("cuda", index))
             torch.cuda.set_device(config.device)
         if parallel.world_size > 1:
             backend = "nccl" if config.device.type == "cuda" else "gloo"
