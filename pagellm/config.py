@@ -31,7 +31,7 @@ class EngineArgs:
     max_model_len: int | None = _arg(None, "Longest prompt + output in tokens. None: the model's max_position_embeddings.")
     block_size: int = _arg(16, 'Tokens per KV-cache block.')
     gpu_memory_utilization: float = _arg(0.9, 'Fraction of GPU memory the engine may use in all (weights, activations, KV cache).')
-    kv_cache_memory_bytes: int | None = _arg(None, 'KV-cache size in bytes; overrides gpu_memory_utilization. CPU default: min(4 GiB, a quarter of RAM).')
+    kv_cache_memory_bytes: int | None = _arg(None, 'KV-cache size in bytes; overrides gpu_memory_utilization. Per rank. CPU default: min(4 GiB, a quarter of RAM), shared by every rank and replica.')
     num_gpu_blocks_override: int | None = _arg(None, 'Exact number of KV blocks (tests, debugging).')
     enable_prefix_caching: bool = _arg(True, 'Reuse the KV of shared prompt prefixes across requests.')
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
