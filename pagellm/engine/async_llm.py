@@ -268,9 +268,13 @@ class AsyncLLM:
 
 
 def _replica_args(args: EngineArgs, config: EngineConfig, index: int) -> EngineArgs:
-    """Replica `index`'s engine arguments: on CUDA, the next `world_size` GPUs after the previous
-    replica's."""
-    if config.device.type != "cuda" or index == 0:
-        return args
-    first_gpu = config.device.index + index * config.parallel.world_size
-    return dataclasses.replace(args, device=f"cuda:{first_gpu}")
+    """Replica `index`'s engine arguments: one replica of its own (the API process checked that all
+    of them fit), on CUDA the next `world_size` GPUs after the previous replica's, on the CPU its
+    share of the default KV-cache memory."""
+    parallel = config.parallel
+    replica = dataclasses.replace(args, data_parallel_size=1)
+    if config.device.type == "cuda":
+        replica.device = f"cuda:{config.device.index + index * parallel.world_size}"
+    elif args.kv_cache_memory_bytes is None:
+        replica.kv_cache_memory_bytes = config.default_cpu_kv_cache_bytes() // (parallel.world_size * parallel.data_parallel_size)
+    return replica

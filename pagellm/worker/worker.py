@@ -59,9 +59,9 @@ class Worker:
         if args.kv_cache_memory_bytes is not None:
             budget = args.kv_cache_memory_bytes
         elif self.config.device.type == "cpu":
-            # The CPU budget is for the whole engine: replicas and ranks share one machine's memory.
-            parallel = self.config.parallel
-            budget = self.config.default_cpu_kv_cache_bytes() // (parallel.world_size * parallel.data_parallel_size)
+            # The CPU budget is for the whole replica: its ranks share one machine's memory (data-
+            # parallel replicas get their share as kv_cache_memory_bytes).
+            budget = self.config.default_cpu_kv_cache_bytes() // self.config.parallel.world_size
         else:
             budget = self._gpu_kv_budget()
         num_blocks = budget // block_bytes
