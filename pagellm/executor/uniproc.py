@@ -1,7 +1,10 @@
 """One worker in the engine's own process."""
 from __future__ import annotations
 
+import gc
 from typing import Any
+
+import torch
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import SchedulerOutput
@@ -10,8 +13,8 @@ from pagellm.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    worker: Worker
-    """In this process, so profilers and benchmarks may reach its runner."""
+    worker: Worker | None
+    """In this process, so profilers and benchmarks may reach its runner; None once shut down."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -26,4 +29,11 @@ class UniProcExecutor(Executor):
         return StepFuture(self.worker.collect)
 
     def shutdown(self) -> None:
-        pass
+        """Drop the worker, so that its weights and KV cache go back to the device (once no caller
+        holds them); the executor cannot step afterwards."""
+        if self.worker is not None:
+            device = self.worker.config.device
+            self.worker = None
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
