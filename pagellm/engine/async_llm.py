@@ -132,17 +132,16 @@ class AsyncLLM:
                 queue.put_nowait(out)
 
     def _abort_now(self, request_ids: list[str]) -> list[RequestOutput]:
-        stats = IterationStats()
-        by_core: dict[int, list[str]] = {}
+        outputs = []
         for request_id in request_ids:
             core = self._core_of.get(request_id)
-            if core is not None:
-                by_core.setdefault(core.index, []).extend(self.output_processor.core_request_ids([request_id]))
-        outputs = self.output_processor.abort(request_ids, stats)
-        for index, core_ids in by_core.items():
-            self._send_abort(self._cores[index], core_ids)
-        if outputs:
-            self._log_stats(stats, 0)
+            core_ids = self.output_processor.core_request_ids([request_id])
+            stats = IterationStats()
+            aborted = self.output_processor.abort([request_id], stats)
+            if aborted and core is not None:
+                self._send_abort(core, core_ids)
+                self._log_stats(stats, core.index)
+            outputs += aborted
         return outputs
 
     def _send_abort(self, core: CoreClient, core_request_ids: list[str]) -> None:
