@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 
 import httpx
@@ -27,6 +28,16 @@ from test_greedy_vs_hf import CONVERSATIONS
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
 CPU = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_ray_after_this_module():
+    """The Ray tests start a local Ray instance in this process; its daemons would take CPU from
+    every later test on a 2-core machine."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _tokens(outputs) -> list[list[int]]:
