@@ -34,6 +34,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -106,10 +107,16 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
         async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.config.source.path, max_model_len=engine.config.max_model_len)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, root=engine.config.source.path,
-                                         max_model_len=engine.config.max_model_len) for name in names])
+        return ModelList(data=[model_card(name) for name in names])
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> ModelCard:
+        return model_card(tokens.check_model(model))
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -126,6 +133,10 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return tokens.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> TokenizerInfo:
+        return tokens.tokenizer_info()
 
     return app
 

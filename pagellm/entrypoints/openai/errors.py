@@ -23,8 +23,12 @@ from starlette.types import Scope
 
 logger = logging.getLogger(__name__)
 
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's status for a client that went away before the response: not the client's error (400)
+nor the server's (5xx), so error counts stay clean."""
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+                CLIENT_CLOSED_REQUEST: "ClientClosedRequest", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
 REQUEST_ID_SCOPE_KEY = "pagellm.request_id"
 """Where RequestIdMiddleware keeps the request's id in the ASGI scope."""
 

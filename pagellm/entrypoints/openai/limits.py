@@ -17,6 +17,8 @@ class ServerLimits:
     """Most sequences one request may generate (`n`, and `best_of` on completions)."""
     max_stop_sequences: int = 16
     """Most `stop` strings one request may give (each is searched for in every new piece of text)."""
+    max_prompts: int = 2048
+    """Most prompts one /v1/completions request may hold (OpenAI's own limit)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -39,6 +41,8 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                        help="most sequences one request may generate (`n`, and `best_of` on completions)")
     group.add_argument("--max-stop-sequences", type=int, default=defaults.max_stop_sequences,
                        help="most `stop` strings one request may give")
+    group.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
+                       help="most prompts one /v1/completions request may hold (a list of prompts)")
 
 
 def _flag(name: str) -> str:

@@ -1,16 +1,22 @@
 """Request and response bodies of the OpenAI-compatible API, with vLLM's extra request fields.
 
-Requests refuse unknown fields, so a typo is a 400 rather than silently ignored. Sampling fields
-go to `SamplingParams` under the same names; the server refuses (400) the few fields it has no
-implementation for (`unsupported`: tools, response_format, suffix). Everything a request can hold
-that would fail deeper down (NaN or infinite numbers, integers beyond 64 bits, text that is not
-valid Unicode, roles and content parts no chat template knows) is refused here, naming the field.
+Every field OpenAI's spec defines is accepted, `null` wherever the spec allows it (it means the
+default); fields that change nothing on this server (`store`, `metadata`, `service_tier`, ...) are
+accepted and ignored as OpenAI documents them, and vLLM's extras are accepted too. Sampling fields
+go to `SamplingParams` under the same names. A request gets a 400 naming the field, in this
+order: a known field set to a value the server has no implementation for (`unsupported_fields`:
+tools, JSON response formats, suffix, ...), then an unknown field, so a client that sends both
+hears about the one that matters. Everything a request can hold that would fail deeper down (NaN
+or infinite numbers, integers beyond 64 bits, text that is not valid Unicode, roles and content
+parts no chat template knows) is refused here, naming the field.
 """
 from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, ClassVar, Literal
+import typing
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -27,9 +33,19 @@ REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
 
 
 class StrictModel(BaseModel):
-    """Unknown fields, NaN / infinite numbers and text with lone surrogates are refused."""
+    """Unknown fields, NaN / infinite numbers and text with lone surrogates are refused; `null` for a
+    field that cannot be None means its default."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        # OpenAI's spec lets clients send `null` for most optional fields (the openai SDK does).
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or _nullable(fields[k].annotation)}
 
     @model_validator(mode="before")
     @classmethod
@@ -45,6 +61,10 @@ class StrictModel(BaseModel):
         except (TypeError, ValueError):
             pass  # not JSON-shaped (a model instance, say): the field validators judge it
         return data
+
+
+def _nullable(annotation: Any) -> bool:
+    return annotation is Any or type(None) in typing.get_args(annotation)
 
 
 def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
@@ -70,6 +90,10 @@ def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
 class StreamOptions(StrictModel):
     include_usage: bool = False
     """Send a last chunk with `choices: []` and the request's usage before `[DONE]`."""
+    continuous_usage_stats: bool = False
+    """vLLM's extra: every chunk also carries the usage so far."""
+    include_obfuscation: bool = True
+    """OpenAI pads chunks against side channels; accepted and ignored (no padding is sent)."""
 
 
 # Request fields with the same name and meaning as a SamplingParams field.
@@ -126,13 +150,17 @@ class ChatPromptFields(StrictModel):
     """Leave the last message open so the model continues it (needs add_generation_prompt=false)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. {"enable_thinking": false})."""
+    add_special_tokens: bool = False
+    """vLLM's extra: let the tokenizer add special tokens (BOS) to the rendered template, which
+    already holds the ones the model expects."""
 
 
 class GenerationRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    unsupported: ClassVar[tuple[str, ...]] = ()
-    """Fields whose results the server cannot render yet: a request that sets one gets a 400."""
+    # Unknown fields are let through parsing and refused by `_supported_then_known`, after the
+    # unsupported ones, so that the 400 names the field that matters.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     """A served model name; None: the first one."""
@@ -166,6 +194,18 @@ class GenerationRequest(StrictModel):
     """Top logprobs per prompt token, returned as `prompt_logprobs` (not with stream)."""
     request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN)
     """Used in the response id and as the engine's request id; default: the X-Request-Id."""
+    return_tokens_as_token_ids: bool = False
+    """Name tokens in logprobs as `token_id:{id}` instead of their text (for tokens that are not whole characters)."""
+    return_token_ids: bool = False
+    """Also return the prompt's (`prompt_token_ids`) and each choice's (`token_ids`) token ids."""
+    priority: Int64 = 0
+    """Scheduling priority; this server schedules first come, first served, so only 0 is accepted."""
+    use_beam_search: bool = False
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -173,6 +213,25 @@ class GenerationRequest(StrictModel):
         if isinstance(value, str):
             return [value] if value else None
         return value or None
+
+    @model_validator(mode="after")
+    def _supported_then_known(self) -> "GenerationRequest":
+        for name, why in self.unsupported_fields():
+            raise PydanticCustomError("unsupported", "`{name}` {why}; remove it from the request",
+                                      {"param": name, "name": name, "why": why})
+        for name in self.model_extra or ():
+            raise PydanticCustomError("extra_forbidden", "Extra inputs are not permitted", {"param": name})
+        return self
+
+    def unsupported_fields(self) -> Iterator[tuple[str, str]]:
+        """(field, why) for each field set to something this server cannot do (yet)."""
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                yield name, "is not supported by this server yet (structured output)"
+        if self.use_beam_search:
+            yield "use_beam_search", "is not supported by the HTTP server (beam search is offline: LLM.beam_search)"
+        if self.priority != 0:
+            yield "priority", "is not supported: this server schedules first come, first served"
 
     def logprob_fields(self) -> dict[str, int | None]:
         """Request field -> top logprobs per token it asks for (None: not asked), for the
@@ -184,13 +243,9 @@ class GenerationRequest(StrictModel):
         return {}
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """SamplingParams for this request (400 for an invalid value or a field in `unsupported`).
+        """SamplingParams for this request (400 for an invalid value).
 
         A stream gets DELTA outputs, so each chunk carries only its own text and logprobs."""
-        for name in self.unsupported:
-            if getattr(self, name) != type(self).model_fields[name].default:
-                raise APIError(f"`{name}` is not supported by this server yet; remove it from the request",
-                               param=name)
         if self.stream and self.prompt_logprobs is not None:
             raise APIError("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -207,19 +262,38 @@ class GenerationRequest(StrictModel):
         first = message.split(" ", 1)[0]
         return first if first in type(self).model_fields else None
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+    @property
+    def final_usage(self) -> bool:
+        """Whether a stream ends with a usage-only chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(GenerationRequest):
-    unsupported = ("suffix",)
-
     prompt: str | list[Int64] | list[str] | list[list[Int64]]
-    """Text or token ids; a list of several prompts is refused (one request per prompt)."""
-    max_tokens: Int64 | None = 16
+    """Text or token ids, or a list of several prompts (each gets `n` choices, indexed prompt by prompt)."""
+    max_tokens: Int64 | None = Field(default=16, ge=0)
+    """0 only with echo: the prompt's logprobs, nothing generated (the scoring idiom)."""
     echo: bool = False
     """Put the prompt in front of the generated text."""
     logprobs: Int64 | None = Field(default=None, ge=0)
     """Top logprobs per generated token (with echo, per prompt token too)."""
     best_of: Int64 | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
+    """vLLM's extra: let the tokenizer add its special tokens (BOS) to a text prompt."""
+    response_format: dict[str, Any] | None = None
+    """vLLM's extra; only {"type": "text"} is supported yet."""
+
+    def unsupported_fields(self) -> Iterator[tuple[str, str]]:
+        yield from super().unsupported_fields()
+        if self.suffix:
+            yield "suffix", "is not supported by this server yet"
+        yield from _unsupported_response_format(self.response_format)
 
     def logprob_fields(self) -> dict[str, int | None]:
         return {**super().logprob_fields(), "logprobs": self.logprobs}
@@ -231,7 +305,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
-    unsupported = ("tools", "tool_choice", "response_format")
+    model_config = ConfigDict(extra="allow")
 
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
@@ -242,7 +316,39 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
     """With logprobs: also this many most likely tokens per position."""
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    """Whether the model may call several tools in one turn; without tools it changes nothing."""
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict[str, Any] | None = None
+    # Accepted and ignored, as OpenAI documents them: they change nothing on this server.
+    store: bool = False
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    """Predicted Outputs only make OpenAI faster; the output is the same without them."""
+
+    def unsupported_fields(self) -> Iterator[tuple[str, str]]:
+        yield from super().unsupported_fields()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                yield name, "(tool calling) is not supported by this server yet"
+        if self.function_call not in (None, "none", "auto"):
+            yield "function_call", "(tool calling) is not supported by this server yet"
+        if self.tool_choice not in (None, "none", "auto"):
+            yield "tool_choice", "(tool calling) is not supported by this server yet; only none and auto"
+        yield from _unsupported_response_format(self.response_format)
+        if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
+            yield "audio" if self.audio is not None else "modalities", "is not supported: this server outputs text"
+        if self.web_search_options is not None:
+            yield "web_search_options", "is not supported: this server has no web search"
 
     def logprob_fields(self) -> dict[str, int | None]:
         return {**super().logprob_fields(), "top_logprobs": self.top_logprobs}
@@ -252,6 +358,12 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None,
                 "prompt_logprobs": self.prompt_logprobs}
+
+
+def _unsupported_response_format(response_format: dict[str, Any] | None) -> Iterator[tuple[str, str]]:
+    if response_format is not None and response_format.get("type") != "text":
+        yield "response_format", (f"of type {response_format.get('type')!r} is not supported by this server yet "
+                                  "(structured output); only {\"type\": \"text\"}")
 
 
 class TokenizeCompletionRequest(StrictModel):
@@ -326,6 +438,10 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     """vLLM's extra: the stop token id or string that ended generation; None for EOS or length."""
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the prompt's token ids (in a stream: in the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated token ids (in a stream: this chunk's)."""
 
 
 class CompletionResponse(BaseModel):
@@ -364,6 +480,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated token ids (in a stream: this chunk's)."""
 
 
 class ChatStreamChoice(BaseModel):
@@ -373,6 +491,8 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated token ids (in a stream: this chunk's)."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -383,6 +503,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the prompt's token ids (in a stream: in the first chunk)."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -392,6 +514,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the prompt's token ids (in a stream: in the first chunk)."""
 
 
 class ModelCard(BaseModel):
@@ -417,3 +541,19 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """vLLM's GET /tokenizer_info: what a client needs to tokenize as the server does (lm-eval's
+    remote tokenizer reads it, then calls /tokenize and /detokenize)."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    """The `transformers` class that would load this tokenizer (a `tokenizers` JSON tokenizer)."""
+    bos_token: str | None
+    eos_token: str | None
+    unk_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    """The template chat requests are rendered with (--chat-template, else the model's own)."""
+    model_max_length: int
+    vocab_size: int

@@ -5,8 +5,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
-from pagellm.entrypoints.openai.errors import APIError, request_id_of, sse_error
+from pagellm.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, request_id_of, sse_error
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import ChatPromptFields, GenerationRequest, PromptTokensDetails, UsageInfo
 from pagellm.outputs import CompletionOutput, RequestOutput
@@ -22,6 +22,10 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Started = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]
+"""A submitted request: its first output and the stream of the rest."""
 
 # Names the template renderer itself binds; a chat_template_kwargs key among them would clash.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "chat_template",
@@ -79,8 +83,8 @@ class OpenAIServing:
                            param="messages") from None
         if request.continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
-        # The template already carries any BOS token: don't let the tokenizer add a second one.
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
+        return text, tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
     def sampling_params(self, request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
         """The request's SamplingParams; 400 naming the field that asks for more than the server's
@@ -155,6 +159,20 @@ class OpenAIServing:
             raise APIError(str(e), 503) from None
         return first, outputs
 
+    async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams,
+                        request_ids: Sequence[str]) -> list[Started]:
+        """`start` for several prompts at once (they are batched together); if any fails, the
+        others are aborted and the first failure is raised."""
+        results = await asyncio.gather(*(self.start(p, params, i) for p, i in zip(prompts, request_ids)),
+                                       return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for r in results:
+                if not isinstance(r, BaseException):
+                    await r[1].aclose()  # aborts the engine request
+            raise failure
+        return results
+
     @staticmethod
     async def follow(first: RequestOutput,
                      outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
@@ -164,46 +182,48 @@ class OpenAIServing:
             async for out in outputs:
                 yield out
 
-    async def last(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
-                   raw_request: Request) -> RequestOutput:
-        """The final output; if the client disconnects first, the request is aborted."""
-        async def drain() -> RequestOutput:
+    async def finals(self, started: Sequence[Started], raw_request: Request) -> list[RequestOutput]:
+        """Each request's final output; if the client disconnects first, all are aborted (499)."""
+        async def drain(first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
             final = first
             async for final in self.follow(first, outputs):
                 pass
             return final
 
-        result = asyncio.ensure_future(drain())
+        result = asyncio.ensure_future(asyncio.gather(*(drain(*s) for s in started)))
         disconnected = asyncio.ensure_future(_wait_for_disconnect(raw_request))
         try:
             done, _ = await asyncio.wait((result, disconnected), return_when=asyncio.FIRST_COMPLETED)
             if result in done:
                 return result.result()
-            raise APIError("the client disconnected before the response was ready")
+            raise APIError("the client disconnected before the response was ready", CLIENT_CLOSED_REQUEST)
         finally:
             disconnected.cancel()
-            result.cancel()  # a no-op once done; else cancelling the drain aborts the engine request
+            result.cancel()  # a no-op once done; else cancelling the drains aborts the engine requests
 
-    async def deltas(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
-                     num_tokens: dict[int, int]) -> AsyncIterator[tuple[RequestOutput, CompletionOutput]]:
-        """A stream's DELTA outputs, one sequence at a time, as chunks should report them; tokens that
-        complete no character yet are held back unless they carry logprobs. `num_tokens` counts each
-        sequence's tokens (for usage)."""
-        async for out in self.follow(first, outputs):
+    async def deltas(self, started: Sequence[Started], num_tokens: dict[int, int],
+                     choices_per_prompt: int = 0) -> AsyncIterator[tuple[int, RequestOutput, CompletionOutput]]:
+        """The streams' DELTA outputs as chunks should report them, one sequence at a time, as
+        (choice index, output, sequence); the choices of request i are numbered from
+        i * `choices_per_prompt`. Tokens that complete no character yet are held back unless they
+        carry logprobs. `num_tokens` counts each choice's tokens (for usage)."""
+        async for i, out in _merged([self.follow(*s) for s in started]):
             for o in out.outputs:
-                num_tokens[o.index] = num_tokens.get(o.index, 0) + len(o.token_ids)
+                index = i * choices_per_prompt + o.index
+                num_tokens[index] = num_tokens.get(index, 0) + len(o.token_ids)
                 if o.text or o.finish_reason is not None or (o.logprobs and o.token_ids):
-                    yield out, o
+                    yield index, out, o
 
     @staticmethod
-    def usage(out: RequestOutput, completion_tokens: int | None = None) -> UsageInfo:
-        """`out`'s usage; a stream of DELTA outputs passes the `completion_tokens` it counted."""
-        prompt_tokens = len(out.prompt_token_ids)
+    def usage(outs: Sequence[RequestOutput], completion_tokens: int | None = None) -> UsageInfo:
+        """The usage of requests `outs`; a stream of DELTA outputs passes the `completion_tokens` it counted."""
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
         if completion_tokens is None:
-            completion_tokens = sum(len(o.token_ids) for o in out.outputs)
+            completion_tokens = sum(len(o.token_ids) for out in outs for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in outs)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     @staticmethod
     def event_stream(chunks: AsyncGenerator[BaseModel, None], raw_request: Request) -> StreamingResponse:
@@ -225,6 +245,42 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _merged(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's position. Closing the
+    merged stream cancels the readers, which closes the streams (aborting their requests)."""
+    if len(streams) == 1:  # the common case, without tasks
+        async with contextlib.aclosing(streams[0]):
+            async for item in streams[0]:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def read(i: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put((i, done, e))
+
+    readers = [asyncio.create_task(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is done:
+                remaining -= 1
+            else:
+                yield i, item
+    finally:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
 
 
 async def _wait_for_disconnect(raw_request: Request) -> None:

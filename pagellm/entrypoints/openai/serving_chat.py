@@ -18,8 +18,8 @@ from pagellm.entrypoints.openai.protocol import (
     ChatStreamChoice,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.serving_base import OpenAIServing
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.entrypoints.openai.serving_base import OpenAIServing, Started
+from pagellm.outputs import CompletionOutput
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -34,38 +34,47 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens)
         request_id = self.make_request_id("chatcmpl", request.request_id, raw_request)
 
-        first, outputs = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+        started = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
         if request.stream:
-            return self.event_stream(self._chunks(first, outputs, request, request_id, model), raw_request)
-        final = await self.last(first, outputs, raw_request)
+            return self.event_stream(self._chunks(started, request, request_id, model), raw_request)
+        [final] = await self.finals([started], raw_request)
         choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
                               logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,
-                              stop_reason=o.stop_reason) for o in final.outputs]
-        response = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(final),
-                                          prompt_logprobs=final.prompt_logprobs)
+                              stop_reason=o.stop_reason, token_ids=o.token_ids if request.return_token_ids else None)
+                   for o in final.outputs]
+        response = ChatCompletionResponse(
+            id=request_id, model=model, choices=choices, usage=self.usage([final]),
+            prompt_logprobs=final.prompt_logprobs,
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, o: CompletionOutput, request: ChatCompletionRequest) -> ChatLogprobs | None:
         if not request.logprobs or o.logprobs is None:
             return None
-        return chat_logprobs(o.token_ids, o.logprobs, request.top_logprobs or 0, self.engine.tokenizer)
+        return chat_logprobs(o.token_ids, o.logprobs, request.top_logprobs or 0, self.engine.tokenizer,
+                             request.return_tokens_as_token_ids)
 
-    async def _chunks(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
-                      request: ChatCompletionRequest, request_id: str,
+    async def _chunks(self, started: Started, request: ChatCompletionRequest, request_id: str,
                       model: str) -> AsyncGenerator[ChatCompletionChunk, None]:
         created = int(time.time())
+        first = started[0]
+        num_tokens: dict[int, int] = {}
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
+            if usage is None and request.continuous_usage:
+                usage = self.usage([first], sum(num_tokens.values()))
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices, usage=usage)
 
         # OpenAI's first chunk of each choice names the role, with no content yet.
         for i in range(request.n):
-            yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""})])
-        num_tokens: dict[int, int] = {}
-        last = first
-        async for last, o in self.deltas(first, outputs, num_tokens):
-            yield chunk([ChatStreamChoice(index=o.index, delta={"content": o.text} if o.text else {},
+            opening = chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""})])
+            if request.return_token_ids and i == 0:
+                opening.prompt_token_ids = first.prompt_token_ids
+            yield opening
+        async for index, _, o in self.deltas([started], num_tokens):
+            yield chunk([ChatStreamChoice(index=index, delta={"content": o.text} if o.text else {},
                                           logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,
-                                          stop_reason=o.stop_reason)])
-        if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], self.usage(last, sum(num_tokens.values())))
+                                          stop_reason=o.stop_reason,
+                                          token_ids=o.token_ids if request.return_token_ids else None)])
+        if request.final_usage:
+            yield chunk([], self.usage([first], sum(num_tokens.values())))

@@ -1,8 +1,10 @@
-"""POST /v1/completions: one text or token-id prompt, streamed or not."""
+"""POST /v1/completions: one or several text or token-id prompts, streamed or not."""
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -14,38 +16,71 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    UsageInfo,
 )
-from pagellm.entrypoints.openai.serving_base import OpenAIServing
+from pagellm.entrypoints.openai.serving_base import OpenAIServing, Started
 from pagellm.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass(slots=True)
+class _Prompt:
+    """One prompt of a request, once submitted."""
+
+    started: Started
+    echo: str
+    """The text an echo puts in front of each of its choices ("" without echo)."""
+
+    @property
+    def first(self) -> RequestOutput:
+        return self.started[0]
 
 
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
-        prompt = _single_prompt(request.prompt)
-        if isinstance(prompt, str):
-            engine_prompt = {"prompt": prompt, "prompt_token_ids": self.tokenizer().encode(prompt)}
-        else:
-            engine_prompt = {"prompt_token_ids": prompt}
-        self.check_prompt_ids(engine_prompt["prompt_token_ids"], "prompt")
-        num_prompt_tokens = len(engine_prompt["prompt_token_ids"])
-        self.check_fits(request, num_prompt_tokens, "prompt", request.max_tokens, "max_tokens")
-        params = self.sampling_params(request, request.max_tokens)
+        prompts = _prompt_list(request.prompt)
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(f"prompt holds {len(prompts)} prompts, more than this server's --max-prompts "
+                           f"({self.limits.max_prompts}); split the request", param="prompt")
+        engine_prompts = []
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                ids = self.tokenizer().encode(prompt, add_special_tokens=request.add_special_tokens)
+                engine_prompts.append({"prompt": prompt, "prompt_token_ids": ids})
+            else:
+                engine_prompts.append({"prompt_token_ids": prompt})
+            self.check_prompt_ids(engine_prompts[-1]["prompt_token_ids"], "prompt")
+        # max_tokens 0 with echo scores the prompt: one token is generated (the engine needs one
+        # step past the prompt) and left out of the response.
+        prompt_only = request.max_tokens == 0
+        if prompt_only and not request.echo:
+            raise APIError("max_tokens must be at least 1; 0 is only allowed with echo=true (to score the "
+                           "prompt)", param="max_tokens")
+        max_tokens = 1 if prompt_only else request.max_tokens
+        for p in engine_prompts:
+            self.check_fits(request, len(p["prompt_token_ids"]), "prompt", max_tokens, "max_tokens")
+        params = self.sampling_params(request, max_tokens)
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
-        first, outputs = await self.start(engine_prompt, params, request_id)
+        started = await self.start_all(engine_prompts, params, ids)
         # After truncate_prompt_tokens the echo is what the model saw.
-        echo = self._echo_text(prompt, first, num_prompt_tokens, request) if request.echo else ""
+        submitted = [_Prompt(s, self._echo_text(prompt, s[0], len(p["prompt_token_ids"]), request)
+                             if request.echo else "")
+                     for prompt, p, s in zip(prompts, engine_prompts, started)]
         if request.stream:
-            return self.event_stream(self._chunks(first, outputs, request, request_id, model, echo), raw_request)
-        final = await self.last(first, outputs, raw_request)
-        choices = [CompletionChoice(index=o.index, text=echo + o.text, finish_reason=o.finish_reason,
-                                    logprobs=self._logprobs(final, o, request, 0, True),
-                                    stop_reason=o.stop_reason,
-                                    prompt_logprobs=final.prompt_logprobs if request.prompt_logprobs is not None
-                                    else None)
-                   for o in final.outputs]
-        response = CompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(final))
+            return self.event_stream(self._chunks(submitted, request, request_id, model, prompt_only), raw_request)
+        finals = await self.finals(started, raw_request)
+        if prompt_only:
+            finals = [dataclasses.replace(f, outputs=[_nothing_generated(o) for o in f.outputs]) for f in finals]
+        choices = []
+        for i, (prompt, final) in enumerate(zip(submitted, finals)):
+            choices += [CompletionChoice(
+                index=i * request.n + o.index, text=prompt.echo + o.text, finish_reason=o.finish_reason,
+                logprobs=self._logprobs(final, o, request, 0, True), stop_reason=o.stop_reason,
+                prompt_logprobs=final.prompt_logprobs if request.prompt_logprobs is not None else None,
+                **self._token_ids(final, o, request, True)) for o in final.outputs]
+        response = CompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(finals))
         return JSONResponse(response.model_dump())
 
     def _echo_text(self, prompt: str | list[int], first: RequestOutput, num_prompt_tokens: int,
@@ -63,32 +98,54 @@ class OpenAIServingCompletion(OpenAIServing):
         token_ids, entries = o.token_ids, o.logprobs
         if opening and request.echo:
             token_ids, entries = [*out.prompt_token_ids, *token_ids], [*(out.prompt_logprobs or ()), *entries]
-        return completion_logprobs(token_ids, entries, text_offset, self.engine.tokenizer)
+        return completion_logprobs(token_ids, entries, text_offset, self.engine.tokenizer,
+                                   request.return_tokens_as_token_ids)
 
-    async def _chunks(self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None],
-                      request: CompletionRequest, request_id: str, model: str,
-                      echo: str) -> AsyncGenerator[CompletionResponse, None]:
+    @staticmethod
+    def _token_ids(out: RequestOutput, o: CompletionOutput, request: CompletionRequest,
+                   opening: bool) -> dict[str, list[int] | None]:
+        if not request.return_token_ids:
+            return {}
+        return {"token_ids": o.token_ids, "prompt_token_ids": out.prompt_token_ids if opening else None}
+
+    async def _chunks(self, prompts: Sequence[_Prompt], request: CompletionRequest, request_id: str, model: str,
+                      prompt_only: bool) -> AsyncGenerator[CompletionResponse, None]:
         created = int(time.time())
+        firsts = [p.first for p in prompts]
         sent: dict[int, int] = {}  # characters of each choice's text sent so far
         num_tokens: dict[int, int] = {}
-        last = first
-        async for last, o in self.deltas(first, outputs, num_tokens):
-            opening = o.index not in sent
-            text = echo + o.text if opening else o.text
-            logprobs = self._logprobs(last, o, request, sent.get(o.index, 0), opening)
-            sent[o.index] = sent.get(o.index, 0) + len(text)
-            choice = CompletionChoice(index=o.index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
-                                      stop_reason=o.stop_reason)
-            yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice])
-        if request.stream_options is not None and request.stream_options.include_usage:
-            yield CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                                     usage=self.usage(last, sum(num_tokens.values())))
+
+        def usage_so_far() -> UsageInfo:
+            return self.usage(firsts, 0 if prompt_only else sum(num_tokens.values()))
+
+        async for index, out, o in self.deltas([p.started for p in prompts], num_tokens, request.n):
+            if prompt_only:
+                if o.finish_reason is None:
+                    continue  # the scored prompt goes out with the finish
+                o = _nothing_generated(o)
+            opening = index not in sent
+            text = prompts[index // request.n].echo + o.text if opening else o.text
+            logprobs = self._logprobs(out, o, request, sent.get(index, 0), opening)
+            sent[index] = sent.get(index, 0) + len(text)
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=o.finish_reason,
+                                      stop_reason=o.stop_reason, **self._token_ids(out, o, request, opening))
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
+                                     usage=usage_so_far() if request.continuous_usage else None)
+        if request.final_usage:
+            yield CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage_so_far())
 
 
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(f"a list of {len(prompt)} prompts in one request is not supported yet; "
-                           "send one request per prompt", param="prompt")
-        return prompt[0]
-    return prompt
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompts: one text or token-id list, or a list of them."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError("prompt is empty: send a text, token ids, or a list of them", param="prompt")
+    return list(prompt)
+
+
+def _nothing_generated(o: CompletionOutput) -> CompletionOutput:
+    """`o` without the token generated to score a prompt (max_tokens 0)."""
+    return dataclasses.replace(o, text="", token_ids=[], logprobs=[] if o.logprobs is not None else None,
+                               cumulative_logprob=None if o.logprobs is None else 0.0, stop_reason=None,
+                               finish_reason="length")

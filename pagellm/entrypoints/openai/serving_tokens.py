@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize (vLLM's extras): the server's own tokenizer and chat template."""
+"""POST /tokenize, /detokenize and GET /tokenizer_info (vLLM's extras): the server's own tokenizer and chat template."""
 from __future__ import annotations
 
 from pagellm.entrypoints.openai.protocol import (
@@ -7,6 +7,7 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from pagellm.entrypoints.openai.serving_base import OpenAIServing
 
@@ -26,3 +27,10 @@ class OpenAIServingTokens(OpenAIServing):
         tokenizer = self.tokenizer()
         self.check_in_vocabulary("tokens", request.tokens, tokenizer.vocab_size)
         return DetokenizeResponse(prompt=tokenizer.decode(request.tokens, skip_special_tokens=False))
+
+    def tokenizer_info(self) -> TokenizerInfo:
+        tokenizer = self.tokenizer()
+        return TokenizerInfo(bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
+                             unk_token=tokenizer.unk_token, pad_token=tokenizer.pad_token,
+                             chat_template=self.chat_template or tokenizer.chat_template,
+                             model_max_length=self.max_model_len, vocab_size=tokenizer.vocab_size)
