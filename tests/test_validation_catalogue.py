@@ -24,10 +24,11 @@ from server_utils import RemoteServer, is_idle, metric_samples
 MODEL = "smollm2"
 MAX_LEN = 256
 MAX_BODY = 64 << 10
-MAX_N, MAX_STOP, MAX_LOGPROBS = 4, 4, 5
+MAX_N, MAX_STOP, MAX_LOGPROBS, MAX_PROMPTS = 4, 4, 5, 3
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(48 << 20),
          "--max-model-len", str(MAX_LEN), "--served-model-name", MODEL, "--max-request-body-bytes", str(MAX_BODY),
-         "--max-n", str(MAX_N), "--max-stop-sequences", str(MAX_STOP), "--max-logprobs", str(MAX_LOGPROBS))
+         "--max-n", str(MAX_N), "--max-stop-sequences", str(MAX_STOP), "--max-logprobs", str(MAX_LOGPROBS),
+         "--max-prompts", str(MAX_PROMPTS))
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 LONG = "word " * (MAX_LEN + 20)
@@ -101,7 +102,6 @@ CATALOGUE = [
     Case("presence_penalty", CMPL, cmpl(presence_penalty=3), 400, "[-2.0, 2.0]", "presence_penalty"),
     Case("frequency_penalty", CHAT, chat(frequency_penalty=-2.5), 400, "[-2.0, 2.0]", "frequency_penalty"),
     Case("repetition_penalty", CMPL, cmpl(repetition_penalty=0), 400, "> 0", "repetition_penalty"),
-    Case("max_tokens 0", CMPL, cmpl(max_tokens=0), 400, "max_tokens must be a positive integer", "max_tokens"),
     Case("max_completion_tokens 0", CHAT, chat(max_completion_tokens=0), 400,
          "max_completion_tokens must be a positive integer", "max_completion_tokens"),
     Case("seed beyond 64 bits", CMPL, cmpl(seed=2 ** 70), 400, "less than or equal to", "seed"),
@@ -133,7 +133,6 @@ CATALOGUE = [
          "max_tokens"),
     Case("messages over max_model_len", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400,
          f"max_model_len is {MAX_LEN}", "messages"),
-    Case("several prompts", CMPL, cmpl(prompt=["a", "b"]), 400, "one request per prompt", "prompt"),
     # Messages.
     Case("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "'user'", "messages.0.role"),
     Case("image content part", CHAT, {"messages": [{"role": "user", "content": [
@@ -159,7 +158,21 @@ CATALOGUE = [
     Case("empty allowed_token_ids", CMPL, cmpl(allowed_token_ids=[]), 400, "must not be empty", "allowed_token_ids"),
     # Fields the server does not implement, and inconsistent ones.
     Case("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "`tools` is not supported", "tools"),
+    Case("tools beside an unknown field", CHAT, chat(tools=[{"type": "function"}], parallel_tool_calls=False,
+                                                     tempreature=1), 400, "`tools`", "tools"),
+    Case("tool_choice required", CHAT, chat(tool_choice="required"), 400, "`tool_choice`", "tool_choice"),
+    Case("json response_format", CHAT, chat(response_format={"type": "json_object"}), 400,
+         "'json_object' is not supported", "response_format"),
+    Case("guided_json", CMPL, cmpl(guided_json={"type": "object"}), 400, "structured output", "guided_json"),
+    Case("audio output", CHAT, chat(modalities=["text", "audio"]), 400, "outputs text", "modalities"),
+    Case("priority", CMPL, cmpl(priority=1), 400, "first come, first served", "priority"),
     Case("suffix", CMPL, cmpl(suffix="!"), 400, "`suffix` is not supported", "suffix"),
+    Case("max_tokens 0 without echo", CMPL, cmpl(max_tokens=0), 400, "only allowed with echo", "max_tokens"),
+    Case("negative max_tokens", CMPL, cmpl(max_tokens=-1), 400, "greater than or equal to 0", "max_tokens"),
+    Case("empty prompt list", CMPL, {"prompt": []}, 400, "prompt is empty", "prompt"),
+    Case("too many prompts", CMPL, {"prompt": ["a"] * (MAX_PROMPTS + 1)}, 400, "--max-prompts", "prompt"),
+    Case("one bad prompt of several", CMPL, {"prompt": [[1, 2], [10 ** 6]]}, 400, "outside the vocabulary", "prompt"),
+    Case("null messages", CHAT, {"messages": None}, 400, "Field required", "messages"),
     Case("stream_options without stream", CMPL, cmpl(stream_options={"include_usage": True}), 400,
          "only allowed with stream=true", "stream_options"),
     Case("prompt_logprobs with stream", CMPL, cmpl(prompt_logprobs=1, stream=True), 400, "stream",
@@ -181,7 +194,8 @@ CATALOGUE = [
          "tokens.0"),
     Case("detokenize id type", "/detokenize", {"tokens": ["a"]}, 400, "valid integer", "tokens.0"),
     Case("models by POST", "/v1/models", {}, 405, "Method Not Allowed"),
-    Case("unknown path", "/v1/models/gpt-4", None, 404, "Not Found", method="GET"),
+    Case("unknown model, retrieve", "/v1/models/gpt-4", None, 404, "`gpt-4` does not exist", "model", method="GET"),
+    Case("unknown path", "/v2/models", None, 404, "Not Found", method="GET"),
     # Bodies over --max-request-body-bytes, declared and chunked.
     Case("body over the limit", CMPL, cmpl(prompt="x" * MAX_BODY), 413, f"limit of {MAX_BODY} bytes"),
     Case("chunked body over the limit", CMPL, oversized_chunks, 413, f"limit of {MAX_BODY} bytes"),

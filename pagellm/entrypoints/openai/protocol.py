@@ -339,11 +339,11 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
         yield from super().unsupported_fields()
         for name in ("tools", "functions"):
             if getattr(self, name):
-                yield name, "(tool calling) is not supported by this server yet"
+                yield name, "is not supported by this server yet (tool calling)"
         if self.function_call not in (None, "none", "auto"):
-            yield "function_call", "(tool calling) is not supported by this server yet"
+            yield "function_call", "is not supported by this server yet (tool calling)"
         if self.tool_choice not in (None, "none", "auto"):
-            yield "tool_choice", "(tool calling) is not supported by this server yet; only none and auto"
+            yield "tool_choice", "is not supported by this server yet (tool calling); only none and auto"
         yield from _unsupported_response_format(self.response_format)
         if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
             yield "audio" if self.audio is not None else "modalities", "is not supported: this server outputs text"
