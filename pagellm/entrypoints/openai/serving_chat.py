@@ -24,17 +24,9 @@ from pagellm.outputs import CompletionOutput, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        model = self.check_model(request.model)
-        text, token_ids = self.render_chat(request)
-        if request.max_completion_tokens is not None:
-            max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, param = request.max_tokens, "max_tokens"
-        self.check_fits(request, len(token_ids), "messages", max_tokens, param)
-        params = self.sampling_params(request, max_tokens)
         request_id = self.make_request_id("chatcmpl", request.request_id, raw_request)
-
-        first, outputs = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+        run = await self.start_chat(request, request_id)
+        model, first, outputs = run.model, run.first, run.outputs
         if request.stream:
             return self.event_stream(self._chunks(first, outputs, request, request_id, model), raw_request)
         final = await self.last(first, outputs, raw_request)
