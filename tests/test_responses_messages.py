@@ -24,6 +24,8 @@ ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-byte
 MAX_TOKENS = 16
 QUESTION = "In one sentence, what is the sun?"
 SHORT = "What is the capital of France?"  # answered greedily in 8 tokens
+GREEDY = {"extra_body": {"temperature": 0}}
+"""The anthropic client (2.x) has no `temperature` argument any more; the API still takes the field."""
 SYSTEM = "You are a helpful assistant who answers briefly."
 
 
@@ -136,7 +138,7 @@ def test_responses_refuses_what_it_cannot_do(oai, extra, param):
 def test_messages_match_chat_and_stop_reasons(claude, chat):
     messages = [{"role": "user", "content": QUESTION}]
     m = claude.messages.create(model=MODEL_NAME, system=SYSTEM, messages=messages, max_tokens=MAX_TOKENS,
-                               temperature=0)
+                               **GREEDY)
     text, finish_reason, prompt_tokens = chat((("system", SYSTEM), ("user", QUESTION)))
     assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant" and m.model == MODEL_NAME
     assert [b.type for b in m.content] == ["text"] and m.content[0].text == text
@@ -147,20 +149,19 @@ def test_messages_match_chat_and_stop_reasons(claude, chat):
 
     short = claude.messages.create(model=MODEL_NAME, system=[{"type": "text", "text": SYSTEM}], max_tokens=2,
                                    messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}],
-                                   temperature=0)
+                                   **GREEDY)
     assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 2
     assert text.startswith(short.content[0].text)
 
     word = text.split()[2]  # a stop string the greedy answer reaches after a few tokens
     stopped = claude.messages.create(model=MODEL_NAME, system=SYSTEM, messages=messages, max_tokens=MAX_TOKENS,
-                                     temperature=0, stop_sequences=[word])
+                                     stop_sequences=[word], **GREEDY)
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == word
     assert stopped.content[0].text == text[:text.index(word)]
 
 
 def test_messages_stream_matches_non_streamed(claude):
-    kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
-              "temperature": 0}
+    kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS, **GREEDY}
     m = claude.messages.create(**kwargs)
     with claude.messages.stream(**kwargs) as stream:
         chunks = list(stream.text_stream)

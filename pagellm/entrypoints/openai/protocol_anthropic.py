@@ -46,6 +46,8 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+    """Accepted and ignored, as on text blocks."""
 
 
 class CountTokensResponse(BaseModel):

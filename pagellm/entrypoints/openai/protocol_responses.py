@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from pagellm.entrypoints.openai.protocol import Int64, StrictModel
 
@@ -70,6 +71,20 @@ class ResponsesRequest(StrictModel):
     background: bool = False
     top_logprobs: Int64 | None = Field(default=None, ge=0)
     """Only 0 (logprobs are not returned by this endpoint)."""
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _messages_only(cls, value: Any) -> Any:
+        # One clear error naming the item, instead of pydantic's attempt at each branch of the union.
+        if not isinstance(value, (str, list)):
+            raise PydanticCustomError("invalid_input", "must be a string or a list of messages, got {kind}",
+                                      {"kind": type(value).__name__})
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+            if kind != "message":
+                raise PydanticCustomError("unsupported_item", "only message items are supported by this server, "
+                                          "got {kind}", {"param": f"{i}.type", "kind": repr(kind)})
+        return value
 
 
 class OutputText(BaseModel):
