@@ -161,7 +161,8 @@ def test_messages_match_chat_and_stop_reasons(claude, chat):
 
 
 def test_messages_stream_matches_non_streamed(claude):
-    kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS, **GREEDY}
+    kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
+              **GREEDY}
     m = claude.messages.create(**kwargs)
     with claude.messages.stream(**kwargs) as stream:
         chunks = list(stream.text_stream)

@@ -188,7 +188,8 @@ class OpenAIServing:
             params = self.sampling_params(request, max_tokens)
             first, outputs = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
         except APIError as e:
-            e.param = names.get(e.param, e.param) if e.param else e.param
+            if e.param is not None:
+                e.param = names.get(e.param, e.param)
             raise
         return ChatRun(model, first, outputs)
 
