@@ -36,7 +36,11 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeResponse,
     TokenizerInfo,
 )
+from pagellm.entrypoints.openai.protocol_anthropic import CountTokensRequest, CountTokensResponse, MessagesRequest
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagellm.entrypoints.openai.serving_messages import AnthropicServingMessages
+from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
@@ -125,6 +129,22 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await chats.create_chat_completion(request, raw_request)
+
+    # OpenAI's Responses API and Anthropic's Messages API, both run as chat requests.
+    responses = OpenAIServingResponses(engine, names, chat_template, limits)
+    messages = AnthropicServingMessages(engine, names, chat_template, limits)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await responses.create_response(request, raw_request)
+
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        return await messages.create_message(request, raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: CountTokensRequest) -> CountTokensResponse:
+        return messages.count_tokens(request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -11,8 +11,9 @@ from pagellm.entrypoints.openai.errors import APIError, log_and_respond
 
 
 class APIKeyMiddleware:
-    """401 without `Authorization: Bearer <key>` on any path outside `open_paths` (/v1/*,
-    /tokenize and /detokenize included: they expose the model too).
+    """401 without `Authorization: Bearer <key>` (or `x-api-key: <key>`, where the anthropic client
+    sends it) on any path outside `open_paths` (/v1/*, /tokenize and /detokenize included: they
+    expose the model too).
 
     A plain ASGI middleware, not a route dependency, so the key is checked before the body is
     parsed (an unauthenticated client learns nothing from validation errors, and takes no place
@@ -28,20 +29,25 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket") and scope["path"] not in self.open_paths:
-            if not self.authorized(Headers(scope=scope).get("authorization")):
+            headers = Headers(scope=scope)
+            if not (self.authorized(headers.get("authorization")) or self.key_matches(headers.get("x-api-key"))):
                 response = log_and_respond(scope, APIError(
-                    "missing or wrong API key: send the header `Authorization: Bearer <key>`", 401))
+                    "missing or wrong API key: send the header `Authorization: Bearer <key>` "
+                    "(or `x-api-key: <key>`)", 401))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
     def authorized(self, header: str | None) -> bool:
         scheme, _, token = (header or "").partition(" ")
+        return self.key_matches(token) and scheme.lower() == "bearer"
+
+    def key_matches(self, token: str | None) -> bool:
         # Comparing fixed-length digests in constant time: the time taken reveals neither the key's
         # content nor its length (compare_digest on the raw strings would leak the length).
         # Headers arrive as latin-1: encoding back gives the client's bytes.
-        given = _digest(token.strip().encode("latin-1"))
-        return hmac.compare_digest(given, self._key_digest) and scheme.lower() == "bearer"
+        given = _digest((token or "").strip().encode("latin-1"))
+        return hmac.compare_digest(given, self._key_digest)
 
 
 def _digest(data: bytes) -> bytes:

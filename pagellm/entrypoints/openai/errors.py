@@ -4,6 +4,10 @@ FastAPI's own 422 body for invalid requests is replaced by a 400 in this shape, 
 OpenAI clients parse into `BadRequestError`; the published OpenAPI schema says so too. Each error
 message ends with the request's id (`X-Request-Id`, set by middleware.py), and each error is
 logged with it, so a user can quote the id and an operator can find the request.
+
+The Anthropic Messages routes (ANTHROPIC_PATHS) answer in Anthropic's shape instead,
+`{"type": "error", "error": {"type", "message"}}`, with the same status codes: the shape is chosen
+by path here, so errors raised by the middleware (401, 413, 503) get it too.
 """
 from __future__ import annotations
 
@@ -29,6 +33,13 @@ nor the server's (5xx), so error counts stay clean."""
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                 CLIENT_CLOSED_REQUEST: "ClientClosedRequest", 500: "InternalServerError",
                 503: "ServiceUnavailableError"}
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          503: "overloaded_error", 504: "timeout_error"}
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+"""Routes whose errors take Anthropic's shape."""
+NAMED_EVENT_PATHS = ANTHROPIC_PATHS | {"/v1/responses"}
+"""Routes whose streams are named events (`event: <type>`) that end without `data: [DONE]`."""
 REQUEST_ID_SCOPE_KEY = "pagellm.request_id"
 """Where RequestIdMiddleware keeps the request's id in the ASGI scope."""
 
@@ -64,21 +75,35 @@ def request_id_of(scope: Scope) -> str | None:
     return scope.get(REQUEST_ID_SCOPE_KEY)
 
 
-def error_body(message: str, status_code: int, param: str | None = None, request_id: str | None = None) -> dict:
-    error_type = _ERROR_TYPES.get(status_code) or HTTPStatus(status_code).phrase.replace(" ", "") + "Error"
+def error_body(message: str, status_code: int, param: str | None = None, request_id: str | None = None,
+               path: str | None = None) -> dict:
+    """The error's body in the shape the route at `path` uses (OpenAI's unless an Anthropic route)."""
     if request_id is not None:
         message = f"{message} (request id: {request_id})"
+    if path in ANTHROPIC_PATHS:
+        return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status_code, "api_error"),
+                                           "message": message}}
+    error_type = _ERROR_TYPES.get(status_code) or HTTPStatus(status_code).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": error_type, "param": param, "code": status_code}}
 
 
-def error_response(error: APIError, request_id: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(error.message, error.status_code, error.param, request_id),
+def error_response(error: APIError, request_id: str | None = None, path: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(error.message, error.status_code, error.param, request_id, path),
                         status_code=error.status_code)
 
 
-def sse_error(error: APIError, request_id: str | None = None) -> str:
-    """An error that happens after a stream has started, as one more server-sent event."""
-    return f"data: {json.dumps(error_body(error.message, error.status_code, error.param, request_id))}\n\n"
+def sse_error(error: APIError, request_id: str | None = None, path: str | None = None) -> str:
+    """An error that happens after a stream has started, as one more server-sent event: an `error`
+    event on the named-event routes (a Responses one also carries OpenAI's `error` object, which the
+    openai client raises on)."""
+    body = error_body(error.message, error.status_code, error.param, request_id, path)
+    if path in ANTHROPIC_PATHS:
+        return f"event: error\ndata: {json.dumps(body)}\n\n"
+    if path in NAMED_EVENT_PATHS:
+        event = {"type": "error", "code": str(error.status_code), "message": body["error"]["message"],
+                 "param": error.param, **body}
+        return f"event: error\ndata: {json.dumps(event)}\n\n"
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def log_and_respond(scope: Scope, error: APIError | HTTPException) -> JSONResponse:
@@ -90,7 +115,7 @@ def log_and_respond(scope: Scope, error: APIError | HTTPException) -> JSONRespon
     logger.log(logging.ERROR if error.status_code >= 500 else logging.INFO,
                "%s %s -> %d [request id %s]: %s", scope.get("method"), scope.get("path"), error.status_code,
                request_id, error.message, exc_info=error.status_code >= 500)
-    return error_response(error, request_id)
+    return error_response(error, request_id, scope.get("path"))
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

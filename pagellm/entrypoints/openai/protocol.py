@@ -350,6 +350,12 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
         if self.web_search_options is not None:
             yield "web_search_options", "is not supported: this server has no web search"
 
+    def max_tokens_field(self) -> tuple[int | None, str]:
+        """The generation limit and the field that set it (max_completion_tokens over max_tokens)."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
     def logprob_fields(self) -> dict[str, int | None]:
         return {**super().logprob_fields(), "top_logprobs": self.top_logprobs}
 

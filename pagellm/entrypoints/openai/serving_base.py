@@ -5,7 +5,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -16,7 +17,13 @@ from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, request_id_of, sse_error
 from pagellm.entrypoints.openai.limits import ServerLimits
-from pagellm.entrypoints.openai.protocol import ChatPromptFields, GenerationRequest, PromptTokensDetails, UsageInfo
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatPromptFields,
+    GenerationRequest,
+    PromptTokensDetails,
+    UsageInfo,
+)
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
@@ -30,6 +37,19 @@ Started = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]
 # Names the template renderer itself binds; a chat_template_kwargs key among them would clash.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "chat_template",
                                        "source", "special_tokens"})
+
+
+@dataclass
+class ChatRun:
+    """A conversation submitted to the engine (by `OpenAIServing.start_chat`)."""
+
+    model: str
+    """The model name to report."""
+    started: Started
+
+    @property
+    def first(self) -> RequestOutput:
+        return self.started[0]
 
 
 class OpenAIServing:
@@ -173,6 +193,27 @@ class OpenAIServing:
             raise failure
         return results
 
+    async def start_chat(self, request: ChatCompletionRequest, request_id: str,
+                         names: Mapping[str, str] | None = None) -> ChatRun:
+        """Render `request`'s conversation through the chat template, check it fits, and submit it:
+        the one path from a conversation to the engine, for chat completions and for the APIs that
+        translate their requests into one (Responses, Anthropic Messages). `names` maps chat fields
+        to the calling API's names for them, so that errors name the field the client sent."""
+        names = names or {}
+        try:
+            model = self.check_model(request.model)
+            text, token_ids = self.render_chat(request)
+            max_tokens, param = request.max_tokens_field()
+            self.check_fits(request, len(token_ids), names.get("messages", "messages"), max_tokens,
+                            names.get(param, param))
+            params = self.sampling_params(request, max_tokens)
+            started = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+        except APIError as e:
+            if e.param is not None:
+                e.param = names.get(e.param, e.param)
+            raise
+        return ChatRun(model, (first, outputs))
+
     @staticmethod
     async def follow(first: RequestOutput,
                      outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
@@ -226,23 +267,28 @@ class OpenAIServing:
                          prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     @staticmethod
-    def event_stream(chunks: AsyncGenerator[BaseModel, None], raw_request: Request) -> StreamingResponse:
+    def event_stream(chunks: AsyncGenerator[BaseModel, None], raw_request: Request,
+                     named: bool = False) -> StreamingResponse:
         """Server-sent events: one `data: {json}` per chunk, an error event (quoting the request id)
-        if generation fails midway, then `data: [DONE]`."""
+        if generation fails midway, then `data: [DONE]`. `named` events, as the Responses and
+        Anthropic Messages APIs send them, start with `event: {chunk.type}` and end without [DONE]."""
         request_id = request_id_of(raw_request.scope)
+        path = raw_request.scope.get("path")
 
         async def events() -> AsyncIterator[str]:
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
-                        yield f"data: {chunk.model_dump_json()}\n\n"
+                        name = f"event: {getattr(chunk, 'type')}\n" if named else ""
+                        yield f"{name}data: {chunk.model_dump_json()}\n\n"
             except APIError as e:
                 logger.info("stream failed [request id %s]: %s", request_id, e.message)
-                yield sse_error(e, request_id)
+                yield sse_error(e, request_id, path)
             except Exception as e:  # the status line is already sent: report it in the stream
                 logger.exception("stream failed [request id %s]", request_id)
-                yield sse_error(APIError(f"{type(e).__name__}: {e}", 500), request_id)
-            yield "data: [DONE]\n\n"
+                yield sse_error(APIError(f"{type(e).__name__}: {e}", 500), request_id, path)
+            if not named:
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

@@ -24,17 +24,9 @@ from pagellm.outputs import CompletionOutput
 
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
-        model = self.check_model(request.model)
-        text, token_ids = self.render_chat(request)
-        if request.max_completion_tokens is not None:
-            max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
-        else:
-            max_tokens, param = request.max_tokens, "max_tokens"
-        self.check_fits(request, len(token_ids), "messages", max_tokens, param)
-        params = self.sampling_params(request, max_tokens)
         request_id = self.make_request_id("chatcmpl", request.request_id, raw_request)
-
-        started = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+        run = await self.start_chat(request, request_id)
+        model, started = run.model, run.started
         if request.stream:
             return self.event_stream(self._chunks(started, request, request_id, model), raw_request)
         [final] = await self.finals([started], raw_request)

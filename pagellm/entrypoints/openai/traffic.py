@@ -22,11 +22,18 @@ from dataclasses import dataclass
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagellm.entrypoints.openai.errors import APIError, error_response, log_and_respond, request_id_of, sse_error
+from pagellm.entrypoints.openai.errors import (
+    NAMED_EVENT_PATHS,
+    APIError,
+    error_response,
+    log_and_respond,
+    request_id_of,
+    sse_error,
+)
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 """The paths that occupy the engine, hence counted and bounded in time."""
 PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
 """Answered even while draining: supervisors and load balancers must see the state."""
@@ -122,7 +129,7 @@ class TrafficMiddleware:
                            request_id_of(scope), message)
             if scope["path"] in GENERATION_PATHS:
                 self.state.turned_away(why)
-            response = error_response(APIError(message, 503), request_id_of(scope))
+            response = error_response(APIError(message, 503), request_id_of(scope), scope["path"])
             response.headers["Retry-After"] = str(RETRY_AFTER_S)
             await response(scope, receive, send)
             return
@@ -205,7 +212,9 @@ class _ResponseProgress:
     async def finish_with(self, error: APIError, scope: Scope, receive: Receive) -> None:
         """`error` as the whole response if none has begun; as a last server-sent event in a stream."""
         if not self.started:
-            await error_response(error, request_id_of(scope))(scope, receive, self._send)
+            await error_response(error, request_id_of(scope), scope["path"])(scope, receive, self._send)
         elif not self.finished:
-            body = sse_error(error, request_id_of(scope)) + "data: [DONE]\n\n" if self.streaming else ""
+            body = sse_error(error, request_id_of(scope), scope["path"]) if self.streaming else ""
+            if self.streaming and scope["path"] not in NAMED_EVENT_PATHS:
+                body += "data: [DONE]\n\n"
             await self._send({"type": "http.response.body", "body": body.encode(), "more_body": False})
