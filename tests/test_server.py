@@ -224,9 +224,84 @@ def test_client_timeout_aborts_a_non_streamed_request(server):
     before = metric_samples(server.url)
     body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Request-Id": "gone-early"},
+                   timeout=httpx.Timeout(30, read=1.5))
 
     wait_until_aborted_and_freed(server, before)
+    # Logged as the client's departure (nginx's 499), not as a bad request.
+    wait_until(lambda: "-> 499 [request id gone-early]" in server.log_tail(), "the 499 logged")
+    assert "-> 400 [request id gone-early]" not in server.log_tail()
+
+
+SCORED_PROMPTS = ["The capital of France is", "Water boils at"]
+
+
+def test_several_prompts_in_one_completion_request(client, offline):
+    refs = offline.generate(SCORED_PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, n=2), use_tqdm=False)
+    kwargs = dict(model=MODEL_NAME, prompt=SCORED_PROMPTS, temperature=0.0, max_tokens=6, n=2)
+    response = client.completions.create(**kwargs)
+    # OpenAI numbers the choices prompt by prompt: prompt i's j-th choice is index i * n + j.
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text for c in response.choices] == [o.text for ref in refs for o in ref.outputs]
+    assert response.usage.prompt_tokens == sum(len(ref.prompt_token_ids) for ref in refs)
+    assert response.usage.completion_tokens == sum(len(o.token_ids) for ref in refs for o in ref.outputs)
+    texts = ["", "", "", ""]
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == [c.text for c in response.choices]
+    assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+    ids = [offline.get_tokenizer().encode(p) for p in SCORED_PROMPTS]
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, temperature=0.0, max_tokens=6)
+    assert [c.text for c in by_ids.choices] == [ref.outputs[0].text for ref in refs]
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt(client, offline):
+    """The scoring idiom of lm-eval and others: the prompt's logprobs, nothing generated."""
+    refs = offline.generate(SCORED_PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    kwargs = dict(model=MODEL_NAME, prompt=SCORED_PROMPTS, max_tokens=0, echo=True, logprobs=1)
+    for response in (client.completions.create(**kwargs), *client.completions.create(**kwargs, stream=True)):
+        for choice in response.choices:
+            ref = refs[choice.index]
+            assert choice.text == SCORED_PROMPTS[choice.index] and choice.finish_reason == "length"
+            expected = [None] + [e[t].logprob for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+            assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert client.completions.create(**kwargs).usage.completion_tokens == 0
+
+
+def test_spec_nulls_ignored_fields_and_vllm_extras(server, client, offline):
+    ref = offline.chat(chat_messages(QUESTIONS[4]), greedy(4), use_tqdm=False)[0]
+    # What the openai SDK and others send: nulls for optional fields, and fields that change nothing here.
+    body = {"model": MODEL_NAME, "messages": chat_messages(QUESTIONS[4]), "temperature": 0, "max_tokens": 4,
+            "n": None, "presence_penalty": None, "frequency_penalty": None, "logprobs": None, "top_logprobs": None,
+            "stop": None, "seed": None, "store": True, "metadata": {"team": "a"}, "service_tier": "auto",
+            "reasoning_effort": "low", "parallel_tool_calls": False, "prompt_cache_key": "k", "user": "u",
+            "safety_identifier": "s", "modalities": ["text"], "verbosity": "low", "return_token_ids": True,
+            "stream_options": None}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=DEADLINE_S)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"]["content"] == ref.outputs[0].text
+    assert choice["token_ids"] == ref.outputs[0].token_ids
+    assert response.json()["prompt_token_ids"] == ref.prompt_token_ids
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(QUESTIONS[4]),
+                                                 temperature=0, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}))
+    # vLLM's continuous usage: every chunk carries the usage so far.
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == len(ref.prompt_token_ids) for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == len(ref.outputs[0].token_ids) and counts[0] == 0
+
+
+def test_retrieve_model_and_tokenizer_info(server, client, offline):
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    tokenizer = offline.get_tokenizer()
+    assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token)
+    assert info["chat_template"] == tokenizer.chat_template and info["model_max_length"] == MAX_LEN
 
 
 LONG_PROMPT = "word " * (MAX_LEN + 50)
@@ -245,8 +320,8 @@ LONG_PROMPT = "word " * (MAX_LEN + 50)
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs=true"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     400, "`tools` is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}],
+                              "parallel_tool_calls": False}, 400, "`tools` is not supported"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "vocabulary"),
     ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
