@@ -212,7 +212,7 @@ class OpenAIServing:
             if e.param is not None:
                 e.param = names.get(e.param, e.param)
             raise
-        return ChatRun(model, (first, outputs))
+        return ChatRun(model, started)
 
     @staticmethod
     async def follow(first: RequestOutput,
