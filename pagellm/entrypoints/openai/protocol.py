@@ -159,8 +159,8 @@ class GenerationRequest(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     # Unknown fields are let through parsing and refused by `_supported_then_known`, after the
-    # unsupported ones, so that the 400 names the field that matters.
-    model_config = ConfigDict(extra="allow")
+    # unsupported ones, so that the 400 names the field that matters; the schema still says so.
+    model_config = ConfigDict(extra="allow", json_schema_extra={"additionalProperties": False})
 
     model: str | None = None
     """A served model name; None: the first one."""
@@ -305,7 +305,7 @@ class CompletionRequest(GenerationRequest):
 
 
 class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
-    model_config = ConfigDict(extra="allow")
+    model_config = GenerationRequest.model_config
 
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
