@@ -26,7 +26,7 @@ from pagellm.entrypoints.openai.errors import APIError, error_response, log_and_
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 """The paths that occupy the engine, hence counted and bounded in time."""
 PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
 """Answered even while draining: supervisors and load balancers must see the state."""
