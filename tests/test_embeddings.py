@@ -14,6 +14,9 @@ from fastapi.testclient import TestClient
 
 from pagellm import LLM, EngineArgs, PoolingParams, SamplingParams
 from pagellm.config import PoolerConfig
+from pagellm.core.outputs import ModelRunnerOutput
+from pagellm.core.request import Request
+from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.entrypoints.openai.api_server import build_app
 from server_utils import RemoteServer
 
@@ -122,21 +125,58 @@ def test_default_pooler_is_last_normalized(engines, prompt_ids, hf_hidden):
 
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
 def test_chunked_prefill_pools_every_chunk(engines, prompt_ids, hf_hidden, pooling_type):
-    """Prompts longer than max_num_batched_tokens, embedded together (their chunks share steps) and
-    one at a time: the same vectors as HF's and, for LAST and MEAN, as an unchunked engine's."""
-    chunked = engines(pooling_type, True)
+    """Prompts longer than max_num_batched_tokens, embedded together (their chunks share steps): the
+    same vectors as HF's and, for LAST and MEAN, as an unchunked engine's."""
     params = PoolingParams(normalize=False)
-    together = _vectors(chunked.embed([{"prompt_token_ids": i} for i in prompt_ids], params, use_tqdm=False))
-    alone = [_vectors(chunked.embed([{"prompt_token_ids": i}], params, use_tqdm=False))[0] for i in prompt_ids]
-    unchunked = (_vectors(engines(pooling_type, False).embed([{"prompt_token_ids": i} for i in prompt_ids], params,
-                                                            use_tqdm=False))
+    batch = [{"prompt_token_ids": i} for i in prompt_ids]
+    chunked = _vectors(engines(pooling_type, True).embed(batch, params, use_tqdm=False))
+    unchunked = (_vectors(engines(pooling_type, False).embed(batch, params, use_tqdm=False))
                  if pooling_type != "CLS" else None)
     for i, hidden in enumerate(hf_hidden):
-        want = _pool(hidden, pooling_type, False)
-        _assert_close(together[i], want, HF_TOLERANCE)
-        _assert_close(together[i], np.asarray(alone[i], dtype=np.float32), BATCH_TOLERANCE)
+        _assert_close(chunked[i], _pool(hidden, pooling_type, False), HF_TOLERANCE)
         if unchunked is not None:
-            _assert_close(together[i], np.asarray(unchunked[i], dtype=np.float32), BATCH_TOLERANCE)
+            _assert_close(chunked[i], np.asarray(unchunked[i], dtype=np.float32), BATCH_TOLERANCE)
+
+
+def test_concurrent_prompts_equal_one_at_a_time(engines, prompt_ids):
+    """Prompts of different lengths in one batch (chunks of several requests in one step, requests
+    finishing at different steps) give the vectors each gets alone; MEAN, the pooling that keeps
+    state across steps."""
+    llm = engines("MEAN", True)
+    together = _vectors(llm.embed([{"prompt_token_ids": i} for i in prompt_ids], use_tqdm=False))
+    for ids, vector in zip(prompt_ids, together):
+        alone = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
+        _assert_close(vector, np.asarray(alone, dtype=np.float32), BATCH_TOLERANCE)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.engine_core.scheduler.kv.usage == 0.0, "every finished request freed its blocks"
+
+
+def test_scheduler_runs_a_pooling_request_as_a_prefill_only():
+    """Pure scheduler: the prompt is chunked, the request then waits for its vector (no placeholder
+    token is ever scheduled) and ends with it, sampling nothing; a vector that arrives for a
+    request preempted meanwhile is dropped and the prompt runs again."""
+    limits = SchedulerLimits(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64, block_size=8,
+                             num_blocks=8, enable_prefix_caching=False)
+    scheduler = Scheduler(limits, workers_see_samples=False)  # as EngineCore builds it for pooling
+    request = Request("r", list(range(1, 21)), SamplingParams(max_tokens=1), frozenset(), 0,
+                      pooling_params=PoolingParams(normalize=True))
+    scheduler.add_request(request)
+    vector = np.arange(4, dtype="<f4").tobytes()
+    for attempt in range(2):
+        chunks = []
+        for _ in range(3):
+            chunks.append(scheduler.schedule().num_scheduled_tokens["r"])
+            assert scheduler.update_from_output(ModelRunnerOutput([], [])) == []
+        assert chunks == [8, 8, 4]
+        assert scheduler.schedule().is_empty, "waiting for its vector, it is not scheduled again"
+        if attempt == 0:  # preempted while its last step is in flight: that step's vector is stale
+            scheduler.running.remove(request)
+            scheduler._preempt(request)
+            assert scheduler.update_from_output(ModelRunnerOutput([], [], pooler_output={"r": vector})) == []
+    [out] = scheduler.update_from_output(ModelRunnerOutput([], [], pooler_output={"r": vector}))
+    assert (out.req_id, out.new_token_ids, out.finish_reason, out.pooled) == ("r", [], "stop", vector)
+    assert not scheduler.has_unfinished_requests() and scheduler.kv.usage == 0.0
+    assert scheduler.schedule().freed_req_ids == {"r"}
 
 
 def test_wrong_runner_and_bad_params_are_value_errors(engines, smollm2_path):
@@ -182,7 +222,7 @@ def test_embed_needs_the_pooling_runner(smollm2_path):
 def server(smollm2_path):
     remote = RemoteServer(smollm2_path, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes",
                           str(KV_BYTES), "--max-model-len", str(MAX_LEN), "--served-model-name", "smollm2",
-                          "--runner", "pooling", "--max-num-batched-tokens", str(CHUNK), "--max-num-seqs", str(CHUNK))
+                          "--runner", "pooling")
     yield remote
     assert remote.stop() == 0, "the server did not shut down cleanly"
 
@@ -204,14 +244,18 @@ def test_http_embeddings(client, prompt_ids, hf_hidden):
     num_tokens = sum(len(i) for i in prompt_ids)
     assert response.usage.prompt_tokens == response.usage.total_tokens == num_tokens
 
-    # The SDK asks for base64 itself and decodes it; the raw body shows the encoding.
-    raw = client.embeddings.with_raw_response.create(model="smollm2", input=PROMPTS[1:3], encoding_format="base64")
-    encoded = [d["embedding"] for d in raw.http_response.json()["data"]]
-    decoded = [np.frombuffer(base64.b64decode(e), dtype="<f4") for e in encoded]
-    for got, d in zip(decoded, response.data[1:3]):
-        np.testing.assert_array_equal(got, np.asarray(d.embedding, dtype=np.float32))
-    sdk = client.embeddings.create(model="smollm2", input=PROMPTS[1:3])
-    np.testing.assert_array_equal(np.asarray(sdk.data[0].embedding, dtype=np.float32), decoded[0])
+    # One input runs alone, so both encodings carry the same float32 values, bit for bit. (The SDK
+    # asks for base64 itself when no format is given and decodes it; the raw body shows the encoding.)
+    as_float = client.embeddings.create(model="smollm2", input=PROMPTS[1], encoding_format="float")
+    raw = client.embeddings.with_raw_response.create(model="smollm2", input=PROMPTS[1], encoding_format="base64")
+    encoded = raw.http_response.json()["data"][0]["embedding"]
+    assert isinstance(encoded, str)
+    decoded = np.frombuffer(base64.b64decode(encoded), dtype="<f4")
+    np.testing.assert_array_equal(decoded, np.asarray(as_float.data[0].embedding, dtype=np.float32))
+    sdk = client.embeddings.create(model="smollm2", input=PROMPTS[1])
+    np.testing.assert_array_equal(np.asarray(sdk.data[0].embedding, dtype=np.float32), decoded)
+    # In a batch, the same vector up to the batch's matmul blocking.
+    _assert_close(response.data[1].embedding, decoded, BATCH_TOLERANCE)
 
     tokens = client.embeddings.create(model="smollm2", input=[prompt_ids[3], prompt_ids[0]],
                                       extra_body={"normalize": False})

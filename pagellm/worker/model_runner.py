@@ -205,7 +205,8 @@ class ModelRunner:
         elif kind == "CLS":
             for i, s in enumerate(states):
                 if s.num_computed_tokens == 0:  # this step's chunk starts the prompt
-                    s.pooled = hidden[int(qsl[i])].float()
+                    # A copy: `hidden` may be a CUDA graph's output buffer, which the next step reuses.
+                    s.pooled = hidden[int(qsl[i])].to(torch.float32, copy=True)
         finished = [self.requests.states[r] for r in batch.sampling_req_ids]
         if not finished:
             return StepInFlight.done(ModelRunnerOutput([], []))
