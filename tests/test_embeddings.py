@@ -151,6 +151,19 @@ def test_concurrent_prompts_equal_one_at_a_time(engines, prompt_ids):
     assert llm.llm_engine.engine_core.scheduler.kv.usage == 0.0, "every finished request freed its blocks"
 
 
+def test_pipeline_stages_pool_on_the_last_stage(smollm2_path, prompt_ids, hf_hidden):
+    """Two pipeline stages in their own processes (only the last has final hidden states; two steps
+    in flight), chunked prompts: the same MEAN vectors as HF's."""
+    llm = _llm(smollm2_path, "MEAN", pipeline_parallel_size=2, max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK)
+    try:
+        outputs = llm.embed([{"prompt_token_ids": i} for i in prompt_ids], PoolingParams(normalize=False),
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for out, hidden in zip(outputs, hf_hidden):
+        _assert_close(out.outputs.embedding, _pool(hidden, "MEAN", False), HF_TOLERANCE)
+
+
 def test_scheduler_runs_a_pooling_request_as_a_prefill_only():
     """Pure scheduler: the prompt is chunked, the request then waits for its vector (no placeholder
     token is ever scheduled) and ends with it, sampling nothing; a vector that arrives for a
