@@ -17,6 +17,9 @@ _EXPORTS = {
     "BeamSearchParams": "pagellm.entrypoints.beam_search",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
+    "PoolingParams": "pagellm.pooling_params",
+    "EmbeddingRequestOutput": "pagellm.outputs",
+    "EmbeddingOutput": "pagellm.outputs",
 }
 __all__ = list(_EXPORTS)
 
@@ -25,7 +28,8 @@ if TYPE_CHECKING:
     from pagellm.entrypoints.beam_search import BeamSearchParams
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.llm import LLM
-    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+    from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams
 
 

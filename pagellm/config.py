@@ -1,6 +1,7 @@
 """Engine arguments (the user-facing knobs, named as in vLLM) and the configuration resolved from them."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -44,6 +45,8 @@ class EngineArgs:
     data_parallel_size: int = _arg(1, "Engine replicas behind one server (pagellm serve), each with its own KV cache and its own tensor x pipeline ranks; requests are routed by prompt prefix and load.")
     distributed_executor_backend: str | None = _arg(None, "How ranks are run: uni (in the engine's process; one rank only) | mp (one process per rank, this machine) | ray (Ray actors, one machine or several). None: uni for one rank, else mp.")
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
+    runner: str = _arg("generate", "generate (text generation) | pooling (embeddings: each prompt is run through the model once and its final hidden states pooled into one vector; no prefix caching, no async scheduling).")
+    pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -73,6 +76,9 @@ class EngineArgs:
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        PoolerConfig.parse(self.pooler_config, self.runner)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
@@ -100,10 +106,53 @@ class EngineArgs:
             max_num_batched_tokens=max_num_batched_tokens,
             attention_backend=self.attention_backend or _default_attention_backend(device),
             parallel=parallel,
+            pooler=PoolerConfig.parse(self.pooler_config, self.runner),
         )
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(slots=True, frozen=True)
+class PoolerConfig:
+    """How the pooling runner turns a prompt's final hidden states into one vector (vLLM's names)."""
+
+    pooling_type: str = "LAST"
+    """LAST: the last prompt token's hidden state; MEAN: the mean over the prompt; CLS: the first token's."""
+    normalize: bool = True
+    """L2-normalize the vector, unless a request's PoolingParams says otherwise."""
+
+    @classmethod
+    def parse(cls, value: "str | dict | PoolerConfig | None", runner: str) -> "PoolerConfig | None":
+        """`--pooler-config` (JSON text, a dict, or a PoolerConfig) -> the config of the pooling
+        runner, None for the generate runner. Fails naming the flag."""
+        if runner != "pooling":
+            if value is not None:
+                raise ValueError("pooler_config (--pooler-config) applies only with runner='pooling' (--runner pooling)")
+            return None
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"pooler_config (--pooler-config) is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config (--pooler-config) must be a JSON object, got {value!r}")
+        unknown = set(value) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(f"pooler_config (--pooler-config) has unknown key(s) {', '.join(sorted(unknown))}; "
+                             "known: pooling_type, normalize")
+        pooling_type = value.get("pooling_type", "LAST")
+        if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
+            raise ValueError(f"pooler_config (--pooler-config) pooling_type must be one of "
+                             f"{', '.join(POOLING_TYPES)}, got {pooling_type!r}")
+        normalize = value.get("normalize", True)
+        if not isinstance(normalize, bool):
+            raise ValueError(f"pooler_config (--pooler-config) normalize must be true or false, got {normalize!r}")
+        return cls(pooling_type.upper(), normalize)
 
 
 @dataclass(slots=True, frozen=True)
@@ -156,6 +205,12 @@ class EngineConfig:
     max_num_batched_tokens: int
     attention_backend: str
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pooler: PoolerConfig | None = None
+    """The pooling runner's pooler; None for the generate runner."""
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooler is not None
 
     def default_cpu_kv_cache_bytes(self) -> int:
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -57,3 +57,24 @@ class RequestOutput:
     """arrival_time, first_token_time, finished_time (time.monotonic seconds)."""
     prompt_logprobs: PromptLogprobs | None = None
     """None unless the request asked for prompt_logprobs."""
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's pooled vector, as vLLM's EmbeddingOutput."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's EmbeddingRequestOutput."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -19,6 +20,8 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_ids: list[int]
     """The model's EOS ids: the worker masks them (unless ignore_eos) until min_tokens are generated."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request: the worker pools its hidden states instead of sampling."""
 
 
 @dataclass(slots=True)
@@ -76,6 +79,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, TokenLogprobs] | None = None
     """Per request whose prompt finished this step and that asked for prompt_logprobs: one row per
     prompt token after the first."""
+    pooler_output: dict[str, bytes] | None = None
+    """Pooling runner: per request whose prompt finished this step, its pooled vector as
+    little-endian float32 bytes."""
 
 
 @dataclass(slots=True)
@@ -93,6 +99,8 @@ class EngineCoreOutput:
     """One row per new token, when the request asked for logprobs."""
     new_prompt_logprobs: TokenLogprobs | None = None
     """All prompt tokens but the first, once, with the first new token (prompt_logprobs requests)."""
+    pooled: bytes | None = None
+    """A pooling request's vector (little-endian float32), with its finish."""
 
 
 @dataclass(slots=True)

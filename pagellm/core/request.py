@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagellm.core.hashing import BlockHash, extend_block_hashes
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -65,7 +66,11 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     num_output_placeholders: int = 0
-    """Tokens sampled by a step still in flight: scheduled as input before their ids are known."""
+    """Tokens sampled by a step still in flight: scheduled as input before their ids are known.
+    For a pooling request: 1 while the step that pools its last prompt chunk is in flight."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling-runner request (embeddings): it runs its prompt once and samples nothing.
+    Its `sampling_params` are then inert defaults."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

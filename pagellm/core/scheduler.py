@@ -178,6 +178,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
                 eos_token_ids=sorted(request.eos_token_ids),
+                pooling_params=request.pooling_params,
             ))
 
         output = SchedulerOutput(
@@ -214,7 +215,7 @@ class Scheduler:
 
     def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free what finished."""
-        results = []
+        results = self._finish_pooled(output.pooler_output) if output.pooler_output else []
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
@@ -233,6 +234,22 @@ class Scheduler:
             if finished:
                 self.running.remove(request)
                 self._release(request)
+        return results
+
+    def _finish_pooled(self, pooled: dict[str, bytes]) -> list[EngineCoreOutput]:
+        """Pooling requests end with the step that pooled their last prompt chunk."""
+        results = []
+        for req_id, vector in pooled.items():
+            request = self.requests.get(req_id)
+            if (request is None or request.status != RequestStatus.RUNNING
+                    or request.num_output_placeholders == 0):  # pooled before a preemption: dropped
+                continue
+            request.num_output_placeholders = 0
+            request.status = RequestStatus.FINISHED_STOPPED
+            results.append(EngineCoreOutput(req_id, [], "stop", None, max(request.num_cached_tokens, 0),
+                                            request.first_scheduled_time, pooled=vector))
+            self.running.remove(request)
+            self._release(request)
         return results
 
     def make_stats(self) -> SchedulerStats:

@@ -27,7 +27,8 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.engine.wire import AbortRequests, AddRequest, CoreOutputs, encoder, heartbeat_decoder, output_decoder
 from pagellm.metrics.stats import IterationStats, StatLogger
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer, load_tokenizer
 
@@ -45,7 +46,7 @@ class AsyncLLM:
         self.config: EngineConfig = args.create_engine_config()
         self.tokenizer: Tokenizer | None = load_tokenizer(self.config.source)
         self.processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, pooling=self.config.is_pooling)
         self.stat_loggers = list(stat_loggers or [])
         self._queues: dict[str, asyncio.Queue] = {}
         self._core_of: dict[str, CoreClient] = {}
@@ -87,8 +88,8 @@ class AsyncLLM:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Outputs of one request, as its output_kind says (n > 1: all sequences in one output);
         stopping the iteration aborts it in the engine."""
         self._raise_if_dead()
@@ -110,7 +111,8 @@ class AsyncLLM:
             for core_request in core_requests:
                 await core.input.send(encoder.encode(AddRequest(
                     core_request.request_id, core_request.prompt_token_ids, core_request.sampling_params,
-                    sorted(core_request.eos_token_ids), core_request.max_tokens, core_request.arrival_time)))
+                    sorted(core_request.eos_token_ids), core_request.max_tokens, core_request.arrival_time,
+                    core_request.pooling_params)))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -123,6 +125,12 @@ class AsyncLLM:
             if not finished:  # the consumer went away (client disconnect, cancellation)
                 self._abort_now([request_id])
             self._core_of.pop(request_id, None)
+
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams,
+               request_id: str) -> AsyncIterator[EmbeddingRequestOutput]:
+        """One embedding request (pooling runner): a single output, its vector, when its prompt has
+        run through the model; as `generate` otherwise (closing the iterator early aborts it)."""
+        return self.generate(prompt, pooling_params, request_id)
 
     async def abort(self, request_id: str) -> None:
         queue = self._queues.pop(request_id, None)

@@ -28,7 +28,9 @@ class EngineCore:
                 max_model_len=config.max_model_len,
                 block_size=args.block_size,
                 num_blocks=num_blocks,
-                enable_prefix_caching=args.enable_prefix_caching,
+                # A cached prefix's hidden states are never computed, and MEAN/CLS pooling needs
+                # them (vLLM's pooling runner turns prefix caching off too).
+                enable_prefix_caching=args.enable_prefix_caching and not config.is_pooling,
             )
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
@@ -36,12 +38,15 @@ class EngineCore:
             raise
         pipelined = config.parallel.pipeline_parallel_size > 1
         # Later stages never see sampled ids on the device, so with several stages the scheduler
-        # sends tokens and requests wait for theirs (no placeholders).
-        self.scheduler = Scheduler(limits, workers_see_samples=not pipelined)
+        # sends tokens and requests wait for theirs (no placeholders). Pooling requests sample
+        # nothing: one waits for its pooled result and is never scheduled past its prompt.
+        self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling)
         self.num_blocks = num_blocks
-        # Overlap pays only where the device runs asynchronously to the host.
+        # Overlap pays only where the device runs asynchronously to the host. The pooling runner
+        # steps without it, which is simpler and keeps any placeholder token from ever being
+        # scheduled for a pooling request (its last step yields a vector, not a token).
         overlap = args.async_scheduling if args.async_scheduling is not None else config.device.type == "cuda"
-        self.overlap = overlap and not pipelined
+        self.overlap = overlap and not pipelined and not config.is_pooling
         self._in_flight: deque[StepFuture] = deque()
         self._heap = HeapTrimmer()
 

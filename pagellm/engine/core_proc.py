@@ -140,4 +140,5 @@ def _to_request(message: AddRequest) -> Request:
         max_tokens=message.max_tokens,
         arrival_time=message.arrival_time,
         status=RequestStatus.WAITING,
+        pooling_params=message.pooling_params,
     )

@@ -10,7 +10,8 @@ from pagellm.core.outputs import SchedulerStats
 from pagellm.engine.core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer, load_tokenizer
 
@@ -23,7 +24,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer: Tokenizer | None = load_tokenizer(config.source)
         self.processor = InputProcessor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, pooling=config.is_pooling)
         self.engine_core = EngineCore(config)
         self._request_counter = itertools.count()
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
@@ -35,10 +36,13 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request (n > 1: its children); raises ValueError (naming the field) on invalid input."""
-        request, text = self.processor.process(request_id, prompt, params or SamplingParams())
+        """Queue a request (n > 1: its children); raises ValueError (naming the field) on invalid input.
+        PoolingParams (None: the defaults, on a pooling engine) make an embedding request."""
+        if params is None:
+            params = PoolingParams() if self.config.is_pooling else SamplingParams()
+        request, text = self.processor.process(request_id, prompt, params)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         for core_request in self.output_processor.add_request(request, text):
@@ -50,7 +54,7 @@ class LLMEngine:
         self.engine_core.abort_requests(self.output_processor.core_request_ids(ids))
         return self.output_processor.abort(ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one engine step; returns the outputs it produced, as each request's output_kind says."""
         processed = self.output_processor.process(self.engine_core.step())
         # A stop string ended these in the output processor; the core would keep generating.

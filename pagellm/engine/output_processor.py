@@ -4,13 +4,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagellm.core.outputs import EngineCoreOutput
 from pagellm.core.request import Request
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.logprobs import LogprobsState
 from pagellm.engine.parallel_sampling import ParentRequest, needs_fan_out
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
-from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -46,8 +48,10 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, pooling: bool = False) -> None:
+        """`pooling`: the engine runs the pooling runner, whose requests end with one vector each."""
         self.tokenizer = tokenizer
+        self.pooling = pooling
         self.states: dict[str, _RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -113,6 +117,8 @@ class OutputProcessor:
     def process(self, outputs: list[EngineCoreOutput], stats: IterationStats | None = None) -> ProcessedOutputs:
         """Fold the engine's new tokens into each request's output; `stats` (if given) gains this
         iteration's token counts and latencies."""
+        if self.pooling:
+            return self._process_pooled(outputs, stats)
         results: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         parents: dict[str, ParentRequest] = {}
@@ -144,6 +150,26 @@ class OutputProcessor:
             self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
         results.extend(self._parent_outputs(parents))
         return ProcessedOutputs(results, reqs_to_abort)
+
+    def _process_pooled(self, outputs: list[EngineCoreOutput], stats: IterationStats | None) -> ProcessedOutputs:
+        """Each output of the pooling runner is a request's end, with its vector."""
+        results: list[RequestOutput | EmbeddingRequestOutput] = []
+        now = time.monotonic()
+        for out in outputs:
+            state = self.states.pop(out.req_id, None)
+            if state is None:
+                continue
+            if stats is not None:
+                num_prompt_tokens = len(state.prompt_token_ids)
+                stats.num_prompt_tokens += num_prompt_tokens
+                scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else state.arrival_time
+                stats.finished_requests.append(FinishedRequestStats(
+                    out.finish_reason or "stop", now - state.arrival_time, scheduled - state.arrival_time,
+                    num_prompt_tokens, 0))
+            embedding = np.frombuffer(out.pooled or b"", dtype="<f4").tolist()
+            results.append(EmbeddingRequestOutput(state.request_id, EmbeddingOutput(embedding),
+                                                  state.prompt_token_ids, True))
+        return ProcessedOutputs(results, [])
 
     def _emit(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None,
               num_cached_tokens: int, results: list[RequestOutput], parents: dict[str, ParentRequest]) -> None:

@@ -1,16 +1,21 @@
 """Input processing: prompt -> token ids, validation, and the scheduler's Request."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Union
 
 from pagellm.config import EngineConfig
 from pagellm.core.request import Request, check_prompt_fits
-from pagellm.sampling_params import SamplingParams
+from pagellm.pooling_params import PoolingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 PromptType = Union[str, Mapping]
 """A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt)."""
+
+_POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+"""The inert sampling params a pooling request carries (it samples nothing)."""
 
 
 class InputProcessor:
@@ -40,9 +45,23 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(text)
         return text, token_ids
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams) -> tuple[Request, str | None]:
+    def process(self, request_id: str, prompt: PromptType,
+                params: SamplingParams | PoolingParams) -> tuple[Request, str | None]:
+        """SamplingParams make a generation request (generate runner), PoolingParams an embedding
+        request (pooling runner); the other combinations are refused."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if self.config.is_pooling:
+            if isinstance(params, SamplingParams):
+                raise ValueError("this engine runs the pooling runner (runner='pooling', --runner pooling): it "
+                                 "computes embeddings (LLM.embed, POST /v1/embeddings) and cannot generate; start "
+                                 "it with runner='generate' (--runner generate, the default) to generate text")
+            if not isinstance(params, PoolingParams):
+                raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
+            return self._process_pooling(request_id, prompt, params)
+        if isinstance(params, PoolingParams):
+            raise ValueError("embeddings need the pooling runner: start the engine with runner='pooling' "
+                             "(--runner pooling); this one runs the generate runner")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self.tokenize(prompt)
@@ -63,6 +82,23 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
         )
+        return request, text
+
+    def _process_pooling(self, request_id: str, prompt: PromptType,
+                         params: PoolingParams) -> tuple[Request, str | None]:
+        text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        self._validate_prompt(token_ids)
+        check_prompt_fits(len(token_ids), self.config.max_model_len)
+        hidden_size = self.config.source.arch.hidden_size
+        if params.dimensions is not None and params.dimensions != hidden_size:
+            raise ValueError(f"dimensions must be the model's hidden size ({hidden_size}) or left out: this model "
+                             f"was not trained for shorter (Matryoshka) embeddings, got {params.dimensions}")
+        if params.normalize is None:
+            params = dataclasses.replace(params, normalize=self.config.pooler.normalize)
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=_POOLING_SAMPLING_PARAMS,
+                          eos_token_ids=frozenset(), max_tokens=0, pooling_params=params)
         return request, text
 
     def _validate_token_features(self, params: SamplingParams) -> None:

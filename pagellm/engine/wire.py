@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -16,6 +17,8 @@ class AddRequest(msgspec.Struct, tag=True):
     eos_token_ids: list[int]
     max_tokens: int
     arrival_time: float
+    pooling_params: PoolingParams | None = None
+    """Set for an embedding request (pooling runner)."""
 
 
 class AbortRequests(msgspec.Struct, tag=True):

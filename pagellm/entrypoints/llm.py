@@ -11,7 +11,8 @@ from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.processor import PromptType
-from pagellm.outputs import RequestOutput
+from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -50,6 +51,32 @@ class LLM:
         params_list = _as_params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType] | Sequence[int],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order of `prompts` (needs `LLM(..., runner="pooling")`):
+        `.outputs.embedding` is the pooled final hidden state (pooler_config), as vLLM's `LLM.embed`.
+        `truncate_prompt_tokens` applies to every prompt whose params leave it unset."""
+        if not self.llm_engine.config.is_pooling:
+            raise ValueError("embed() needs the pooling runner: create the LLM with runner='pooling'")
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"pooling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts")
+        if truncate_prompt_tokens is not None:
+            params_list = [p if not isinstance(p, PoolingParams) or p.truncate_prompt_tokens is not None
+                           else dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for p in params_list]
+        return self._run(prompt_list, params_list, use_tqdm)
+
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
@@ -79,7 +106,8 @@ class LLM:
         token_prompts = [engine.processor.tokenize(p)[1] for p in _as_prompt_list(prompts)]
         return beam_search(engine, token_prompts, params, engine.processor.eos_token_ids)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
+             use_tqdm: bool) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
@@ -90,7 +118,7 @@ class LLM:
         except ValueError:
             engine.abort_request(ids)  # a bad prompt in the batch must not leave the rest queued
             raise
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():

@@ -8,6 +8,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.outputs import SchedulerOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 
@@ -25,6 +26,11 @@ class CachedRequestState:
     prompt_logprobs_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     """Prompt logprobs of the chunks computed so far, until the prompt finishes; None when not
     wanted or already delivered."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling request (see `ModelRunner._pool`)."""
+    pooled: torch.Tensor | None = None
+    """A pooling request's partial result over the chunks computed so far ([hidden_size] float32):
+    the sum of the hidden states (MEAN) or the first token's (CLS)."""
 
 
 @dataclass(slots=True)
@@ -80,7 +86,7 @@ class RequestStates:
             self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, list(new.eos_token_ids),
-                [] if wants_prompt_logprobs else None)
+                [] if wants_prompt_logprobs else None, new.pooling_params)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

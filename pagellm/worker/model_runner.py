@@ -20,7 +20,7 @@ from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
-from pagellm.worker.batch import CachedRequestState, PromptLogprobsPlan, RequestStates
+from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates
 from pagellm.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class ModelRunner:
         """Request -> its row in `_last_sampled`."""
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.args.seed)
+        self.pooler = config.pooler
+        """The pooling runner's pooler (embeddings instead of sampling); None: generate."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -160,6 +162,8 @@ class ModelRunner:
         hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata)
         if isinstance(hidden, _StageSend):
             return StepInFlight.sending(hidden)
+        if self.pooler is not None:
+            return self._pool(so, batch, hidden)
         plan = batch.prompt_logprobs
         req_ids = batch.sampling_req_ids
         states = [self.requests.states[r] for r in req_ids]
@@ -181,6 +185,42 @@ class ModelRunner:
         if not to_host:
             return StepInFlight.done(ModelRunnerOutput([], []))
         return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states)
+
+    def _pool(self, so: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor) -> "StepInFlight":
+        """Fold this step's final hidden states into each pooling request's result, incrementally
+        (a prompt may span several steps: chunked prefill); the requests whose prompt ends in this
+        step get their vector, reported by the driver. The other TP ranks hold the same hidden
+        states and have nothing to do."""
+        if not self.ps.is_driver:
+            return StepInFlight.done(ModelRunnerOutput([], []))
+        states = [self.requests.states[r] for r in so.num_scheduled_tokens]
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        kind = self.pooler.pooling_type
+        if kind == "MEAN":
+            rows = np.repeat(np.arange(len(states)), np.diff(qsl))
+            sums = torch.zeros((len(states), hidden.shape[1]), dtype=torch.float32, device=self.device)
+            sums.index_add_(0, torch.from_numpy(rows).to(self.device, non_blocking=True), hidden.float())
+            for i, s in enumerate(states):
+                s.pooled = sums[i] if s.pooled is None else s.pooled + sums[i]
+        elif kind == "CLS":
+            for i, s in enumerate(states):
+                if s.num_computed_tokens == 0:  # this step's chunk starts the prompt
+                    # A copy: `hidden` may be a CUDA graph's output buffer, which the next step reuses.
+                    s.pooled = hidden[int(qsl[i])].to(torch.float32, copy=True)
+        finished = [self.requests.states[r] for r in batch.sampling_req_ids]
+        if not finished:
+            return StepInFlight.done(ModelRunnerOutput([], []))
+        if kind == "LAST":
+            vectors = hidden[batch.logits_indices].float()
+        elif kind == "MEAN":
+            counts = torch.tensor([len(s.token_ids) for s in finished], dtype=torch.float32)
+            vectors = torch.stack([s.pooled for s in finished]) / counts.to(self.device)[:, None]
+        else:
+            vectors = torch.stack([s.pooled for s in finished])
+        normalize = torch.tensor([s.pooling_params.normalize for s in finished], dtype=torch.bool)
+        vectors = torch.where(normalize.to(self.device)[:, None],
+                              torch.nn.functional.normalize(vectors, dim=-1), vectors)
+        return StepInFlight(self, _HostCopy([vectors]), None, [s.req_id for s in finished], [], pooled=True)
 
     def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    md: AttentionMetadata) -> "torch.Tensor | _StageSend":
@@ -294,10 +334,12 @@ class StepInFlight:
 
     def __init__(self, runner: ModelRunner | None, copy: _HostCopy | None, plan: PromptLogprobsPlan | None,
                  req_ids: list[str], states: list[CachedRequestState],
-                 output: ModelRunnerOutput | None = None) -> None:
+                 output: ModelRunnerOutput | None = None, pooled: bool = False) -> None:
+        """`pooled`: the copy holds one pooled vector per request of `req_ids` (pooling runner)."""
         self._runner, self._copy, self._plan = runner, copy, plan
         self._req_ids, self._states = req_ids, states
         self._output = output
+        self._pooled = pooled
         self._send: _StageSend | None = None
 
     @classmethod
@@ -323,6 +365,9 @@ class StepInFlight:
 
     def _read(self) -> ModelRunnerOutput:
         host = self._copy.arrays()
+        if self._pooled:
+            vectors = host[0].astype("<f4", copy=False)
+            return ModelRunnerOutput([], [], pooler_output={r: vectors[i].tobytes() for i, r in enumerate(self._req_ids)})
         if self._plan is not None:
             self._runner.stash_prompt_logprobs(self._plan, host[:3])
             host = host[3:]

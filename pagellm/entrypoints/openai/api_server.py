@@ -43,6 +43,8 @@ from pagellm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
+from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
 from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics.log_stats import LoggingStatLogger
@@ -157,6 +159,13 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> TokenizerInfo:
         return tokens.tokenizer_info()
+
+    # Embeddings (pooling runner; a 400 on a generate-runner server).
+    embeddings = OpenAIServingEmbedding(engine, names, chat_template, limits)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return await embeddings.create_embedding(request, raw_request)
 
     return app
 

@@ -33,7 +33,8 @@ from pagellm.entrypoints.openai.errors import (
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                              "/v1/embeddings"})
 """The paths that occupy the engine, hence counted and bounded in time."""
 PROBE_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/metrics", "/version"})
 """Answered even while draining: supervisors and load balancers must see the state."""
