@@ -47,15 +47,15 @@ def _llm(path: str, pooling_type: str, **kwargs) -> LLM:
 
 @pytest.fixture(scope="module")
 def engines(smollm2_path):
-    """Pooling engines by (pooling_type, chunked), built on first use and shut down at the end."""
-    built: dict[tuple[str, bool], LLM] = {}
+    """Pooling engines by pooling type, built on first use and shut down at the end. Each runs
+    prefill in chunks of CHUNK tokens, so the longer prompts span several steps (and share them):
+    matching HF's vectors then also shows that every chunk was pooled exactly once."""
+    built: dict[str, LLM] = {}
 
-    def get(pooling_type: str, chunked: bool) -> LLM:
-        key = (pooling_type, chunked)
-        if key not in built:
-            extra = {"max_num_batched_tokens": CHUNK, "max_num_seqs": CHUNK} if chunked else {}
-            built[key] = _llm(smollm2_path, pooling_type, **extra)
-        return built[key]
+    def get(pooling_type: str) -> LLM:
+        if pooling_type not in built:
+            built[pooling_type] = _llm(smollm2_path, pooling_type, max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK)
+        return built[pooling_type]
 
     yield get
     for llm in built.values():
@@ -64,7 +64,7 @@ def engines(smollm2_path):
 
 @pytest.fixture(scope="module")
 def prompt_ids(engines) -> list[list[int]]:
-    tokenizer = engines("LAST", False).get_tokenizer()
+    tokenizer = engines("LAST").get_tokenizer()
     ids = [tokenizer.encode(p) for p in PROMPTS]
     assert max(len(i) for i in ids) > 2 * CHUNK, "the longest prompt must span several chunked steps"
     return ids
@@ -103,10 +103,11 @@ def _vectors(outputs) -> list[list[float]]:
     return [o.outputs.embedding for o in outputs]
 
 
-@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize(("pooling_type", "normalize"), [("LAST", True), ("LAST", False), ("MEAN", True),
+                                                       ("MEAN", False), ("CLS", False)])
 def test_embeddings_match_hf(engines, prompt_ids, hf_hidden, pooling_type, normalize):
-    llm = engines(pooling_type, False)
+    """The prompts embedded together (chunks of several requests share steps): HF's vectors."""
+    llm = engines(pooling_type)
     outputs = llm.embed([{"prompt_token_ids": ids} for ids in prompt_ids], PoolingParams(normalize=normalize),
                         use_tqdm=False)
     for out, ids, hidden in zip(outputs, prompt_ids, hf_hidden):
@@ -119,30 +120,15 @@ def test_embeddings_match_hf(engines, prompt_ids, hf_hidden, pooling_type, norma
 
 def test_default_pooler_is_last_normalized(engines, prompt_ids, hf_hidden):
     assert PoolerConfig.parse(None, "pooling") == PoolerConfig("LAST", True)
-    out = engines("LAST", False).embed(prompt_ids[0], use_tqdm=False)[0]  # no params: the engine's default
+    out = engines("LAST").embed(prompt_ids[0], use_tqdm=False)[0]  # no params: the engine's default
     _assert_close(out.outputs.embedding, _pool(hf_hidden[0], "LAST", True), HF_TOLERANCE)
-
-
-@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
-def test_chunked_prefill_pools_every_chunk(engines, prompt_ids, hf_hidden, pooling_type):
-    """Prompts longer than max_num_batched_tokens, embedded together (their chunks share steps): the
-    same vectors as HF's and, for LAST and MEAN, as an unchunked engine's."""
-    params = PoolingParams(normalize=False)
-    batch = [{"prompt_token_ids": i} for i in prompt_ids]
-    chunked = _vectors(engines(pooling_type, True).embed(batch, params, use_tqdm=False))
-    unchunked = (_vectors(engines(pooling_type, False).embed(batch, params, use_tqdm=False))
-                 if pooling_type != "CLS" else None)
-    for i, hidden in enumerate(hf_hidden):
-        _assert_close(chunked[i], _pool(hidden, pooling_type, False), HF_TOLERANCE)
-        if unchunked is not None:
-            _assert_close(chunked[i], np.asarray(unchunked[i], dtype=np.float32), BATCH_TOLERANCE)
 
 
 def test_concurrent_prompts_equal_one_at_a_time(engines, prompt_ids):
     """Prompts of different lengths in one batch (chunks of several requests in one step, requests
     finishing at different steps) give the vectors each gets alone; MEAN, the pooling that keeps
     state across steps."""
-    llm = engines("MEAN", True)
+    llm = engines("MEAN")
     together = _vectors(llm.embed([{"prompt_token_ids": i} for i in prompt_ids], use_tqdm=False))
     for ids, vector in zip(prompt_ids, together):
         alone = llm.embed({"prompt_token_ids": ids}, use_tqdm=False)[0].outputs.embedding
@@ -193,7 +179,7 @@ def test_scheduler_runs_a_pooling_request_as_a_prefill_only():
 
 
 def test_wrong_runner_and_bad_params_are_value_errors(engines, smollm2_path):
-    llm = engines("LAST", False)
+    llm = engines("LAST")
     with pytest.raises(ValueError, match="runner='generate'"):
         llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions"):
@@ -300,3 +286,16 @@ def test_http_generation_on_a_pooling_server_is_refused(client):
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     # Refusals leave the server serving.
     assert len(client.embeddings.create(model="smollm2", input="still here").data[0].embedding) == 576
+
+
+def test_litellm_embedding(server, client, monkeypatch):
+    """litellm's embedding call (its default float path) against the pooling server."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the remote cost map
+    import litellm
+
+    response = litellm.embedding(model="openai/smollm2", api_base=f"{server.url}/v1", api_key="unused",
+                                 input=PROMPTS[:2])
+    expected = client.embeddings.create(model="smollm2", input=PROMPTS[:2], encoding_format="float")
+    assert [d["index"] for d in response.data] == [0, 1]
+    for got, want in zip(response.data, expected.data):
+        _assert_close(got["embedding"], np.asarray(want.embedding, dtype=np.float32), BATCH_TOLERANCE)
