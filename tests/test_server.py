@@ -129,15 +129,13 @@ def test_completion_stream_deltas(client, offline):
 
 CONCURRENT_QUESTIONS = [f"In one sentence, what is {topic}?" for topic in (
     "the sun", "a river", "music", "a library", "rain", "a bridge", "a volcano", "a violin", "winter", "a desert",
-    "a lighthouse", "chess", "a glacier", "bread", "a comet", "a forest", "a harbor", "a poem", "thunder",
-    "a clock", "a garden", "an island", "a mountain", "a telescope")]
+    "a lighthouse", "chess")]
 CONCURRENT_PROMPTS = ["The first law of motion says", "A good breakfast has", "The best way to learn is",
-                      "Once upon a time", "The ocean is", "My favourite city is", "Computers work by",
-                      "In the morning I"]
+                      "Once upon a time"]
 
 
 def test_concurrent_streams_match_offline(server, offline):
-    """32 greedy requests streamed at once (chat and completions) give the offline engine's text."""
+    """16 greedy requests streamed at once (chat and completions) give the offline engine's text."""
     async def stream_chat(client: openai.AsyncOpenAI, question: str) -> str:
         stream = await client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(question),
                                                       temperature=0.0, max_tokens=MAX_TOKENS, stream=True)
