@@ -15,7 +15,7 @@ RUN_TIMEOUT_S = 300
 def test_short_soak_has_no_errors_and_no_leaks(smollm2_path, tmp_path):
     output = tmp_path / "soak.json"
     command = [sys.executable, "-m", "benchmarks.soak", "--model", smollm2_path, "--device", "cpu",
-               "--dtype", "float32", "--duration-s", "20", "--concurrency", "4", "--num-aborts", str(NUM_CUTS),
+               "--dtype", "float32", "--duration-s", "10", "--concurrency", "4", "--num-aborts", str(NUM_CUTS),
                "--invalid-fraction", "0.2", "--num-gpu-blocks-override", "96", "--max-model-len", "512",
                "--warmup-s", "5", "--rss-interval-s", "1", "--output", str(output)]
     run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
