@@ -18,7 +18,7 @@ class ServerLimits:
     max_stop_sequences: int = 16
     """Most `stop` strings one request may give (each is searched for in every new piece of text)."""
     max_prompts: int = 2048
-    """Most prompts one /v1/completions request may hold (OpenAI's own limit)."""
+    """Most prompts one /v1/completions or inputs one /v1/embeddings request may hold (OpenAI's own limit)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -42,7 +42,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stop-sequences", type=int, default=defaults.max_stop_sequences,
                        help="most `stop` strings one request may give")
     group.add_argument("--max-prompts", type=int, default=defaults.max_prompts,
-                       help="most prompts one /v1/completions request may hold (a list of prompts)")
+                       help="most prompts one /v1/completions (or inputs one /v1/embeddings) request may hold")
 
 
 def _flag(name: str) -> str:

@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagellm.outputs import CompletionOutput, RequestOutput
+from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
 
@@ -135,6 +136,18 @@ class OpenAIServing:
         if bad:
             raise APIError(f"{param} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)
 
+    def prompt_list(self, value: str | list[int] | list[str] | list[list[int]], param: str) -> list[str | list[int]]:
+        """A request's prompts (`param`): one text or token-id list, or a list of them; 400 for none,
+        or more than --max-prompts."""
+        if isinstance(value, str) or (value and isinstance(value[0], int)):
+            return [value]
+        if not value:
+            raise APIError(f"{param} is empty: send a text, token ids, or a list of them", param=param)
+        if len(value) > self.limits.max_prompts:
+            raise APIError(f"{param} holds {len(value)} prompts, more than this server's --max-prompts "
+                           f"({self.limits.max_prompts}); split the request", param=param)
+        return list(value)
+
     def check_prompt_ids(self, token_ids: list[int], param: str) -> None:
         """400 naming `param` for an empty prompt or token ids outside the vocabulary."""
         if not token_ids:
@@ -166,7 +179,7 @@ class OpenAIServing:
         response id and the engine's log lines carry the id the client knows."""
         return f"{prefix}-{requested or request_id_of(raw_request.scope) or uuid.uuid4().hex}"
 
-    async def start(self, prompt: dict[str, Any], params: SamplingParams,
+    async def start(self, prompt: dict[str, Any], params: SamplingParams | PoolingParams,
                     request_id: str) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
         """Submit a request and wait for its first output, so that input the engine rejects is a 400
         before a (streamed) response has begun."""
@@ -179,11 +192,13 @@ class OpenAIServing:
             raise APIError(str(e), 503) from None
         return first, outputs
 
-    async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams,
-                        request_ids: Sequence[str]) -> list[Started]:
-        """`start` for several prompts at once (they are batched together); if any fails, the
-        others are aborted and the first failure is raised."""
-        results = await asyncio.gather(*(self.start(p, params, i) for p, i in zip(prompts, request_ids)),
+    async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams | PoolingParams,
+                        request_id: str) -> list[Started]:
+        """`start` for the prompts of one request at once (they are batched together), as
+        `request_id` (one prompt) or `request_id-i`; if any fails, the others are aborted and the
+        first failure is raised."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(*(self.start(p, params, i) for p, i in zip(prompts, ids)),
                                        return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:

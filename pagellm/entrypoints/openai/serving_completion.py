@@ -38,10 +38,7 @@ class _Prompt:
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_model(request.model)
-        prompts = _prompt_list(request.prompt)
-        if len(prompts) > self.limits.max_prompts:
-            raise APIError(f"prompt holds {len(prompts)} prompts, more than this server's --max-prompts "
-                           f"({self.limits.max_prompts}); split the request", param="prompt")
+        prompts = self.prompt_list(request.prompt, "prompt")
         engine_prompts = []
         for prompt in prompts:
             if isinstance(prompt, str):
@@ -61,9 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_fits(request, len(p["prompt_token_ids"]), "prompt", max_tokens, "max_tokens")
         params = self.sampling_params(request, max_tokens)
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
 
-        started = await self.start_all(engine_prompts, params, ids)
+        started = await self.start_all(engine_prompts, params, request_id)
         # After truncate_prompt_tokens the echo is what the model saw.
         submitted = [_Prompt(s, self._echo_text(prompt, s[0], len(p["prompt_token_ids"]), request)
                              if request.echo else "")
@@ -133,15 +129,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                      usage=usage_so_far() if request.continuous_usage else None)
         if request.final_usage:
             yield CompletionResponse(id=request_id, created=created, model=model, choices=[], usage=usage_so_far())
-
-
-def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
-    """The request's prompts: one text or token-id list, or a list of them."""
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-        return [prompt]
-    if not prompt:
-        raise APIError("prompt is empty: send a text, token ids, or a list of them", param="prompt")
-    return list(prompt)
 
 
 def _nothing_generated(o: CompletionOutput) -> CompletionOutput:
