@@ -119,6 +119,19 @@ def test_langchain_chat_invoke_stream_batch(server):
     assert answers[1].content and answers[1].content != message.content
 
 
+def test_langchain_chat_on_the_responses_api(server):
+    """ChatOpenAI(use_responses_api=True) sends /v1/responses: the same greedy text as chat completions."""
+    from langchain_openai import ChatOpenAI
+
+    kwargs = dict(base_url=f"{server.url}/v1", api_key="x", model=MODEL_NAME, temperature=0, max_tokens=MAX_TOKENS,
+                  max_retries=0)
+    before = posts(server, "/v1/responses")
+    message = ChatOpenAI(**kwargs, use_responses_api=True).invoke(QUESTION)
+    assert posts(server, "/v1/responses") == before + 1
+    assert message.text == ChatOpenAI(**kwargs).invoke(QUESTION).content
+    assert 0 < message.usage_metadata["output_tokens"] <= MAX_TOKENS
+
+
 def test_langchain_legacy_completions_batch_is_one_request(server, reference_texts):
     llm = legacy_llm(server)
     before = posts(server, "/v1/completions")

@@ -126,9 +126,10 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(llm):
 
 def test_seeded_sampling_survives_preemption(smollm2_path, llm):
     ids = [prompt_ids(llm, f"Story number {i}: once upon a time") for i in range(6)]
-    params = [SamplingParams(temperature=0.8, max_tokens=40, seed=i, ignore_eos=True) for i in range(6)]
+    params = [SamplingParams(temperature=0.8, max_tokens=24, seed=i, ignore_eos=True) for i in range(6)]
     reference = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
-    tight = LLM(smollm2_path, dtype="float32", device="cpu", num_gpu_blocks_override=12, max_model_len=192)
+    # 10 blocks x 16 tokens: one request fits, all six (~34 tokens each) do not.
+    tight = LLM(smollm2_path, dtype="float32", device="cpu", num_gpu_blocks_override=10, max_model_len=160)
     outs = tight.generate(ids, params, use_tqdm=False)
     assert tight.llm_engine.get_stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference

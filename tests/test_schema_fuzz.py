@@ -18,7 +18,7 @@ MODEL = "smollm2"
 # A short context and few sequences keep the requests that do generate cheap on a CPU.
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "40",
          "--served-model-name", MODEL, "--max-n", "2", "--max-logprobs", "2", "--max-request-body-bytes", str(256 << 10))
-MAX_EXAMPLES = 15
+MAX_EXAMPLES = 10
 """Generated cases per operation: bounds the run, whose time the few valid chat requests dominate (each
 generates up to 8 tokens; with 20 per operation the run took 132 s on 2 cores shared at load ~8)."""
 FUZZ_TIMEOUT_S = 300
