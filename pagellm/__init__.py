@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "pagellm.engine.llm_engine",
     "EngineArgs": "pagellm.config",
     "SamplingParams": "pagellm.sampling_params",
+    "StructuredOutputsParams": "pagellm.sampling_params",
     "BeamSearchParams": "pagellm.entrypoints.beam_search",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
     from pagellm.pooling_params import PoolingParams
-    from pagellm.sampling_params import SamplingParams
+    from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str):

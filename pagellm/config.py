@@ -46,6 +46,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = _arg(None, "How ranks are run: uni (in the engine's process; one rank only) | mp (one process per rank, this machine) | ray (Ray actors, one machine or several). None: uni for one rank, else mp.")
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
     runner: str = _arg("generate", "generate (text generation) | pooling (embeddings: each prompt is run through the model once and its final hidden states pooled into one vector; no prefix caching, no async scheduling).")
+    reasoning_parser: str | None = _arg(None, "How the model marks its reasoning: qwen3 | deepseek_r1 (<think>...</think>). Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
+    structured_outputs_compile_timeout: float = _arg(10.0, "Seconds a request's JSON schema, regex or grammar may take to compile (off the step loop, in a thread pool) before the request is refused (HTTP 400).")
+    structured_outputs_max_bytes: int = _arg(65536, "Largest JSON schema, regex, grammar or choice list a request may send, in bytes of its JSON text; larger ones are refused (HTTP 400).")
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
@@ -79,6 +82,18 @@ class EngineArgs:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         PoolerConfig.parse(self.pooler_config, self.runner)
+        if self.reasoning_parser is not None:
+            from pagellm.reasoning import REASONING_PARSERS  # noqa: PLC0415 (keeps config import-light)
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of "
+                                 f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        if isinstance(self.structured_outputs_compile_timeout, bool) or not (
+                isinstance(self.structured_outputs_compile_timeout, (int, float))
+                and self.structured_outputs_compile_timeout > 0):
+            raise ValueError("structured_outputs_compile_timeout (--structured-outputs-compile-timeout) must be a "
+                             f"number of seconds > 0, got {self.structured_outputs_compile_timeout!r}")
+        _check_positive("structured_outputs_max_bytes", self.structured_outputs_max_bytes)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend == "uni" and world_size > 1:
             raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "

@@ -22,6 +22,58 @@ class RequestOutputKind(enum.IntEnum):
     """Nothing until the request finishes, then everything."""
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's names); exactly one kind is set.
+
+    The engine compiles it with xgrammar when the request arrives and masks every sampled token
+    so that the output is always a prefix of a sentence of that language, ending when it is one.
+    """
+
+    json: str | dict | None = None
+    """A JSON schema (a dict, or its JSON text): the output is a JSON value that validates."""
+    regex: str | None = None
+    """The output matches this regular expression."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF (GBNF) grammar whose start rule is `root`."""
+    json_object: bool | None = None
+    """True: the output is any JSON object."""
+    structural_tag: str | dict | None = None
+    """xgrammar's structural tag (JSON): free text with constrained segments between tags."""
+    disable_any_whitespace: bool = False
+    """JSON without optional whitespace (compact output, fewer tokens)."""
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)}, "
+                             f"got {', '.join(kinds) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError("structured_outputs.structural_tag must be a JSON object or its text")
+
+    @property
+    def kind(self) -> str:
+        """Which language is set: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token, when to stop, and what to return.
@@ -81,6 +133,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be generated."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (see StructuredOutputsParams)."""
     _bad_words_token_ids: list[list[int]] | None = None
     """Set by the engine's input processor from bad_words (with and without a leading space), not by users."""
 
@@ -140,6 +194,9 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -167,9 +224,9 @@ class SamplingParams:
 
     @property
     def reads_output_history(self) -> bool:
-        """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens).
-        The engine steps such requests without overlap, so that history is complete."""
-        return bool(self._bad_words_token_ids or self.min_tokens > 0 or self.repetition_penalty not in (None, 1.0)
+        """Whether sampling reads the tokens generated so far (penalties, bad words, min_tokens, a
+        grammar). The engine steps such requests without overlap, so that history is complete."""
+        return bool(self._bad_words_token_ids or self.min_tokens > 0 or self.structured_outputs is not None or self.repetition_penalty not in (None, 1.0)
                     or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
 
 
