@@ -12,6 +12,7 @@ from pagellm.benchmarks.cli import add_bench_parser
 from pagellm.config import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.entrypoints.openai.limits import add_limit_args
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGELLM_API_KEY"
 """`pagellm serve` reads its API key from here when --api-key is not given."""
@@ -92,6 +93,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server (uvicorn), access log included")
+    tools = serve.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let requests use tool_choice "auto" (the default with tools): the model decides, '
+                            "and --tool-call-parser reads its calls out of the text")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, "
+                            "Qwen2.5, Qwen3), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS][...])")
     add_limit_args(serve)
     _add_reliability_args(serve)
     add_engine_args(serve)

@@ -60,17 +60,18 @@ ENGINE_DEAD_EXIT_CODE = 1
 def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
               limits: ServerLimits | None = None, traffic: TrafficState | None = None,
-              protect_metrics: bool = False) -> FastAPI:
+              protect_metrics: bool = False, auto_tool_parser: str | None = None) -> FastAPI:
     """The app serving `engine`; requests may name any of the served names (the first is the default).
 
     `traffic` bounds requests in flight (default: TrafficLimits.for_engine) and may carry a request
-    timeout; with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`."""
+    timeout; with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`.
+    `auto_tool_parser` (a TOOL_PARSERS name) enables tool_choice "auto" on chat completions."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
     limits = limits or ServerLimits()
     completions = OpenAIServingCompletion(engine, names, chat_template, limits)
-    chats = OpenAIServingChat(engine, names, chat_template, limits)
+    chats = OpenAIServingChat(engine, names, chat_template, limits, auto_tool_parser)
     tokens = OpenAIServingTokens(engine, names, chat_template, limits)
 
     traffic = traffic or TrafficState(TrafficLimits.for_engine(engine.config.args.max_num_seqs))
@@ -207,6 +208,8 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     args = engine_args_from(ns)
     names = ns.served_model_name or [default_served_name(args.model)]
     chat_template = load_chat_template(ns.chat_template)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser, to read the model's tool calls")
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     limits = ServerLimits.from_namespace(ns)
     # Every data-parallel replica runs max_num_seqs sequences.
@@ -221,7 +224,8 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
                                        stall_timeout_s=ns.engine_stall_timeout or None)
     try:
         app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
-                        traffic=traffic, protect_metrics=ns.protect_metrics)
+                        traffic=traffic, protect_metrics=ns.protect_metrics,
+                        auto_tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None)
         host, port = sock.getsockname()[:2]
         logger.info("serving %s on http://%s:%d%s", ", ".join(names), host, port,
                     " (API key required)" if api_key else "")

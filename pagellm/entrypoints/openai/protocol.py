@@ -5,7 +5,7 @@ default); fields that change nothing on this server (`store`, `metadata`, `servi
 accepted and ignored as OpenAI documents them, and vLLM's extras are accepted too. Sampling fields
 go to `SamplingParams` under the same names. A request gets a 400 naming the field, in this
 order: a known field set to a value the server has no implementation for (`unsupported_fields`:
-tools, JSON response formats, suffix, ...), then an unknown field, so a client that sends both
+suffix, beam search, ...), then an unknown field, so a client that sends both
 hears about the one that matters. Everything a request can hold that would fail deeper down (NaN
 or infinite numbers, integers beyond 64 bits, text that is not valid Unicode, roles and content
 parts no chat template knows) is refused here, naming the field.
@@ -14,77 +14,25 @@ from __future__ import annotations
 
 import json
 import time
-import typing
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.protocol_base import REQUEST_ID_PATTERN, Int64, StrictModel
+from pagellm.entrypoints.openai.protocol_tools import (
+    MessageToolCall,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    validate_tool_choice,
+)
 from pagellm.outputs import Logprob
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
-
-
-Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
-"""An integer the engine's wire format (msgspec over ZMQ) can carry; a larger one would fail there."""
-REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
-"""A client-chosen request id: 1 to 128 visible ASCII characters, so it is safe in headers and logs."""
-
-
-class StrictModel(BaseModel):
-    """Unknown fields, NaN / infinite numbers and text with lone surrogates are refused; `null` for a
-    field that cannot be None means its default."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_are_defaults(cls, data: Any) -> Any:
-        # OpenAI's spec lets clients send `null` for most optional fields (the openai SDK does).
-        if not isinstance(data, dict):
-            return data
-        fields = cls.model_fields
-        return {k: v for k, v in data.items() if v is not None or k not in fields or _nullable(fields[k].annotation)}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        # JSON escapes can spell lone surrogates ("\ud800"), which Python keeps in a str but the
-        # tokenizer and the response encoder cannot handle. One C-speed encode checks the whole
-        # body (token-id prompts can be long); only a failure walks it to name the field.
-        try:
-            json.dumps(data, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise PydanticCustomError("invalid_unicode", "holds a lone UTF-16 surrogate, which is not valid "
-                                      "Unicode; send valid UTF-8 text", {"param": _lone_surrogate_path(data)})
-        except (TypeError, ValueError):
-            pass  # not JSON-shaped (a model instance, say): the field validators judge it
-        return data
-
-
-def _nullable(annotation: Any) -> bool:
-    return annotation is Any or type(None) in typing.get_args(annotation)
-
-
-def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """The dotted path of the first string (or key) in `value` that cannot be encoded as UTF-8; a key
-    at fault is shown escaped, so that the error message itself stays valid UTF-8."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-        return None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, item in items:
-        child = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
-        child = f"{path}.{child}" if path else child
-        found = _lone_surrogate_path(key, child) if isinstance(key, str) else None
-        found = found or _lone_surrogate_path(item, child)
-        if found is not None:
-            return found
-    return None
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(StrictModel):
@@ -109,20 +57,26 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; fields other than `content` reach the chat template unchanged."""
+    """One message; the fields it was sent with reach the chat template (content as text)."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
-    """Text, or a list of text parts (joined by newlines); other part types (images, audio) are refused."""
+    content: str | list[TextPart] | None = None
+    """Text, or a list of text parts (joined by newlines); other part types (images, audio) are
+    refused. None only in an assistant message that calls tools."""
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's tool calls; their JSON arguments reach the template as objects."""
+    tool_call_id: str | None = None
+    """A tool message's answer to this call."""
 
     @model_validator(mode="before")
     @classmethod
     def _text_content(cls, data: Any) -> Any:
         # One clear error instead of pydantic's attempt at each branch of the content union.
         content = data.get("content") if isinstance(data, dict) else None
-        if isinstance(data, dict) and not isinstance(content, (str, list)):
+        calls_tools = isinstance(data, dict) and data.get("role") == "assistant" and data.get("tool_calls")
+        if isinstance(data, dict) and not isinstance(content, (str, list)) and not (content is None and calls_tools):
             kind = "nothing" if content is None else type(content).__name__
             raise PydanticCustomError("invalid_content", "must be a string or a list of text parts like {part}, "
                                       "got {kind}", {"param": "content", "kind": kind,
@@ -135,10 +89,24 @@ class ChatMessage(BaseModel):
         return data
 
     def for_template(self) -> dict[str, Any]:
-        message = self.model_dump()
+        # Only the fields sent: templates test for the presence of keys like `tool_calls`.
+        message = {"content": None, **self.model_dump(exclude_unset=True)}
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        for call in message.get("tool_calls") or ():
+            # Templates write the arguments with `tojson`, as transformers' callers pass them.
+            call["function"]["arguments"] = _json_or_text(call["function"]["arguments"])
         return message
+
+
+def _json_or_text(arguments: str | dict[str, Any]) -> Any:
+    """A call's arguments as an object when they are JSON text, else as they are."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 class ChatPromptFields(StrictModel):
@@ -150,6 +118,8 @@ class ChatPromptFields(StrictModel):
     """Leave the last message open so the model continues it (needs add_generation_prompt=false)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. {"enable_thinking": false})."""
+    tools: list[Tool] | None = None
+    """Functions the model may call; the chat template gets them as `tools`."""
     add_special_tokens: bool = False
     """vLLM's extra: let the tokenizer add special tokens (BOS) to the rendered template, which
     already holds the ones the model expects."""
@@ -201,11 +171,20 @@ class GenerationRequest(StrictModel):
     priority: Int64 = 0
     """Scheduling priority; this server schedules first come, first served, so only 0 is accepted."""
     use_beam_search: bool = False
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
+    """{"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}: the output is then a JSON object (following the schema)."""
+    structured_outputs: StructuredOutputsRequest | None = None
+    """vLLM's extra: constrain the output to a JSON schema, regex, choice list or grammar."""
+    # vLLM's older names for structured_outputs' kinds.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
+    guided_decoding_backend: str | None = None
+    """Only xgrammar (or auto), the one backend here."""
+    guided_whitespace_pattern: str | None = None
+    """Not supported (xgrammar has none); refused when set."""
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -225,9 +204,14 @@ class GenerationRequest(StrictModel):
 
     def unsupported_fields(self) -> Iterator[tuple[str, str]]:
         """(field, why) for each field set to something this server cannot do (yet)."""
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                yield name, "is not supported by this server yet (structured output)"
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            yield "guided_decoding_backend", "names a backend this server does not have; its only one is xgrammar"
+        for name, pattern in (("guided_whitespace_pattern", self.guided_whitespace_pattern),
+                              ("structured_outputs.whitespace_pattern",
+                               self.structured_outputs and self.structured_outputs.whitespace_pattern)):
+            if pattern is not None:
+                yield name, ("is not supported (xgrammar has no whitespace pattern); set "
+                             "structured_outputs.disable_any_whitespace for JSON without optional whitespace")
         if self.use_beam_search:
             yield "use_beam_search", "is not supported by the HTTP server (beam search is offline: LLM.beam_search)"
         if self.priority != 0:
@@ -242,8 +226,10 @@ class GenerationRequest(StrictModel):
         """SamplingParams fields whose request fields differ between the endpoints."""
         return {}
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        """SamplingParams for this request (400 for an invalid value).
+    def to_sampling_params(self, max_tokens: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+        """SamplingParams for this request (400 for an invalid value), with the output constraint
+        worked out from the request's fields (constraints.py).
 
         A stream gets DELTA outputs, so each chunk carries only its own text and logprobs."""
         if self.stream and self.prompt_logprobs is not None:
@@ -253,7 +239,8 @@ class GenerationRequest(StrictModel):
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE
         try:
-            return SamplingParams(max_tokens=max_tokens, output_kind=kind, **kwargs, **self.sampling_extras())
+            return SamplingParams(max_tokens=max_tokens, output_kind=kind, structured_outputs=structured_outputs,
+                                  **kwargs, **self.sampling_extras())
         except ValueError as e:
             raise APIError(str(e), param=self._field_named_in(str(e))) from None
 
@@ -286,14 +273,11 @@ class CompletionRequest(GenerationRequest):
     suffix: str | None = None
     add_special_tokens: bool = True
     """vLLM's extra: let the tokenizer add its special tokens (BOS) to a text prompt."""
-    response_format: dict[str, Any] | None = None
-    """vLLM's extra; only {"type": "text"} is supported yet."""
 
     def unsupported_fields(self) -> Iterator[tuple[str, str]]:
         yield from super().unsupported_fields()
         if self.suffix:
             yield "suffix", "is not supported by this server yet"
-        yield from _unsupported_response_format(self.response_format)
 
     def logprob_fields(self) -> dict[str, int | None]:
         return {**super().logprob_fields(), "logprobs": self.logprobs}
@@ -314,13 +298,13 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
     """Return each generated token's logprob."""
     top_logprobs: Int64 | None = Field(default=None, ge=0)
     """With logprobs: also this many most likely tokens per position."""
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    """Whether the model may call several tools in one turn; without tools it changes nothing."""
+    """Whether the model may call several tools in one turn (with tool_choice required: at most one
+    call when false)."""
     functions: list[dict[str, Any]] | None = None
+    """OpenAI's deprecated form of tools: refused, naming tools."""
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     web_search_options: dict[str, Any] | None = None
@@ -335,16 +319,14 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
     prediction: dict[str, Any] | None = None
     """Predicted Outputs only make OpenAI faster; the output is the same without them."""
 
+    _tool_choice = field_validator("tool_choice", mode="before")(validate_tool_choice)
+
     def unsupported_fields(self) -> Iterator[tuple[str, str]]:
         yield from super().unsupported_fields()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                yield name, "is not supported by this server yet (tool calling)"
-        if self.function_call not in (None, "none", "auto"):
-            yield "function_call", "is not supported by this server yet (tool calling)"
-        if self.tool_choice not in (None, "none", "auto"):
-            yield "tool_choice", "is not supported by this server yet (tool calling); only none and auto"
-        yield from _unsupported_response_format(self.response_format)
+        for name in ("functions", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                yield name, ("is OpenAI's deprecated form of tool calling and not supported; send `tools` "
+                             '(each function as {"type": "function", "function": {...}}) and `tool_choice`')
         if self.audio is not None or (self.modalities and set(self.modalities) != {"text"}):
             yield "audio" if self.audio is not None else "modalities", "is not supported: this server outputs text"
         if self.web_search_options is not None:
@@ -364,12 +346,6 @@ class ChatCompletionRequest(GenerationRequest, ChatPromptFields):
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None,
                 "prompt_logprobs": self.prompt_logprobs}
-
-
-def _unsupported_response_format(response_format: dict[str, Any] | None) -> Iterator[tuple[str, str]]:
-    if response_format is not None and response_format.get("type") != "text":
-        yield "response_format", (f"of type {response_format.get('type')!r} is not supported by this server yet "
-                                  "(structured output); only {\"type\": \"text\"}")
 
 
 class TokenizeCompletionRequest(StrictModel):
@@ -461,7 +437,19 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """None when the message only calls tools."""
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    """With --reasoning-parser: the model's reasoning, apart from its answer."""
+    reasoning: str | None = None
+    """The same as reasoning_content: vLLM's newer name for it."""
+
+    @model_serializer(mode="wrap")
+    def _without_unused_extras(self, handler: Any) -> dict[str, Any]:
+        # As OpenAI and vLLM: no `tool_calls` key without calls, no reasoning keys without a parser.
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k in ("role", "content")}
 
 
 class TopLogprob(BaseModel):
@@ -492,8 +480,9 @@ class ChatChoice(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]
-    """{"role": "assistant", "content": ""} first, then {"content": text added}; {} at the end."""
+    delta: dict[str, Any]
+    """{"role": "assistant", "content": ""} first, then {"content": text added} (or `reasoning_content`,
+    `tool_calls` fragments); {} at the end."""
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

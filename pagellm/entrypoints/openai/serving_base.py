@@ -15,6 +15,8 @@ from pydantic import BaseModel
 
 from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.entrypoints.openai.chat_output import ChatOutput
+from pagellm.entrypoints.openai.constraints import OutputConstraint, one_constraint, request_constraints
 from pagellm.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, request_id_of, sse_error
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.protocol import (
@@ -24,10 +26,19 @@ from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from pagellm.entrypoints.openai.serving_tools import plan_tools
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
+from pagellm.reasoning.parsers import ReasoningParser
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
+
+try:
+    from pagellm.structured_output import GrammarError
+except ImportError:  # until the structured-output engine is merged from main
+    class GrammarError(ValueError):  # type: ignore[no-redef]
+        reason = ""
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +58,8 @@ class ChatRun:
     model: str
     """The model name to report."""
     started: Started
+    output: ChatOutput
+    """How each choice's text becomes the assistant message (reasoning, tool calls)."""
 
     @property
     def first(self) -> RequestOutput:
@@ -55,12 +68,17 @@ class ChatRun:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None = None,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, auto_tool_parser: str | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.chat_template = chat_template
         """Replaces the model's own template when set (`--chat-template`)."""
         self.limits = limits or ServerLimits()
+        self.auto_tool_parser: ToolParser | None = TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser else None
+        """Reads tool calls out of the text for tool_choice auto (--enable-auto-tool-choice --tool-call-parser)."""
+        reasoning = engine.config.args.reasoning_parser
+        self.reasoning_parser = ReasoningParser.named(reasoning) if reasoning else None
+        """Separates a chat answer's reasoning (--reasoning-parser)."""
 
     @property
     def max_model_len(self) -> int:
@@ -92,10 +110,11 @@ class OpenAIServing:
             raise APIError(f"chat_template_kwargs may not set {', '.join(sorted(clashing))}; "
                            "use the request's own fields", param="chat_template_kwargs")
         messages = [m.for_template() for m in request.messages]
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         tokenizer = self.tokenizer()
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                                 chat_template=self.chat_template, **kwargs)
+                                                 chat_template=self.chat_template, tools=tools, **kwargs)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         except (TypeError, LookupError, AttributeError) as e:
@@ -107,9 +126,11 @@ class OpenAIServing:
         # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
         return text, tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
-    def sampling_params(self, request: GenerationRequest, max_tokens: int | None) -> SamplingParams:
-        """The request's SamplingParams; 400 naming the field that asks for more than the server's
-        limits (logprobs, sequences, stop strings) or for token ids outside the vocabulary."""
+    def sampling_params(self, request: GenerationRequest, max_tokens: int | None,
+                        constraint: OutputConstraint | None = None) -> SamplingParams:
+        """The request's SamplingParams, constrained by `constraint`; 400 naming the field that asks
+        for more than the server's limits (logprobs, sequences, stop strings) or for token ids outside
+        the vocabulary."""
         limit = self.engine.config.args.max_logprobs
         for name, value in request.logprob_fields().items():
             if value is not None and value > limit:
@@ -123,7 +144,7 @@ class OpenAIServing:
         if request.stop is not None and len(request.stop) > self.limits.max_stop_sequences:
             raise APIError(f"stop may hold at most {self.limits.max_stop_sequences} strings (the server's "
                            f"--max-stop-sequences), got {len(request.stop)}", param="stop")
-        params = request.to_sampling_params(max_tokens)
+        params = request.to_sampling_params(max_tokens, constraint.params if constraint is not None else None)
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", params.logit_bias)):
             self.check_in_vocabulary(name, ids or ())
@@ -179,13 +200,18 @@ class OpenAIServing:
         response id and the engine's log lines carry the id the client knows."""
         return f"{prefix}-{requested or request_id_of(raw_request.scope) or uuid.uuid4().hex}"
 
-    async def start(self, prompt: dict[str, Any], params: SamplingParams | PoolingParams,
-                    request_id: str) -> tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]:
+    async def start(self, prompt: dict[str, Any], params: SamplingParams | PoolingParams, request_id: str,
+                    constraint: OutputConstraint | None = None) -> Started:
         """Submit a request and wait for its first output, so that input the engine rejects is a 400
-        before a (streamed) response has begun."""
+        before a (streamed) response has begun; one whose `constraint` (the params' structured
+        output) cannot be compiled names the request field it came from."""
         outputs = self.engine.generate(prompt, params, request_id)
         try:
             first = await anext(outputs)
+        except GrammarError as e:
+            if constraint is None:
+                raise APIError(str(e)) from None
+            raise constraint.error(e.reason) from None
         except ValueError as e:
             raise APIError(str(e)) from None
         except EngineDeadError as e:
@@ -193,12 +219,12 @@ class OpenAIServing:
         return first, outputs
 
     async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams | PoolingParams,
-                        request_id: str) -> list[Started]:
+                        request_id: str, constraint: OutputConstraint | None = None) -> list[Started]:
         """`start` for the prompts of one request at once (they are batched together), as
         `request_id` (one prompt) or `request_id-i`; if any fails, the others are aborted and the
         first failure is raised."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.start(p, params, i) for p, i in zip(prompts, ids)),
+        results = await asyncio.gather(*(self.start(p, params, i, constraint) for p, i in zip(prompts, ids)),
                                        return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -217,17 +243,23 @@ class OpenAIServing:
         names = names or {}
         try:
             model = self.check_model(request.model)
+            tools = plan_tools(request, self.auto_tool_parser)
+            tool_constraints = [tools.constraint] if tools.constraint is not None else []
+            constraint = one_constraint([*request_constraints(request), *tool_constraints])
             text, token_ids = self.render_chat(request)
             max_tokens, param = request.max_tokens_field()
             self.check_fits(request, len(token_ids), names.get("messages", "messages"), max_tokens,
                             names.get(param, param))
-            params = self.sampling_params(request, max_tokens)
-            started = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id)
+            params = self.sampling_params(request, max_tokens, constraint)
+            if tools.parser is not None and tools.parser.needs_special_tokens:
+                params.skip_special_tokens = False  # the parser's marker is one
+            started = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
+                                       constraint)
         except APIError as e:
             if e.param is not None:
                 e.param = names.get(e.param, e.param)
             raise
-        return ChatRun(model, started)
+        return ChatRun(model, started, ChatOutput(self.reasoning_parser, tools.parser))
 
     @staticmethod
     async def follow(first: RequestOutput,

@@ -7,9 +7,9 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.entrypoints.openai.chat_output import ChatOutput, finish_reason
 from pagellm.entrypoints.openai.logprobs import chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -28,12 +28,15 @@ class OpenAIServingChat(OpenAIServing):
         run = await self.start_chat(request, request_id)
         model, started = run.model, run.started
         if request.stream:
-            return self.event_stream(self._chunks(started, request, request_id, model), raw_request)
+            return self.event_stream(self._chunks(started, run.output, request, request_id, model), raw_request)
         [final] = await self.finals([started], raw_request)
-        choices = [ChatChoice(index=o.index, message=AssistantMessage(content=o.text),
-                              logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,
-                              stop_reason=o.stop_reason, token_ids=o.token_ids if request.return_token_ids else None)
-                   for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            message = run.output.message(o.text)
+            choices.append(ChatChoice(
+                index=o.index, message=message, logprobs=self._logprobs(o, request),
+                finish_reason=finish_reason(o.finish_reason, bool(message.tool_calls)), stop_reason=o.stop_reason,
+                token_ids=o.token_ids if request.return_token_ids else None))
         response = ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=self.usage([final]),
             prompt_logprobs=final.prompt_logprobs,
@@ -46,11 +49,12 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(o.token_ids, o.logprobs, request.top_logprobs or 0, self.engine.tokenizer,
                              request.return_tokens_as_token_ids)
 
-    async def _chunks(self, started: Started, request: ChatCompletionRequest, request_id: str,
+    async def _chunks(self, started: Started, output: ChatOutput, request: ChatCompletionRequest, request_id: str,
                       model: str) -> AsyncGenerator[ChatCompletionChunk, None]:
         created = int(time.time())
         first = started[0]
         num_tokens: dict[int, int] = {}
+        streams = [output.stream() for _ in range(request.n)]
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> ChatCompletionChunk:
             if usage is None and request.continuous_usage:
@@ -64,8 +68,13 @@ class OpenAIServingChat(OpenAIServing):
                 opening.prompt_token_ids = first.prompt_token_ids
             yield opening
         async for index, _, o in self.deltas([started], num_tokens):
-            yield chunk([ChatStreamChoice(index=index, delta={"content": o.text} if o.text else {},
-                                          logprobs=self._logprobs(o, request), finish_reason=o.finish_reason,
+            stream = streams[index]
+            delta = stream.delta(o.text, final=o.finish_reason is not None)
+            logprobs = self._logprobs(o, request)
+            if not delta and o.finish_reason is None and logprobs is None:
+                continue  # text held back (a tag that may be starting): nothing to say yet
+            yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                          finish_reason=finish_reason(o.finish_reason, stream.called_tools),
                                           stop_reason=o.stop_reason,
                                           token_ids=o.token_ids if request.return_token_ids else None)])
         if request.final_usage:

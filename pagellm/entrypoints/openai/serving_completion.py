@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.entrypoints.openai.constraints import one_constraint, request_constraints
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.logprobs import completion_logprobs
 from pagellm.entrypoints.openai.protocol import (
@@ -56,10 +57,11 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = 1 if prompt_only else request.max_tokens
         for p in engine_prompts:
             self.check_fits(request, len(p["prompt_token_ids"]), "prompt", max_tokens, "max_tokens")
-        params = self.sampling_params(request, max_tokens)
+        constraint = one_constraint(request_constraints(request))
+        params = self.sampling_params(request, max_tokens, constraint)
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
-        started = await self.start_all(engine_prompts, params, request_id)
+        started = await self.start_all(engine_prompts, params, request_id, constraint)
         # After truncate_prompt_tokens the echo is what the model saw.
         submitted = [_Prompt(s, self._echo_text(prompt, s[0], len(p["prompt_token_ids"]), request)
                              if request.echo else "")
