@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(slots=True)
@@ -48,10 +52,21 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     freed_req_ids: set[str]
     """Requests whose worker-side state must be dropped (finished, aborted or preempted)."""
+    grammar_bitmask: "GrammarBitmask | None" = None
+    """The allowed tokens of the rows that sample under a grammar this step."""
 
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class GrammarBitmask:
+    """Which tokens each structured-output request may sample this step."""
+
+    req_ids: list[str]
+    bits: "np.ndarray"
+    """int32 [len(req_ids), ceil(vocab / 32)]: bit j of word w allows token 32 * w + j."""
 
 
 @dataclass(slots=True)

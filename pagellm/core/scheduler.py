@@ -11,17 +11,22 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
 from pagellm.core.request import Request, RequestStatus, check_prompt_fits
+
+if TYPE_CHECKING:
+    from pagellm.structured_output.manager import GrammarManager
 
 
 @dataclass(slots=True)
@@ -47,11 +52,17 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True) -> None:
+    def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
+                 grammars: "GrammarManager | None" = None) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
-        token before it is scheduled again (no placeholders), and the scheduler output carries it."""
+        token before it is scheduled again (no placeholders), and the scheduler output carries it.
+        `grammars`: compiles and matches structured-output requests (None: they are refused)."""
         self.limits = limits
+        self.grammars = grammars
+        self.rejected: list[tuple[str, str]] = []
+        """(request_id, why) of requests refused after they arrived (a grammar that did not compile
+        in time); the engine core reports and clears them."""
         self.workers_see_samples = workers_see_samples
         self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -63,6 +74,7 @@ class Scheduler:
         self._known_to_workers: set[str] = set()
         self._num_history_requests = 0
         """Requests whose sampling reads their output so far (see `can_overlap`)."""
+        self._num_grammar_requests = 0
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
@@ -73,6 +85,12 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         check_prompt_fits(request.num_tokens, self.limits.max_model_len)
+        structured = request.sampling_params.structured_outputs
+        if structured is not None and request.grammar is None:
+            if self.grammars is None:
+                raise ValueError("structured output needs the model's tokenizer, and this engine has none")
+            request.grammar = self.grammars.start(structured, request.prompt_token_ids, request.eos_token_ids)
+        self._num_grammar_requests += request.grammar is not None
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._num_history_requests += request.sampling_params.reads_output_history
@@ -97,6 +115,7 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._num_history_requests -= request.sampling_params.reads_output_history
+        self._num_grammar_requests -= request.grammar is not None
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
@@ -150,9 +169,15 @@ class Scheduler:
             i += 1
 
         # Admitting new work right after a preemption would only thrash.
+        compiling: list[Request] = []
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
+            if request.grammar is not None and not self._grammar_ready(request):
+                self.waiting.popleft()
+                if not request.status.is_finished:
+                    compiling.append(request)  # others go ahead meanwhile
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
@@ -180,6 +205,7 @@ class Scheduler:
                 eos_token_ids=sorted(request.eos_token_ids),
                 pooling_params=request.pooling_params,
             ))
+        self.waiting.extendleft(reversed(compiling))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -187,6 +213,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.limits.max_num_batched_tokens - budget,
             freed_req_ids=self._freed_req_ids,
+            grammar_bitmask=self._grammar_bitmask(num_scheduled),
         )
         self._freed_req_ids = set()
         # The tokens handed out are counted as computed once scheduled: the step that computes
@@ -199,6 +226,34 @@ class Scheduler:
                 request.num_output_placeholders += 1
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a waiting request's grammar is compiled; one that failed or ran out of time is
+        rejected here."""
+        try:
+            return request.grammar.ready()
+        except ValueError as e:  # GrammarError
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._release(request)
+            self.rejected.append((request.request_id, str(e)))
+            return False
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
+        """The allowed tokens of this step's rows that sample under an active grammar (before the
+        scheduled tokens are counted as computed: a row samples when they reach its last token)."""
+        if not self._num_grammar_requests:
+            return None
+        rows = [r for r, n in num_scheduled.items()
+                if (req := self.requests[r]).grammar is not None and req.grammar.active
+                and req.num_computed_tokens + n >= req.num_tokens_with_placeholders]
+        if not rows:
+            return None
+        return GrammarBitmask(rows, self.grammars.bitmask([self.requests[r].grammar for r in rows]))
+
+    def wait_for_grammars(self, timeout_s: float) -> None:
+        """Nothing could be scheduled: wait a little for a compile to finish instead of spinning."""
+        if self.grammars is not None:
+            self.grammars.wait(timeout_s)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -227,6 +282,9 @@ class Scheduler:
             request.append_token(token_id)
             self.num_generation_tokens += 1
             finished = request.check_stop(token_id, self.limits.max_model_len)
+            if request.grammar is not None and not finished and request.grammar.accept(token_id):
+                request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
+                finished = True
             results.append(EngineCoreOutput(
                 req_id, [token_id], request.status.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), request.first_scheduled_time,

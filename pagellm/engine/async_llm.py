@@ -30,6 +30,7 @@ from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output import GrammarError
 from pagellm.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class AsyncLLM:
         self._ensure_output_task()
         if request_id in self._queues:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
+            await asyncio.to_thread(self.processor.check_structured_outputs, sampling_params)
         request, text = self.processor.process(request_id, prompt, sampling_params)
         core_requests = self.output_processor.add_request(request, text)
         cost = sum(r.num_prompt_tokens + r.max_tokens for r in core_requests)
@@ -211,7 +214,7 @@ class AsyncLLM:
                 self._send_abort(core, siblings)
             queue = self._queues.get(request_id)
             if queue is not None:
-                queue.put_nowait(ValueError(error))
+                queue.put_nowait(GrammarError.from_message(error) if GrammarError.describes(error) else ValueError(error))
         stats = IterationStats()
         processed = self.output_processor.process(message.outputs, stats)
         if processed.reqs_to_abort:

@@ -10,8 +10,12 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
+from pagellm.structured_output.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
+
+_GRAMMAR_WAIT_S = 0.05
+"""Longest the idle step loop waits for a compile, so new input is still read promptly."""
 
 
 class EngineCore:
@@ -40,7 +44,10 @@ class EngineCore:
         # Later stages never see sampled ids on the device, so with several stages the scheduler
         # sends tokens and requests wait for theirs (no placeholders). Pooling requests sample
         # nothing: one waits for its pooled result and is never scheduled past its prompt.
-        self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling)
+        self.grammars = None if config.is_pooling else GrammarManager(
+            config.source, config.source.arch.vocab_size, args.structured_outputs_compile_timeout, args.reasoning_parser)
+        self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
+                                   grammars=self.grammars)
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
@@ -83,6 +90,8 @@ class EngineCore:
             self._in_flight.append(self.executor.execute_model(so))
         if self._in_flight and (len(self._in_flight) >= depth or not launched):
             outputs += self._collect()
+        elif not launched:  # only requests whose grammar still compiles: don't spin
+            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
         self._heap.maybe_trim()
         return outputs
 
@@ -97,8 +106,16 @@ class EngineCore:
         """Raise if the executor lost a rank."""
         self.executor.check_health()
 
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(request_id, why) of requests refused since the last call (a grammar that did not compile
+        in time); they are gone from the scheduler."""
+        rejected, self.scheduler.rejected = self.scheduler.rejected, []
+        return rejected
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self.executor.shutdown()

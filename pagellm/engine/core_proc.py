@@ -124,6 +124,7 @@ def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: _
             timeout_ms = 0
         if core.has_unfinished_requests():
             step_outputs = core.step()
+            rejected += core.take_rejected()
         else:
             core.check_health()  # a rank that dies while idle fails the engine now, not at the next request
             step_outputs = []

@@ -59,7 +59,19 @@ class LLMEngine:
         processed = self.output_processor.process(self.engine_core.step())
         # A stop string ended these in the output processor; the core would keep generating.
         self.engine_core.abort_requests(processed.reqs_to_abort)
-        return processed.request_outputs
+        return processed.request_outputs + self._end_rejected()
+
+    def _end_rejected(self) -> list[RequestOutput]:
+        """Requests the core refused after they arrived (a grammar that did not compile in time)
+        end as aborted, with the reason logged: the other requests of a batch keep their results."""
+        ids = []
+        for core_request_id, error in self.engine_core.take_rejected():
+            logger.warning("request %s refused: %s", core_request_id, error)
+            ids.append(self.output_processor.caller_request_id(core_request_id))
+        if not ids:
+            return []
+        self.engine_core.abort_requests(self.output_processor.core_request_ids(ids))
+        return self.output_processor.abort(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()

@@ -9,6 +9,8 @@ from pagellm.config import EngineConfig
 from pagellm.core.request import Request, check_prompt_fits
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.structured_output import GrammarError
+from pagellm.structured_output.source import GrammarChecker
 from pagellm.tokenizer import Tokenizer
 
 PromptType = Union[str, Mapping]
@@ -25,6 +27,7 @@ class InputProcessor:
         self.generation_config = config.source.generation_config
         self.vocab_size = config.source.arch.vocab_size
         self.eos_token_ids = frozenset(_eos_ids(config, tokenizer))
+        self.grammar_checker = GrammarChecker(config.args.structured_outputs_max_bytes)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text if any, prompt token ids)."""
@@ -71,6 +74,7 @@ class InputProcessor:
         check_prompt_fits(len(token_ids), self.config.max_model_len)
         params = params.apply_model_defaults(self.generation_config)
         self._validate_token_features(params)
+        self.check_structured_outputs(params)
         params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         # Generation also stops at max_model_len.
         room = self.config.max_model_len - len(token_ids)
@@ -113,6 +117,16 @@ class InputProcessor:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """A GrammarError if the request's structured-output spec is too large or does not parse (cached
+        per spec; the first check imports xgrammar, so the server runs it off its event loop)."""
+        if params.structured_outputs is None:
+            return
+        if self.tokenizer is None:
+            raise GrammarError(params.structured_outputs.kind,
+                               "needs the model's tokenizer, and this model has none (dummy weights)")
+        self.grammar_checker.check(params.structured_outputs)
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
         """Each word as token ids twice, without and with a leading space (mid-sentence spelling),

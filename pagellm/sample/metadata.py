@@ -32,6 +32,10 @@ class SamplingMetadata:
     """Draws for unseeded rows: the engine's, seeded by `LLM(seed=...)`, so runs repeat."""
     processors: LogitsProcessors | None = None
     """Penalties, biases and bans, applied before everything else (greedy rows included)."""
+    grammar_rows: torch.Tensor | None = None
+    """[num_grammar_rows] int64: rows under a grammar this step (structured output)."""
+    grammar_bitmask: torch.Tensor | None = None
+    """int32 [num_grammar_rows, ceil(vocab / 32)]: their allowed tokens, packed (see apply_token_bitmask)."""
 
     @classmethod
     def build(

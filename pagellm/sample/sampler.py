@@ -4,12 +4,15 @@ from __future__ import annotations
 import torch
 
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.structured_output.bitmask import apply_token_bitmask
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """logits [num_rows, vocab] -> token ids [num_rows] int64."""
     if md.processors is not None:
         logits = md.processors.apply(logits.float())
+    if md.grammar_rows is not None:
+        logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
     greedy = logits.argmax(dim=-1)
     if md.all_greedy:
         return greedy

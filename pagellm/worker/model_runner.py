@@ -11,7 +11,7 @@ import torch
 from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
-from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.loader import initialize_dummy_weights, iter_weights
 from pagellm.models import get_model_class
@@ -177,7 +177,7 @@ class ModelRunner:
             else:
                 plan = None
         if states:
-            sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated)
+            sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated, so.grammar_bitmask)
             if sampled:
                 self._last_sampled = sampled[0]
                 self._last_sampled_rows = {r: i for i, r in enumerate(req_ids)}
@@ -242,8 +242,8 @@ class ModelRunner:
         tensors = [t.contiguous() for t in out]
         return _StageSend(tensors, send_to_next_stage(tensors))
 
-    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState],
-                num_generated: list[int]) -> list[torch.Tensor]:
+    def _sample(self, hidden: torch.Tensor, states: list[CachedRequestState], num_generated: list[int],
+                grammar: GrammarBitmask | None) -> list[torch.Tensor]:
         """The sampled token ids, then (ids, logprobs, ranks) of the rows that asked for logprobs.
 
         The driver samples. With one pipeline stage the other TP ranks receive its ids, since
@@ -263,6 +263,11 @@ class ModelRunner:
             [s.eos_token_ids for s in states], self.arch.vocab_size, self.device)
         md = SamplingMetadata.build(params, num_generated, self.arch.vocab_size,
                                     self.device, self._default_generator, processors)
+        if grammar is not None:
+            row_of = {s.req_id: i for i, s in enumerate(states)}
+            md.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], dtype=torch.int64).to(
+                self.device, non_blocking=True)
+            md.grammar_bitmask = torch.from_numpy(grammar.bits).to(self.device, non_blocking=True)
         sampled = sample(logits, md)
         if self.ps.pp_size == 1:
             tensor_parallel_broadcast(sampled)

@@ -1,0 +1,189 @@
+"""The engine core's grammars: compiled off the step loop, one matcher per request, the step's bitmask.
+
+A request with a grammar waits (without holding up others) until its compile finishes; past the
+compile time limit it is rejected. The matcher advances with each token the scheduler appends;
+the bitmask the scheduler sends with a step allows, for each grammar row, exactly the tokens that
+keep the output a prefix of the language (and the stop tokens once it is complete).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagellm.reasoning import REASONING_PARSERS
+from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.structured_output.errors import GrammarError
+from pagellm.structured_output.source import GrammarSource
+
+if TYPE_CHECKING:
+    import xgrammar
+
+    from pagellm.loader import ModelSource
+    from pagellm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_THREADS = 2
+
+
+def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list[int]) -> "xgrammar.TokenizerInfo":
+    """xgrammar's view of the vocabulary: each id's token string, how strings encode bytes (byte-level
+    BPE, byte fallback or raw), the logits' width and the stop tokens."""
+    import xgrammar as xgr
+
+    encoded = [""] * vocab_size
+    for token, token_id in tokenizer.backend.get_vocab(with_added_tokens=True).items():
+        if token_id < vocab_size:
+            encoded[token_id] = token
+    # xgrammar's own detection from a Hugging Face fast tokenizer's JSON (what from_huggingface uses).
+    metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend.to_str())
+    return xgr.TokenizerInfo(encoded, vocab_type=metadata["vocab_type"], vocab_size=vocab_size,
+                             stop_token_ids=sorted(stop_token_ids), add_prefix_space=metadata["add_prefix_space"])
+
+
+class RequestGrammar:
+    """One request's grammar: compiling, then a matcher that follows its output tokens."""
+
+    __slots__ = ("_future", "_deadline", "_kind", "_timeout_s", "_matcher", "waiting_for_token")
+
+    def __init__(self, future: "concurrent.futures.Future", kind: str, timeout_s: float) -> None:
+        self._future = future
+        self._kind = kind
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._matcher: "xgrammar.GrammarMatcher | None" = None
+        self.waiting_for_token: int | None = None
+        """A reasoning model's end-of-reasoning token: the grammar applies once it was generated."""
+
+    def ready(self) -> bool:
+        """Whether the matcher exists; raises GrammarError if the compile failed or ran out of time."""
+        if self._matcher is not None:
+            return True
+        if not self._future.done():
+            if time.monotonic() > self._deadline:
+                self._future.cancel()
+                raise GrammarError(self._kind, f"took longer than {self._timeout_s:g} s to compile "
+                                               "(--structured-outputs-compile-timeout); simplify it")
+            return False
+        self._matcher, self.waiting_for_token = self._future.result()  # raises the compile's GrammarError
+        return True
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained."""
+        return self._matcher is not None and self.waiting_for_token is None
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a generated token; True when the output must end here (the grammar is
+        complete, or the token broke it, which the mask should make impossible)."""
+        if self.waiting_for_token is not None:
+            if token_id == self.waiting_for_token:
+                self.waiting_for_token = None
+            return False
+        if not self._matcher.accept_token(token_id):
+            logger.warning("token %d is outside the request's grammar; ending the request", token_id)
+            return True
+        return self._matcher.is_terminated()
+
+
+class GrammarManager:
+    """Compiles the grammars of the engine core's requests in a thread pool (xgrammar releases the
+    GIL), cached by spec, and fills each step's bitmask."""
+
+    def __init__(self, source: "ModelSource", vocab_size: int, timeout_s: float, reasoning_parser: str | None) -> None:
+        self._source = source
+        self._vocab_size = vocab_size
+        self._timeout_s = timeout_s
+        self._reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._compiler: "xgrammar.GrammarCompiler | None" = None
+        self._reasoning_ids: tuple[int | None, int | None] = (None, None)
+        self._pending: set[concurrent.futures.Future] = set()
+
+    def start(self, params: StructuredOutputsParams, prompt_token_ids: list[int],
+              eos_token_ids: frozenset[int]) -> RequestGrammar:
+        """Begin compiling a request's grammar (the frontend already checked that it parses)."""
+        source = GrammarSource.of(params)
+        future = self._pool.submit(self._build, source, prompt_token_ids, eos_token_ids)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._discard)
+        return RequestGrammar(future, source.kind, self._timeout_s)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some compile finishes or `timeout_s` passes: the core has nothing else to do."""
+        with self._lock:
+            pending = list(self._pending)
+        if pending:
+            concurrent.futures.wait(pending, timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
+        """int32 [len(grammars), ceil(vocab / 32)]: bit j of word w allows token 32 * w + j."""
+        bits = np.full((len(grammars), -(-self._vocab_size // 32)), -1, dtype=np.int32)
+        for row, grammar in enumerate(grammars):
+            grammar.fill(bits, row)
+        return bits
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _discard(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
+
+    def _build(self, source: GrammarSource, prompt_token_ids: list[int],
+               eos_token_ids: frozenset[int]) -> tuple["xgrammar.GrammarMatcher", int | None]:
+        """(matcher, end-of-reasoning token to wait for). Runs in the pool."""
+        import xgrammar as xgr
+
+        compiler = self._get_compiler(eos_token_ids)
+        try:
+            if source.kind == "json_object":
+                compiled = compiler.compile_builtin_json_grammar()
+            else:
+                compiled = compiler.compile_grammar(source.parse())
+        except GrammarError:
+            raise
+        except Exception as e:  # xgrammar's compile of a parsed grammar failing is a bug there, not a stall here
+            raise GrammarError(source.kind, f"does not compile: {e}") from None
+        return xgr.GrammarMatcher(compiled), self._reasoning_end(prompt_token_ids)
+
+    def _reasoning_end(self, prompt_token_ids: list[int]) -> int | None:
+        """The token to wait for before the grammar applies: the end of reasoning, unless the prompt
+        already closed it (a chat template that turns thinking off writes an empty block)."""
+        start_id, end_id = self._reasoning_ids
+        if end_id is None:
+            return None
+        for token_id in reversed(prompt_token_ids):
+            if token_id == end_id:
+                return None
+            if token_id == start_id:
+                break
+        return end_id
+
+    def _get_compiler(self, eos_token_ids: frozenset[int]) -> "xgrammar.GrammarCompiler":
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                from pagellm.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(self._source)
+                info = build_tokenizer_info(tokenizer, self._vocab_size, list(eos_token_ids))
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+                if self._reasoning is not None:
+                    ids = tuple(tokenizer.backend.token_to_id(t) for t in (self._reasoning.start, self._reasoning.end))
+                    if ids[1] is None:
+                        logger.warning("the reasoning parser's end tag %r is not a token of this model: structured "
+                                       "output applies from the first token", self._reasoning.end)
+                    self._reasoning_ids = ids
+            return self._compiler
