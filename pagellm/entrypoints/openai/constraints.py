@@ -11,15 +11,23 @@ from pagellm.entrypoints.openai.protocol import GenerationRequest
 from pagellm.sampling_params import StructuredOutputsParams
 
 
+_KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list", "grammar": "grammar",
+               "json_object": "JSON object grammar", "structural_tag": "structural tag"}
+
+
 @dataclass(frozen=True, slots=True)
 class OutputConstraint:
     params: StructuredOutputsParams
     field: str
     """The request field it came from."""
+    description: str | None = None
+    """What the field holds, for error messages; None: named after the params' kind."""
 
     def error(self, reason: str) -> APIError:
-        """The 400 for a constraint the engine cannot use (GrammarError's reason)."""
-        return APIError(f"{self.field}: {reason}", param=self.field)
+        """The 400 for a constraint the engine cannot use (a GrammarError's reason: "is not
+        supported: ...", "is 70000 bytes, more than the limit ...")."""
+        return APIError(f"{self.field}: the {self.description or _KIND_NAMES[self.params.kind]} {reason}",
+                        param=self.field)
 
 
 def request_constraints(request: GenerationRequest) -> list[OutputConstraint]:

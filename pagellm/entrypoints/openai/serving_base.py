@@ -32,13 +32,8 @@ from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning.parsers import ReasoningParser
 from pagellm.sampling_params import SamplingParams
+from pagellm.structured_output import GrammarError
 from pagellm.tokenizer import Tokenizer
-
-try:
-    from pagellm.structured_output import GrammarError
-except ImportError:  # until the structured-output engine is merged from main
-    class GrammarError(ValueError):  # type: ignore[no-redef]
-        reason = ""
 
 logger = logging.getLogger(__name__)
 
