@@ -1,5 +1,6 @@
 """Real clients against a live `pagellm serve`, each on its DEFAULT code path: langchain-openai (chat and the
-legacy completions LLM, whose `.batch` sends several prompts in one request), litellm, lm-evaluation-harness
+legacy completions LLM, whose `.batch` sends several prompts in one request; structured output and tools,
+with the tool-capable Hermes template of examples/), the openai SDK's `parse` and stream assembly, litellm, lm-evaluation-harness
 (`local-completions`, which finds the server's tokenizer through /tokenizer_info and /tokenize and scores
 batches of token prompts with `echo`) and guidellm (streaming chat with synthetic prompts).
 
@@ -33,6 +34,10 @@ MODEL_NAME = "smollm2"
 ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(96 << 20),
                 "--max-model-len", "1024", "--served-model-name", MODEL_NAME)
 MAX_TOKENS = 6
+STRUCTURED_MAX_TOKENS = 32
+"""Room for a small constrained answer (a JSON object of one string) to finish."""
+HERMES_TEMPLATE = Path(__file__).resolve().parent.parent / "examples" / "tool_chat_template_hermes.jinja"
+TOOL_FLAGS = ("--chat-template", str(HERMES_TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CLIENTS_DATA = Path(__file__).resolve().parent / "data" / "clients"
 QUESTION = "What is the capital of France?"
@@ -65,7 +70,7 @@ def background(smollm2_path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(smollm2_path, background):
-    remote = RemoteServer(smollm2_path, *ENGINE_FLAGS)
+    remote = RemoteServer(smollm2_path, *ENGINE_FLAGS, *TOOL_FLAGS)
     background["imports"].result()
     yield remote
     assert remote.stop() == 0, "the server did not shut down cleanly"
@@ -139,27 +144,102 @@ def test_langchain_legacy_completions_batch_is_one_request(server, reference_tex
     assert posts(server, "/v1/completions") == before + 1, "both prompts should travel in one request"
 
 
-class Capital(pydantic.BaseModel):
-    country: str
+# ------------------------------------------------------------------- structured output and tool calling
+# The grammar makes every constrained answer valid whatever SmolLM2 "thinks": these tests check validity
+# and plumbing, never what the model chose to say.
+
+class City(pydantic.BaseModel):
     city: str
 
 
-def test_langchain_structured_output_names_tools(server):
+def get_weather(city: str) -> str:
+    """The current weather in a city."""
+    raise AssertionError("not called: only its signature is sent")
+
+
+def get_time(timezone: str) -> str:
+    """The current time in a timezone."""
+    raise AssertionError("not called: only its signature is sent")
+
+
+WEATHER_QUESTION = "What is the weather in Paris?"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}}
+"""get_weather as LangChain sends it: the same parameters schema as City's, key for key, so that the
+server compiles its grammar once for all these tests (a compile takes seconds on a CPU)."""
+
+
+def structured_chat(server: RemoteServer):
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(base_url=f"{server.url}/v1", api_key="x", model=MODEL_NAME, temperature=0,
-                      max_tokens=MAX_TOKENS, max_retries=0)
-    structured = chat.with_structured_output(Capital, method="function_calling")
-    with pytest.raises(openai.BadRequestError) as excinfo:
-        structured.invoke(QUESTION)
-    error = excinfo.value
-    assert error.status_code == 400
-    # langchain sends tools, tool_choice and parallel_tool_calls=False: the refusal must name the
-    # unsupported feature (tools), not the accepted OpenAI field parallel_tool_calls.
-    body = error.body if isinstance(error.body, dict) else {}
-    described = f"{body.get('param')} {body.get('message')} {error.message}"
-    assert "tools" in described, described
-    assert body.get("param") != "parallel_tool_calls" and "parallel_tool_calls" not in str(body.get("message")), body
+    return ChatOpenAI(base_url=f"{server.url}/v1", api_key="x", model=MODEL_NAME, temperature=0,
+                      max_tokens=STRUCTURED_MAX_TOKENS, max_retries=0)
+
+
+def test_openai_sdk_parse_into_a_pydantic_model(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    completion = client.chat.completions.parse(model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION}],
+                                               response_format=City, temperature=0, max_tokens=STRUCTURED_MAX_TOKENS)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", "the grammar ends the answer once the object is complete"
+    assert isinstance(choice.message.parsed, City), choice.message
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling", "json_mode"])
+def test_langchain_with_structured_output(server, method):
+    structured = structured_chat(server).with_structured_output(City, method=method, include_raw=True)
+    result = structured.invoke(f"{QUESTION} Answer in JSON with the key city.")
+    if method == "json_mode":  # any JSON object: the keys are the model's choice
+        assert isinstance(json.loads(result["raw"].content), dict), result["raw"].content
+        return
+    assert result["parsing_error"] is None and isinstance(result["parsed"], City), result
+    if method == "function_calling":
+        [call] = result["raw"].tool_calls
+        assert call["name"] == "City" and call["id"].startswith("chatcmpl-tool-")
+
+
+def test_langchain_bind_tools_streamed_and_required(server):
+    """A named tool_choice streamed (LangChain assembles tool_call_chunks), and "any" (OpenAI's "required")
+    with parallel_tool_calls=False: one call to either tool, valid for its schema. (A named choice not
+    streamed is what with_structured_output(method="function_calling") sends.)"""
+    chat = structured_chat(server)
+    chunks = list(chat.bind_tools([get_weather, get_time], tool_choice="get_weather").stream(WEATHER_QUESTION))
+    assert len(chunks) > 2, "not streamed"
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    [call] = streamed.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str), streamed.tool_call_chunks
+
+    message = chat.bind_tools([get_weather, get_time], tool_choice="any", parallel_tool_calls=False).invoke(
+        WEATHER_QUESTION)
+    [call] = message.tool_calls
+    assert (call["name"], sorted(call["args"])) in (("get_weather", ["city"]), ("get_time", ["timezone"])), call
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+
+
+def test_streamed_tool_calls_assemble_into_the_non_streamed_ones(server):
+    """The openai SDK's own stream assembly gives the tool calls a response holds (greedy, same request);
+    then the calls and their result go back as history, through the chat template."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+    kwargs = dict(model=MODEL_NAME, messages=[{"role": "user", "content": WEATHER_QUESTION}], tools=[WEATHER_TOOL],
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0,
+                  max_tokens=STRUCTURED_MAX_TOKENS)
+    response = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert response.finish_reason == streamed.finish_reason == "tool_calls"
+    assert response.message.content is None and not streamed.message.content
+    [call], [streamed_call] = response.message.tool_calls, streamed.message.tool_calls
+    assert (streamed_call.function.name, streamed_call.function.arguments) == ("get_weather", call.function.arguments)
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+
+    history = [*kwargs["messages"], response.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    answer = client.chat.completions.create(**{**kwargs, "messages": history, "tool_choice": "none",
+                                               "max_tokens": MAX_TOKENS}).choices[0]
+    assert answer.message.content and not answer.message.tool_calls
 
 
 # ------------------------------------------------------------------------------------------------------- litellm

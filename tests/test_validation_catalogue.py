@@ -1,6 +1,8 @@
 """Edge validation against one live server: a catalogue of bad requests, each answered with a 4xx in
 OpenAI's error shape that quotes its request id (never a 5xx), while a good streamed request runs
-beside them unharmed; then X-Request-Id handling and the body-size limit on the wire."""
+beside them unharmed; then X-Request-Id handling and the body-size limit on the wire. The server
+also runs a reasoning parser, whose effect on chat answers is checked here too (it changes nothing
+the catalogue relies on)."""
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +27,12 @@ MODEL = "smollm2"
 MAX_LEN = 256
 MAX_BODY = 64 << 10
 MAX_N, MAX_STOP, MAX_LOGPROBS, MAX_PROMPTS = 4, 4, 5, 3
+MAX_GRAMMAR = 4096
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(48 << 20),
          "--max-model-len", str(MAX_LEN), "--served-model-name", MODEL, "--max-request-body-bytes", str(MAX_BODY),
          "--max-n", str(MAX_N), "--max-stop-sequences", str(MAX_STOP), "--max-logprobs", str(MAX_LOGPROBS),
-         "--max-prompts", str(MAX_PROMPTS))
+         "--max-prompts", str(MAX_PROMPTS), "--structured-outputs-max-bytes", str(MAX_GRAMMAR),
+         "--reasoning-parser", "deepseek_r1")
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 LONG = "word " * (MAX_LEN + 20)
@@ -52,6 +56,22 @@ class Case:
     param: str | None = None
     method: str = "POST"
     headers: dict[str, str] = field(default_factory=dict)
+
+
+FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+TOOL = {"type": "function", "function": FUNCTION}
+
+
+def tool_with(parameters: dict) -> dict:
+    return {"type": "function", "function": {**FUNCTION, "parameters": parameters}}
+
+
+def named(function: str) -> dict:
+    return {"type": "function", "function": {"name": function}}
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
 def cmpl(**fields: Any) -> dict:
@@ -156,14 +176,57 @@ CATALOGUE = [
     Case("stop_token_ids over the vocabulary", CMPL, cmpl(stop_token_ids=[10 ** 6]), 400, "outside the vocabulary",
          "stop_token_ids"),
     Case("empty allowed_token_ids", CMPL, cmpl(allowed_token_ids=[]), 400, "must not be empty", "allowed_token_ids"),
+    # Tools, tool_choice and output constraints.
+    Case("tool without function", CHAT, chat(tools=[{"type": "function"}]), 400, "Field required", "tools.0.function"),
+    Case("tool beside an unknown field", CHAT, chat(tools=[{"type": "function"}], parallel_tool_calls=False,
+                                                    tempreature=1), 400, "Field required", "tools.0.function"),
+    Case("tool of another type", CHAT, chat(tools=[{"type": "custom", "function": FUNCTION}]), 400, "'function'",
+         "tools.0.type"),
+    Case("empty tools", CHAT, chat(tools=[]), 400, "must not be empty", "tools"),
+    Case("two tools of one name", CHAT, chat(tools=[TOOL, TOOL], tool_choice="required"), 400, "more than one",
+         "tools"),
+    Case("tool_choice required without tools", CHAT, chat(tool_choice="required"), 400, "needs tools", "tool_choice"),
+    Case("tool_choice auto without the server flags", CHAT, chat(tools=[TOOL]), 400, "--enable-auto-tool-choice",
+         "tool_choice"),
+    Case("tool_choice of an unknown function", CHAT, chat(tools=[TOOL], tool_choice=named("get_time")), 400,
+         "'get_time', which is not among tools", "tool_choice"),
+    Case("tool_choice without a name", CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {}}),
+         400, "Field required", "tool_choice.function.name"),
+    Case("tool_choice word", CHAT, chat(tools=[TOOL], tool_choice="any"), 400, '"required" or', "tool_choice"),
+    Case("functions (deprecated)", CHAT, chat(functions=[FUNCTION]), 400, "send `tools`", "functions"),
+    Case("tool parameters that no grammar can follow", CHAT,
+         chat(tools=[tool_with({"type": "object", "properties": {"a": {"type": 5}}})], tool_choice=named("get_weather")),
+         400, "parameters of function 'get_weather' is not supported", "tools"),
+    Case("assistant message without content or tool calls", CHAT, {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": []}]}, 400, "got nothing", "messages.0.content"),
+    Case("response_format type", CHAT, chat(response_format={"type": "xml"}), 400, "'json_schema'",
+         "response_format.type"),
+    Case("json_schema without schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+         400, "Field required", "response_format.json_schema.schema"),
+    Case("invalid JSON schema", CHAT, chat(response_format=json_schema({"type": "nonsense"})), 400,
+         "the JSON schema is not supported", "response_format"),
+    Case("JSON schema over --structured-outputs-max-bytes", CMPL,
+         cmpl(guided_json={"enum": ["x" * 100] * (MAX_GRAMMAR // 100)}), 400,
+         "--structured-outputs-max-bytes", "guided_json"),
+    Case("guided_regex that does not parse", CMPL, cmpl(guided_regex="(a"), 400, "regular expression is not supported",
+         "guided_regex"),
+    Case("grammar that does not parse", CMPL, cmpl(structured_outputs={"grammar": "root ::= x"}), 400,
+         "grammar is not supported", "structured_outputs"),
+    Case("structured_outputs with two kinds", CMPL, cmpl(structured_outputs={"regex": "a", "choice": ["a"]}), 400,
+         "exactly one of", "structured_outputs"),
+    Case("structured_outputs unknown key", CMPL, cmpl(structured_outputs={"regexp": "a"}), 400, "Extra inputs",
+         "structured_outputs.regexp"),
+    Case("empty guided_choice", CMPL, cmpl(guided_choice=[]), 400, "at least 1 item", "guided_choice"),
+    Case("two constraints", CMPL, cmpl(response_format={"type": "json_object"}, guided_regex="a+"), 400,
+         "`response_format` and `guided_regex` both constrain", "guided_regex"),
+    Case("tool_choice beside a constraint", CHAT, chat(structured_outputs={"choice": ["a"]}, tools=[TOOL],
+                                                       tool_choice="required"), 400,
+         "`structured_outputs` and `tools` both constrain", "tools"),
+    Case("guided_decoding_backend", CMPL, cmpl(guided_decoding_backend="outlines"), 400, "only one is xgrammar",
+         "guided_decoding_backend"),
+    Case("guided_whitespace_pattern", CHAT, chat(guided_whitespace_pattern=r"\s*"), 400, "disable_any_whitespace",
+         "guided_whitespace_pattern"),
     # Fields the server does not implement, and inconsistent ones.
-    Case("tools", CHAT, chat(tools=[{"type": "function"}]), 400, "`tools` is not supported", "tools"),
-    Case("tools beside an unknown field", CHAT, chat(tools=[{"type": "function"}], parallel_tool_calls=False,
-                                                     tempreature=1), 400, "`tools`", "tools"),
-    Case("tool_choice required", CHAT, chat(tool_choice="required"), 400, "`tool_choice`", "tool_choice"),
-    Case("json response_format", CHAT, chat(response_format={"type": "json_object"}), 400,
-         "'json_object' is not supported", "response_format"),
-    Case("guided_json", CMPL, cmpl(guided_json={"type": "object"}), 400, "structured output", "guided_json"),
     Case("audio output", CHAT, chat(modalities=["text", "audio"]), 400, "outputs text", "modalities"),
     Case("priority", CMPL, cmpl(priority=1), 400, "first come, first served", "priority"),
     Case("suffix", CMPL, cmpl(suffix="!"), 400, "`suffix` is not supported", "suffix"),
@@ -293,6 +356,23 @@ def test_request_id_is_echoed_or_generated(server):
     assert ours.json()["id"] == f"chatcmpl-{ours.headers['X-Request-Id']}"
     refused = httpx.post(f"{server.url}{CMPL}", json=cmpl(temperature=-1), timeout=TIMEOUT_S)
     assert f"(request id: {refused.headers['X-Request-Id']})" in refused.json()["error"]["message"]
+
+
+def test_reasoning_parser_separates_the_reasoning(server):
+    """deepseek_r1's template opens the reasoning in the prompt, so everything before `</think>` is
+    reasoning: SmolLM2 never writes one, so all its text is reasoning_content and there is no answer
+    yet, in a response and in a stream alike."""
+    body = chat(max_tokens=4, temperature=0.0)
+    message = httpx.post(f"{server.url}{CHAT}", json=body, timeout=TIMEOUT_S).json()["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning_content"], message
+    assert message["reasoning"] == message["reasoning_content"], "vLLM's newer name carries the same text"
+    deltas = []
+    with httpx.stream("POST", f"{server.url}{CHAT}", json={**body, "stream": True}, timeout=TIMEOUT_S) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                deltas.append(json.loads(line[len("data: "):])["choices"][0]["delta"])
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert not "".join(d.get("content") or "" for d in deltas), "no answer text was streamed"
 
 
 def test_declared_oversized_body_is_refused_before_it_is_sent(server):
