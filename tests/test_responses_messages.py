@@ -10,6 +10,7 @@ import functools
 import anthropic
 import httpx
 import openai
+import pydantic
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
@@ -122,7 +123,8 @@ def test_responses_stream_matches_non_streamed(oai, chat, prompt, status):
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0.type"),
 ])
@@ -130,6 +132,17 @@ def test_responses_refuses_what_it_cannot_do(oai, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         oai.responses.create(**{"model": MODEL_NAME, "input": "Hi", **extra})
     assert e.value.body["param"] == param
+
+
+class City(pydantic.BaseModel):
+    city: str
+
+
+def test_responses_parse_into_a_pydantic_model(oai):
+    """text.format json_schema (what `responses.parse` sends) constrains the output as chat's response_format."""
+    response = oai.responses.parse(model=MODEL_NAME, input=SHORT, text_format=City, temperature=0,
+                                   max_output_tokens=32)
+    assert response.status == "completed" and isinstance(response.output_parsed, City), response.output_text
 
 
 # -- /v1/messages --------------------------------------------------------------------------------------

@@ -319,7 +319,7 @@ LONG_PROMPT = "word " * (MAX_LEN + 50)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs needs logprobs=true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}],
-                              "parallel_tool_calls": False}, 400, "`tools` is not supported"),
+                              "parallel_tool_calls": False}, 400, "tools.0.function: Field required"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "stream"),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "vocabulary"),
     ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),

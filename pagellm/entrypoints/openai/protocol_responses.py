@@ -1,6 +1,6 @@
 """Request and response bodies of OpenAI's Responses API (POST /v1/responses), text in and out.
 
-Fields the server accepts but cannot act on (tools, JSON output formats, background runs) are
+Fields the server accepts but cannot act on (tools, background runs) are
 refused by serving_responses.py with a 400 naming them; the rest of OpenAI's optional fields are
 accepted, and those that do not change generation (metadata, reasoning, include, ...) are echoed
 or ignored.
@@ -63,7 +63,8 @@ class ResponsesRequest(StrictModel):
     tool_choice: str | dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     text: dict[str, Any] | None = None
-    """Only `{"format": {"type": "text"}}` (structured output is not supported)."""
+    """`{"format": {"type": "text" | "json_object" | "json_schema", ...}}`: the output's form, as chat's
+    response_format (json_schema's fields flattened: name, schema, strict)."""
     reasoning: dict[str, Any] | None = None
     """Accepted and ignored: the model does not reason separately."""
     include: list[str] | None = None

@@ -8,9 +8,11 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo
+from pagellm.entrypoints.openai.protocol_tools import ResponseFormat
 from pagellm.entrypoints.openai.protocol_responses import (
     IncompleteDetails,
     InputTokensDetails,
@@ -25,7 +27,7 @@ from pagellm.entrypoints.openai.serving_base import ChatRun, OpenAIServing
 
 MAX_STORED_RESPONSES = 1000
 """How many stored responses (the most recently used) can be continued by previous_response_id."""
-_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 """Chat request fields -> the Responses API's names for them, for error messages."""
 
 Message = dict[str, Any]
@@ -44,7 +46,8 @@ class OpenAIServingResponses(OpenAIServing):
         system = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
         chat = ChatCompletionRequest(model=request.model, messages=system + history, stream=request.stream,
                                      max_completion_tokens=request.max_output_tokens,
-                                     temperature=request.temperature, top_p=request.top_p, user=request.user)
+                                     temperature=request.temperature, top_p=request.top_p, user=request.user,
+                                     response_format=response_format(request))
         run = await self.start_chat(chat, self.make_request_id("resp", None, raw_request), _NAMES)
         response = _response_object(request, run.model)
         if request.stream:
@@ -133,15 +136,31 @@ def _check_supported(request: ResponsesRequest) -> None:
     if request.tool_choice not in (None, "auto", "none"):
         raise APIError("tool_choice needs tools, which this server does not support yet; remove it",
                        param="tool_choice")
-    text_format = (request.text or {}).get("format") or {"type": "text"}
-    if not isinstance(text_format, dict) or text_format.get("type") != "text":
-        raise APIError('only plain text output is supported: text.format must be {"type": "text"}',
-                       param="text.format")
     if request.background:
         raise APIError("background responses are not supported by this server", param="background")
     if request.top_logprobs:
         raise APIError("top_logprobs is not supported on /v1/responses; use /v1/chat/completions",
                        param="top_logprobs")
+
+
+def response_format(request: ResponsesRequest) -> ResponseFormat | None:
+    """`text.format` as chat's response_format: the Responses API flattens json_schema's fields
+    (`{"type": "json_schema", "name", "schema", "strict"}`); 400 naming the part at fault."""
+    text_format = (request.text or {}).get("format")
+    if text_format is None:
+        return None
+    if not isinstance(text_format, dict):
+        raise APIError("text.format must be an object like {\"type\": \"text\"}", param="text.format")
+    fields = {k: v for k, v in text_format.items() if k != "type"}
+    nested = text_format.get("type") == "json_schema"
+    try:
+        return ResponseFormat.model_validate({"type": text_format.get("type"), "json_schema": fields} if nested
+                                             else text_format)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = [str(part) for part in error["loc"] if part != "json_schema" or not nested]
+        param = ".".join(["text.format", *where])
+        raise APIError(f"{param}: {error['msg']}", param=param) from None
 
 
 def _response_object(request: ResponsesRequest, model: str) -> ResponseObject:
