@@ -1,7 +1,7 @@
 """Real clients against a live `pagellm serve`, each on its DEFAULT code path: langchain-openai (chat and the
 legacy completions LLM, whose `.batch` sends several prompts in one request; structured output and tools,
-with the tool-capable Hermes template of examples/), the openai SDK's `parse` and stream assembly, litellm, lm-evaluation-harness
-(`local-completions`, which finds the server's tokenizer through /tokenizer_info and /tokenize and scores
+with the tool-capable Hermes template of examples/), the openai SDK's `parse` and stream assembly, litellm,
+lm-evaluation-harness (`local-completions`, which finds the server's tokenizer through /tokenizer_info and /tokenize and scores
 batches of token prompts with `echo`) and guidellm (streaming chat with synthetic prompts).
 
 Nothing may reach the Hugging Face hub or the internet: the offline switches are set before any client is

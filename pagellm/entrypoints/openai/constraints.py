@@ -10,7 +10,6 @@ from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import GenerationRequest
 from pagellm.sampling_params import StructuredOutputsParams
 
-
 _KIND_NAMES = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list", "grammar": "grammar",
                "json_object": "JSON object grammar", "structural_tag": "structural tag"}
 

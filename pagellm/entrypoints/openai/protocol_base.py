@@ -9,7 +9,6 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-
 Int64 = Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)]
 """An integer the engine's wire format (msgspec over ZMQ) can carry; a larger one would fail there."""
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"

@@ -71,7 +71,7 @@ class OpenAIServingChat(OpenAIServing):
             stream = streams[index]
             delta = stream.delta(o.text, final=o.finish_reason is not None)
             logprobs = self._logprobs(o, request)
-            if not delta and o.finish_reason is None and logprobs is None:
+            if not delta and o.finish_reason is None and logprobs is None and not request.return_token_ids:
                 continue  # text held back (a tag that may be starting): nothing to say yet
             yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                           finish_reason=finish_reason(o.finish_reason, stream.called_tools),

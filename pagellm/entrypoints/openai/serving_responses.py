@@ -12,7 +12,6 @@ from pydantic import ValidationError
 
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, UsageInfo
-from pagellm.entrypoints.openai.protocol_tools import ResponseFormat
 from pagellm.entrypoints.openai.protocol_responses import (
     IncompleteDetails,
     InputTokensDetails,
@@ -23,6 +22,7 @@ from pagellm.entrypoints.openai.protocol_responses import (
     ResponsesRequest,
     ResponseUsage,
 )
+from pagellm.entrypoints.openai.protocol_tools import ResponseFormat
 from pagellm.entrypoints.openai.serving_base import ChatRun, OpenAIServing
 
 MAX_STORED_RESPONSES = 1000

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pagellm.entrypoints.openai.tool_parsers.base import ParsedOutput, ToolParser, call_from_object
 from pagellm.entrypoints.openai.tool_parsers.json_scan import MalformedJSON, scan_objects, skip_whitespace
-from pagellm.reasoning.parsers import held_back
 
 PYTHON_TAG = "<|python_tag|>"
 _CALL_KEYS = frozenset({"name", "parameters", "arguments"})
@@ -19,7 +18,7 @@ class Llama3JsonToolParser(ToolParser):
         i = skip_whitespace(text, 0)
         if text.startswith(PYTHON_TAG, i):
             i = skip_whitespace(text, i + len(PYTHON_TAG))
-        elif not final and held_back(text[i:], PYTHON_TAG) == len(text) - i > 0:
+        elif not final and i < len(text) and PYTHON_TAG.startswith(text[i:]):
             return ParsedOutput("")  # perhaps the tag, cut off
         if i == len(text):
             return ParsedOutput(text if final else "")
