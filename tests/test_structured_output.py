@@ -31,19 +31,19 @@ def _chat(llm: LLM, text: str) -> str:
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": text}])
 
 
-def test_bitmask_applies_like_xgrammar() -> None:
+def test_bitmask_masks_exactly_the_disallowed_tokens_of_the_grammar_rows() -> None:
     torch.manual_seed(0)
     vocab = 1000  # not a multiple of 32: the last word is partly padding
     logits = torch.randn(5, vocab)
     bits = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), dtype=torch.int32)
     rows = torch.tensor([4, 0, 2])
-    ours = apply_token_bitmask(logits, rows, bits)
-    reference = logits.clone()
-    full = torch.full((5, bits.shape[1]), -1, dtype=torch.int32)  # xgrammar's rows index logits and bitmask alike
-    full[rows] = bits
-    xgr.apply_token_bitmask_inplace(reference, full, indices=rows.tolist())
-    assert torch.equal(ours, reference)
-    assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # other rows untouched
+    masked = apply_token_bitmask(logits, rows, bits)
+    # Bit j of word w allows token 32 * w + j.
+    allowed = ((bits.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
+    for i, row in enumerate(rows.tolist()):
+        assert torch.equal(masked[row], logits[row].masked_fill(~allowed[i], float("-inf")))
+    assert torch.equal(masked[[1, 3]], logits[[1, 3]])  # other rows untouched
+    assert allowed.any() and not allowed.all()
 
 
 def test_every_schema_of_the_suite_gives_valid_json(llm: LLM) -> None:
