@@ -1,4 +1,4 @@
-"""The cost of structured output on the CPU: JSON-schema requests against the same requests unconstrained.
+"""The cost of structured output: JSON-schema requests against the same requests unconstrained.
 
 64 concurrent requests (the 32 schemas of benchmarks/data/json_schemas.json, each asked twice in
 different words), greedy, in one `LLM.generate` call. The unconstrained run gets, per request, the
@@ -9,8 +9,10 @@ unconstrained, twice) with prefix caching off. Also reported: every constrained 
 against its schema (jsonschema), and the compile time of each schema (p50, p99, max) with a
 fresh, cache-less xgrammar compiler over the model's vocabulary.
 
-    .venv/bin/python -m benchmarks.structured_output_cpu
-    .venv/bin/python -m benchmarks.structured_output_cpu --repeats 1 --no-save
+The engine runs on the default device (CUDA when present, else the CPU), with its default settings.
+
+    .venv/bin/python -m benchmarks.structured_output
+    .venv/bin/python -m benchmarks.structured_output --repeats 1 --no-save
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=2, help="alternating constrained/unconstrained pairs")
+    parser.add_argument("--num-prompts-factor", type=int, default=1,
+                        help="ask each schema 2 x this many times (64 requests x this factor)")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
 
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llm = LLM(args.model, enable_prefix_caching=False, max_model_len=1024)
     tokenizer = llm.get_tokenizer()
     cases = [(case, tokenizer.apply_chat_template([{"role": "user", "content": p.format(prompt=case["prompt"])}]))
-             for p in PHRASINGS for case in suite]
+             for _ in range(args.num_prompts_factor) for p in PHRASINGS for case in suite]
     prompts = [prompt for _, prompt in cases]
     constrained = [SamplingParams(temperature=0, max_tokens=args.max_tokens,
                                   structured_outputs=StructuredOutputsParams(json=case["schema"])) for case, _ in cases]
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     constrained_tps = sum(runs["constrained"]) / len(runs["constrained"])
     free_tps = sum(runs["unconstrained"]) / len(runs["unconstrained"])
     payload = {
-        "benchmark": "structured_output_cpu", **run_metadata(),
+        "benchmark": "structured_output", "device": str(llm.llm_engine.config.device), **run_metadata(),
         "parameters": {"num_requests": len(cases), "num_schemas": len(suite), "max_tokens": args.max_tokens,
                        "repeats": args.repeats, "prefix_caching": False},
         "output_tokens_per_s": runs,
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"valid JSON: {valid}/{len(cases)}; compile per schema: p50 {stats['p50'] * 1e3:.1f} ms, "
           f"p99 {stats['p99'] * 1e3:.1f} ms, max {stats['max'] * 1e3:.1f} ms")
     if not args.no_save:
-        print("wrote", write_json(payload, default_result_path("structured_output_cpu")))
+        print("wrote", write_json(payload, default_result_path(f"structured_output_{llm.llm_engine.config.device.type}")))
     return payload
 
 
