@@ -7,10 +7,12 @@ import torch
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` [num_rows, vocab] with the tokens each of `rows` may not sample at -inf.
 
-    `bitmask` int32 [len(rows), ceil(vocab / 32)]: bit j of word w allows token 32 * w + j
-    (xgrammar's layout). Unpacked with shifts rather than a custom kernel: a few element-wise ops
-    over rows x vocab, small next to the logits' own computation."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_put((rows,), masked)
+    `bitmask` int32 [len(rows), ceil(vocab / 32)]: bit j of word w allows token 32 * w + j. xgrammar's
+    kernels do the masking (C++ on the CPU, Triton/CUDA on the GPU): several times faster than
+    unpacking the bits with tensor ops. They index logits and bitmask rows alike, so the grammar rows
+    are masked as one compact block and written back."""
+    import xgrammar as xgr
+
+    block = logits[rows]
+    xgr.apply_token_bitmask_inplace(block, bitmask)
+    return logits.index_put((rows,), block)

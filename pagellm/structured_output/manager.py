@@ -147,10 +147,7 @@ class GrammarManager:
 
         compiler = self._get_compiler(eos_token_ids)
         try:
-            if source.kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
-            else:
-                compiled = compiler.compile_grammar(source.parse())
+            compiled = compiler.compile_grammar(source.parse())
         except GrammarError:
             raise
         except Exception as e:  # xgrammar's compile of a parsed grammar failing is a bug there, not a stall here

@@ -63,8 +63,9 @@ class GrammarSource:
         try:
             if self.kind == "json":
                 return xgr.Grammar.from_json_schema(self.text, any_whitespace=self.any_whitespace)
-            if self.kind == "json_object":
-                return xgr.Grammar.builtin_json_grammar()
+            if self.kind == "json_object":  # OpenAI's json_object: an object, any keys (not any JSON value)
+                return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False,
+                                                    any_whitespace=self.any_whitespace)
             if self.kind == "regex":
                 return xgr.Grammar.from_regex(self.text)
             if self.kind in ("grammar", "choice"):
