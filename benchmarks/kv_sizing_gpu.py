@@ -61,7 +61,6 @@ def measure(model: str, max_num_batched_tokens: int, max_num_seqs: int, max_mode
     worker.load_model()
     torch.cuda.synchronize(device)
     weights = torch.cuda.memory_allocated(device)
-    params = sum(p.numel() * p.element_size() for p in worker.runner.model.parameters())
     peak = worker.runner.profile_peak_memory()
     free, total = torch.cuda.mem_get_info(device)
     not_torch = (total - free) - torch.cuda.memory_reserved(device)
@@ -75,7 +74,7 @@ def measure(model: str, max_num_batched_tokens: int, max_num_seqs: int, max_mode
     return {
         "model": model, "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs,
         "max_model_len": max_model_len, "gpu_memory_utilization": 0.9, "dtype": "bfloat16",
-        "total_bytes": total, "weights_allocated_bytes": weights, "parameter_bytes": params,
+        "total_bytes": total, "weights_allocated_bytes": weights,
         "profiled_peak_bytes": peak, "activation_peak_bytes": peak - weights, "not_torch_bytes": not_torch,
         "kv_bytes_per_block": block_bytes, "num_kv_blocks": num_blocks,
         "cuda_graph_bytes": reserved_after - reserved_before - num_blocks * block_bytes,

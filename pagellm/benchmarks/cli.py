@@ -1,13 +1,17 @@
-"""`pagellm bench throughput|latency`: flags (vLLM's names) and handlers that import the engine only
-when a benchmark actually runs, so `pagellm --help` stays fast."""
+"""`pagellm bench throughput|latency|serve|sweep` and `pagellm plan`: flags (vLLM's names) and handlers
+that import the engine only when a command actually runs, so `pagellm --help` stays fast."""
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 
 from pagellm.benchmarks.datasets import DATASETS
+from pagellm.dtype_sizes import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
+                    "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "enforce_eager")
+"""The engine flags that change how the KV cache is sized."""
 
 
 def add_bench_parser(sub: argparse._SubParsersAction,
@@ -66,5 +70,43 @@ def _throughput(ns: argparse.Namespace) -> int:
 
 def _latency(ns: argparse.Namespace) -> int:
     from pagellm.benchmarks.latency import run_cli
+
+    return run_cli(ns)
+
+
+def add_plan_parser(sub: argparse._SubParsersAction,
+                    add_engine_args: Callable[..., None]) -> None:
+    """Register `plan`: the memory ledger of a model, settings and workload; the engine flags it shares
+    with `serve` come from `add_engine_args`."""
+    plan = sub.add_parser(
+        "plan", formatter_class=_FORMATTER, help="capacity planning: the memory ledger and how many sequences fit",
+        description="The memory ledger of one engine rank, as the engine will size it: weights, activation peak, "
+                    "CUDA context and graphs, KV bytes per token, KV capacity in tokens and blocks, the sequences "
+                    "that fit at --input-len + --output-len, and what to change when they do not. Nothing is "
+                    "loaded: only the model's shape is read. --quantization and --kv-cache-dtype are planning "
+                    "estimates of the byte sizes of the engine's future methods (the engine stores weights and "
+                    "KV entries in --dtype today).")
+    plan.add_argument("model", nargs="?", default=None,
+                      help="model path (GGUF file, Hugging Face directory), a config.json file or a preset "
+                           "name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, ...); default: the embedded SmolLM2-135M")
+    plan.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                      help="auto: cuda if --gpu-memory-gib is given or a GPU is present, else cpu")
+    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+                      help="the GPU's total memory in GiB (an H200: 139.8); default: the present GPU's")
+    plan.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
+                      help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq (0.5 byte + "
+                           "group-128 scales); a planning estimate, not an engine setting yet")
+    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                      help="what-if: KV entries in the model dtype (auto) or one byte (fp8); a planning "
+                           "estimate, not an engine setting yet")
+    add_engine_args(plan, names=PLAN_ENGINE_ARGS)
+    plan.add_argument("--input-len", type=int, default=1024, help="typical prompt tokens per request")
+    plan.add_argument("--output-len", type=int, default=128, help="typical output tokens per request")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    plan.set_defaults(handler=_plan)
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    from pagellm.benchmarks.plan import run_cli
 
     return run_cli(ns)
