@@ -114,7 +114,7 @@ def format_table(header: list[str], rows: list[list[Any]], left: Collection[int]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
              for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
     return "\n".join(lines)
 
 
