@@ -195,8 +195,14 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
     from pagellm.models.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     linear_layers = (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
-    with _as_tensor_parallel_rank(spec.tensor_parallel_size), torch.device("meta"):
-        model = get_model_class(spec.arch.architecture)(spec.arch, get_attn_backend("torch"))
+    try:
+        with _as_tensor_parallel_rank(spec.tensor_parallel_size), torch.device("meta"):
+            model = get_model_class(spec.arch.architecture)(spec.arch, get_attn_backend("torch"))
+    except ValueError as e:
+        if spec.tensor_parallel_size == 1:
+            raise
+        # The layers cannot be split over that many ranks.
+        raise ValueError(f"--tensor-parallel-size {spec.tensor_parallel_size}: {e}") from None
     per_weight = quantized_weight_bytes(spec.quantization, spec.dtype_bytes)
     sizes: list[int] = []
     seen: set[int] = set()
