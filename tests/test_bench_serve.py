@@ -104,8 +104,8 @@ def test_bad_input_is_one_line_naming_the_flag(args, flag, capsys):
 def test_sweep_writes_plots_and_a_recommendation(server, tmp_path, capsys):
     out = tmp_path / "sweep"
     assert cli_main(["bench", "sweep", "--base-url", server.url, "--sweep", "max-concurrency", "--values", "1", "3",
-                     "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--disable-tqdm", "--num-warmups", "0",
-                     "--slo", "ttft_p99:600000", "--output-dir", str(out)]) == 0
+                     "--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--disable-tqdm",
+                     "--num-warmups", "0", "--slo", "ttft_p99:600000", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
     sweep = json.loads((out / "sweep.json").read_text())
     assert [r["load"] for r in sweep["rungs"]] == [1, 3]

@@ -90,7 +90,7 @@ def advice(ledger: Ledger) -> list[str]:
     if ledger.num_kv_blocks == 0:
         fixed = ledger.weights_bytes + ledger.buffers_bytes + ledger.activation_peak_bytes + ledger.non_torch_bytes
         problems.append(f"nothing is left for the KV cache: weights, activations and the CUDA context take "
-                        f"{fixed / _GiB:.2f} GiB of the {_budget_gib(spec):.2f} GiB allowed")
+                        f"{_gib(fixed):.2f} GiB of the {_budget_gib(spec):.2f} GiB allowed")
     elif ledger.kv_cache_tokens < spec.max_model_len:
         problems.append(f"one request of --max-model-len {spec.max_model_len} tokens does not fit the KV cache "
                         f"({ledger.kv_cache_tokens} tokens): lower --max-model-len to {ledger.kv_cache_tokens} or less")
@@ -99,8 +99,8 @@ def advice(ledger: Ledger) -> list[str]:
                         f"fewer than --max-num-seqs {spec.max_num_seqs}: past that the engine preempts; "
                         f"--max-num-seqs {ledger.kv_limited_seqs} avoids it")
     if spec.device == "cpu" and spec.total_memory_bytes and ledger.peak_bytes > spec.total_memory_bytes:
-        problems.append(f"weights, KV cache and activations ({ledger.peak_bytes / _GiB:.2f} GiB) exceed the "
-                        f"machine's {spec.total_memory_bytes / _GiB:.2f} GiB: lower --kv-cache-memory-bytes")
+        problems.append(f"weights, KV cache and activations ({_gib(ledger.peak_bytes):.2f} GiB) exceed the "
+                        f"machine's {_gib(spec.total_memory_bytes):.2f} GiB: lower --kv-cache-memory-bytes")
     if not problems:
         return []
     return problems + [f"what-if {change}: {_capacity(other)}" for change, other in _what_ifs(spec)]
@@ -146,8 +146,12 @@ def _capacity(ledger: Ledger) -> str:
             f"{ledger.kv_limited_seqs} sequences of {ledger.tokens_per_seq} tokens")
 
 
+def _gib(num_bytes: float) -> float:
+    return num_bytes / _GiB
+
+
 def _budget_gib(spec: PlanSpec) -> float:
-    return (spec.total_memory_bytes or 0) * spec.gpu_memory_utilization / _GiB
+    return _gib((spec.total_memory_bytes or 0) * spec.gpu_memory_utilization)
 
 
 def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
@@ -169,30 +173,29 @@ def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
 def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
     spec = ledger.spec
     on_gpu = spec.device == "cuda"
-    gib = lambda n: n / _GiB  # noqa: E731
-    where = (f"GPU of {gib(spec.total_memory_bytes):.2f} GiB" if on_gpu else "CPU")
+    where = f"GPU of {_gib(spec.total_memory_bytes):.2f} GiB" if on_gpu else "CPU"
     lines = [f"{model} ({spec.arch.architecture}) on a {where}, {spec.dtype_bytes} bytes per element, "
              f"tensor parallel {spec.tensor_parallel_size} (per rank); quantization {spec.quantization}, "
              f"KV cache dtype {spec.kv_cache_dtype}", ""]
     if spec.kv_cache_memory_bytes is not None:
-        budget_row = ["KV budget", gib(spec.kv_cache_memory_bytes), "--kv-cache-memory-bytes"]
+        budget_row = ["KV budget", _gib(spec.kv_cache_memory_bytes), "--kv-cache-memory-bytes"]
     elif on_gpu:
-        budget_row = ["allowed", gib(spec.total_memory_bytes * spec.gpu_memory_utilization),
+        budget_row = ["allowed", _gib(spec.total_memory_bytes * spec.gpu_memory_utilization),
                       f"--gpu-memory-utilization {spec.gpu_memory_utilization}"]
     else:
-        budget_row = ["KV budget", gib(spec.cpu_kv_cache_bytes // spec.tensor_parallel_size),
+        budget_row = ["KV budget", _gib(spec.cpu_kv_cache_bytes // spec.tensor_parallel_size),
                       "min(4 GiB, RAM / 4), shared by the ranks; the rest is not deducted on the CPU"]
     rows = [budget_row,
-            ["weights", gib(ledger.weights_bytes), f"quantization {spec.quantization}"],
-            ["buffers", gib(ledger.buffers_bytes), "rotary table" + (", allocator rounding" if on_gpu else "")],
-            ["activation peak", gib(ledger.activation_peak_bytes),
-             f"largest step: {spec.max_num_batched_tokens} tokens, {min(spec.max_num_seqs, spec.max_num_batched_tokens)} "
-             f"sequences sampled"]]
+            ["weights", _gib(ledger.weights_bytes), f"quantization {spec.quantization}"],
+            ["buffers", _gib(ledger.buffers_bytes), "rotary table" + (", allocator rounding" if on_gpu else "")],
+            ["activation peak", _gib(ledger.activation_peak_bytes),
+             f"largest step: {spec.max_num_batched_tokens} tokens, "
+             f"{min(spec.max_num_seqs, spec.max_num_batched_tokens)} sequences sampled"]]
     if on_gpu:
-        rows.append(["CUDA context", gib(ledger.non_torch_bytes), "memory outside PyTorch"])
-    rows.append(["KV cache", gib(ledger.kv_cache_bytes), f"{ledger.num_kv_blocks} blocks of {spec.block_size} tokens"])
+        rows.append(["CUDA context", _gib(ledger.non_torch_bytes), "memory outside PyTorch"])
+    rows.append(["KV cache", _gib(ledger.kv_cache_bytes), f"{ledger.num_kv_blocks} blocks of {spec.block_size} tokens"])
     if on_gpu:
-        rows.append(["CUDA graphs", gib(ledger.cuda_graph_bytes),
+        rows.append(["CUDA graphs", _gib(ledger.cuda_graph_bytes),
                      "after sizing, in the activation peak's room (estimate)" if ledger.cuda_graph_bytes else
                      "--enforce-eager"])
     lines.append(format_table(["memory", "GiB", "notes"], rows, left=(0, 2)))
