@@ -50,8 +50,8 @@ def run_cli(ns: argparse.Namespace) -> int:
     if not 0 <= ns.min_gain < 1:
         raise ValueError(f"--min-gain must be in [0, 1), got {ns.min_gain}")
     config = ServeConfig.from_namespace(ns)
-    if ns.ladder != "max-num-seqs":
-        config.validate()
+    # Fail on a bad flag before the first rung; a max-num-seqs ladder makes its own --base-url.
+    (config if ns.ladder != "max-num-seqs" else dataclasses.replace(config, base_url="http://127.0.0.1")).validate()
     metadata = run_metadata()
     rungs = run_ladder(config, ns.ladder, values, ns.server_model, shlex.split(ns.server_args))
     analysis = analyze(rungs, ns.ladder, slo, ns.min_gain, ns.server_model, ns.server_args)
