@@ -47,7 +47,7 @@ def plot_sweep(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], 
             ax.plot(loads, [float("nan") if v is None else v for v in values], style, label=stat)
         for key, limit in slo.items():
             if key.endswith(f"_{metric}_ms"):
-                ax.axhline(limit, color="tab:red", linestyle=":", label=f"SLO {key.split('_')[0]} {limit:g} ms")
+                ax.axhline(limit, color="black", linestyle=":", label=f"SLO {key.split('_')[0]} {limit:g} ms")
         ax.set_ylabel("milliseconds")
         ax.set_title(title)
         ax.set_ylim(bottom=0)
@@ -65,7 +65,8 @@ def _finish(ax: Any, ladder: str, loads: list[float], knee: int | None, log_x: b
         ax.set_xscale("log", base=2)
     ax.set_xticks(loads, [f"{v:g}" for v in loads])
     ax.set_xlabel(_AXIS_LABELS[ladder])
+    ax.margins(x=0.08)
     if knee is not None:
-        ax.axvline(loads[knee], color="gray", linestyle="--", label=f"knee ({loads[knee]:g})")
+        ax.axvline(loads[knee], color="tab:red", linestyle="-.", alpha=0.7, label=f"knee ({loads[knee]:g})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
