@@ -101,7 +101,7 @@ def add_serve_args(parser: argparse.ArgumentParser, num_warmups: int = 0) -> Non
                              "counts the requests within all of them")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     parser.add_argument("--num-warmups", type=int, default=num_warmups,
-                        help="untimed requests (the first prompt) sent before the load")
+                        help="untimed short requests sent one by one before the load")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for exactly the output length (vLLM's ignore_eos extra); --no-ignore-eos for "
                              "servers that reject it")

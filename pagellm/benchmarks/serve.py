@@ -28,6 +28,7 @@ from pagellm.benchmarks.serve_client import (
 from pagellm.benchmarks.serve_metrics import format_summary, parse_goodput, summarize
 
 _PREFLIGHT_TIMEOUT_S = 10.0
+_WARMUP_PROMPT = "Warming up: say hello."
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,8 +123,8 @@ def run_serve(config: ServeConfig, workload: Workload | None = None) -> dict[str
     return vLLM's result keys plus what was run."""
     config.validate()
     headers = _headers(config)
-    model = served_model(config.root_url, headers)  # also fails early, naming --base-url, on no server
-    model = config.model or model
+    listed = served_model(config.root_url, headers)  # also fails early, naming --base-url, on no server
+    model = config.model or listed
     if model is None:
         raise ValueError(f"--base-url {config.base_url}: GET /v1/models lists no model; pass --model")
     workload = workload or make_workload(config)
@@ -131,7 +132,9 @@ def run_serve(config: ServeConfig, workload: Workload | None = None) -> dict[str
                 for prompt, output_len in zip(workload.prompts, workload.output_lens)]
     url = config.root_url + config.endpoint
     if config.num_warmups:
-        warmups = run_load(url, payloads[:1] * config.num_warmups, [0.0] * config.num_warmups, 1, headers,
+        # A prompt of its own: a timed prompt warmed up would then be served from the prefix cache.
+        warmup = request_payload(config.endpoint, model, _WARMUP_PROMPT, 4, config.ignore_eos, config.temperature)
+        warmups = run_load(url, [warmup] * config.num_warmups, [0.0] * config.num_warmups, 1, headers,
                            progress=False)
         failed = [r.error for r in warmups.results if not r.success]
         if failed:
