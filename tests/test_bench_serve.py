@@ -121,7 +121,7 @@ def test_sweep_writes_plots_and_a_recommendation(server, tmp_path, capsys):
 def test_knee_and_slo_limit():
     def rung(load, tok_s, ttft_p99, failed=0):
         return {"load": load, "output_throughput": tok_s, "request_throughput": tok_s / 10, "p99_ttft_ms": ttft_p99,
-                "p99_tpot_ms": 20.0, "failed": failed}
+                "p99_tpot_ms": 20.0, "failed": failed, "errors": ["HTTP 503: at capacity"] * failed}
 
     rungs = [rung(1, 100, 50), rung(2, 190, 60), rung(4, 200, 80), rung(8, 205, 400)]
     result = analyze(rungs, "request-rate", parse_slo(["ttft_p99:100"]), 0.1)
@@ -132,7 +132,7 @@ def test_knee_and_slo_limit():
     assert not growing["saturated"] and growing["recommended_load"] == 2
     assert "pagellm serve model.gguf --device cpu --max-num-seqs 2" in growing["recommendation"]
     failing = analyze([rung(1, 100, 50, failed=1)], "request-rate", {}, 0.1)
-    assert failing["knee"] is None and "1 failed requests" in failing["recommendation"]
+    assert failing["knee"] is None and "1 failed requests, e.g. HTTP 503" in failing["recommendation"]
     with pytest.raises(ValueError, match="--slo"):
         parse_slo(["ttft_p42:100"])
 

@@ -127,7 +127,7 @@ def slo_violations(rung: dict[str, Any], slo: dict[str, float]) -> list[str]:
     broken = [f"{key} {rung[key]:.0f} > {limit:.0f}" for key, limit in slo.items()
               if rung.get(key) is not None and rung[key] > limit]
     if rung["failed"]:
-        broken.append(f"{rung['failed']} failed requests")
+        broken.append(f"{rung['failed']} failed requests, e.g. {rung['errors'][0][:200]}")
     return broken
 
 
