@@ -111,7 +111,9 @@ def test_sweep_writes_plots_and_a_recommendation(server, tmp_path, capsys):
     assert [r["load"] for r in sweep["rungs"]] == [1, 3]
     assert [r["peak_concurrent_requests"] for r in sweep["rungs"]] == [1, 3]
     assert all(r["completed"] == 3 and "ttfts" not in r for r in sweep["rungs"])
-    assert sweep["knee"] in (0, 1) and sweep["recommended_load"] == sweep["rungs"][sweep["knee"]]["load"]
+    assert sweep["slo_passing"] == [0, 1] and sweep["slo_limit"] == 1  # a limit no run here comes near
+    assert sweep["throughput_knee"] in (0, 1) and sweep["recommended"] == sweep["throughput_knee"]
+    assert sweep["recommended_load"] == sweep["rungs"][sweep["recommended"]]["load"]
     assert sweep["recommendation"] in printed and "--max-num-seqs" in sweep["recommendation"]
     for name in ("sweep_throughput.png", "sweep_latency.png"):
         data = (out / name).read_bytes()
@@ -123,16 +125,23 @@ def test_knee_and_slo_limit():
         return {"load": load, "output_throughput": tok_s, "request_throughput": tok_s / 10, "p99_ttft_ms": ttft_p99,
                 "p99_tpot_ms": 20.0, "failed": failed, "errors": ["HTTP 503: at capacity"] * failed}
 
-    rungs = [rung(1, 100, 50), rung(2, 190, 60), rung(4, 200, 80), rung(8, 205, 400)]
+    # A local plateau (1 -> 2) is not the knee: 4 is the first rung within 10% of the best.
+    rungs = [rung(1, 100, 50), rung(2, 105, 60), rung(4, 190, 80), rung(8, 205, 400)]
     result = analyze(rungs, "request-rate", parse_slo(["ttft_p99:100"]), 0.1)
-    assert result["throughput_knee"] == 1 and result["slo_limit"] == 2 and result["recommended_load"] == 2
+    assert result["throughput_knee"] == 2 and result["saturated"]
+    assert result["slo_limit"] == 2 and result["recommended_load"] == 4
     strict = analyze(rungs, "request-rate", parse_slo(["ttft_p99:55"]), 0.1)
     assert strict["slo_limit"] == 0 and strict["recommended_load"] == 1 and "breaks the SLO" in strict["recommendation"]
-    growing = analyze(rungs[:2], "max-num-seqs", {}, 0.1, "model.gguf", "--device cpu")
-    assert not growing["saturated"] and growing["recommended_load"] == 2
-    assert "pagellm serve model.gguf --device cpu --max-num-seqs 2" in growing["recommendation"]
+    # A server setting: small ones queue (TTFT over the SLO), so the smallest good one is chosen.
+    settings = [rung(1, 50, 9000), rung(2, 90, 3000), rung(4, 100, 500), rung(8, 104, 450), rung(16, 80, 400)]
+    chosen = analyze(settings, "max-num-seqs", parse_slo(["ttft_p99:1000"]), 0.1, "model.gguf", "--device cpu")
+    assert chosen["slo_passing"] == [2, 3, 4] and chosen["slo_limit"] is None and chosen["recommended_load"] == 4
+    assert "pagellm serve model.gguf --device cpu --max-num-seqs 4" in chosen["recommendation"]
+    growing = analyze(rungs[:1] + [rung(2, 150, 60)], "request-rate", {}, 0.1)
+    assert not growing["saturated"] and growing["recommended_load"] == 2 and "extend --values" in growing[
+        "recommendation"]
     failing = analyze([rung(1, 100, 50, failed=1)], "request-rate", {}, 0.1)
-    assert failing["knee"] is None and "1 failed requests, e.g. HTTP 503" in failing["recommendation"]
+    assert failing["recommended"] is None and "1 failed requests, e.g. HTTP 503" in failing["recommendation"]
     with pytest.raises(ValueError, match="--slo"):
         parse_slo(["ttft_p42:100"])
 

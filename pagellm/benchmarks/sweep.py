@@ -2,10 +2,12 @@
 
 A ladder varies the request rate or the client's concurrency against one running server, or the
 server's --max-num-seqs, starting `pagellm serve` for each rung. Every rung sends the same prompts.
-The throughput knee is the last rung whose load still bought at least --min-gain more output
-tokens/s than the best rung before it; the SLO limit is the highest rung that, with every rung below
-it, keeps every --slo percentile within its limit and fails no request. The recommendation is the
-lower of the two.
+The throughput knee is the first rung within --min-gain of the best output tokens/s of the ladder:
+past it, more load buys little. For a load ladder (rates, concurrencies), the SLO limit is the last
+rung before the first that breaks an --slo percentile or fails a request, and the recommendation
+is the lower of the two. For the --max-num-seqs ladder, where a small setting can break the SLO by
+queueing, the recommendation is the smallest setting within the SLO whose throughput is within
+--min-gain of the best within it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pagellm.benchmarks.serve import ServeConfig, make_workload, run_serve
 from pagellm.benchmarks.serve_metrics import METRICS
 
 SLO_STATS = ("mean", "median", "p90", "p99")
+SETTINGS_LADDER = "max-num-seqs"
+"""The ladder that varies the server's settings rather than the load."""
 _PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls")
 """Per-request lists of each rung's result, left out of sweep.json to keep it readable."""
 
@@ -99,27 +103,36 @@ def run_ladder(config: ServeConfig, ladder: str, values: list[float], server_mod
 
 def analyze(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], min_gain: float,
             server_model: str | None = None, server_args: str = "") -> dict[str, Any]:
-    """The knee, the SLO limit and the recommendation (see the module docstring); indices into `rungs`."""
+    """The knee, the rungs within the SLO and the recommendation (see the module docstring); indices
+    into `rungs`."""
     throughput = [r["output_throughput"] for r in rungs]
-    knee, best = None, 0
-    for i in range(1, len(rungs)):
-        if throughput[i] < throughput[best] * (1 + min_gain):
-            knee = best
-            break
-        best = i
+    knee = plateau_start(throughput, range(len(rungs)), min_gain)
+    passing = [i for i, rung in enumerate(rungs) if not slo_violations(rung, slo)]
     slo_limit = None
-    for i, rung in enumerate(rungs):
-        broken = slo_violations(rung, slo)
-        if broken:
-            break
-        slo_limit = i
-    last = len(rungs) - 1
-    candidates = [i for i in (knee if knee is not None else last, slo_limit) if i is not None]
-    chosen = min(candidates) if slo_limit is not None else None
-    return {"throughput_knee": knee, "saturated": knee is not None, "slo_limit": slo_limit,
-            "knee": chosen, "recommended_load": rungs[chosen]["load"] if chosen is not None else None,
+    if ladder == SETTINGS_LADDER:
+        # A setting, not a load: a low one can break the SLO by queueing what a higher one runs at
+        # once, so any rung may pass; the smallest that is near the best passing throughput wins.
+        chosen = plateau_start(throughput, passing, min_gain) if passing else None
+    else:
+        # Latency grows with load: the limit is the last rung before the first one that breaks the SLO.
+        for i in range(len(rungs)):
+            if i not in passing:
+                break
+            slo_limit = i
+        chosen = min(knee, slo_limit) if slo_limit is not None else None
+    return {"throughput_knee": knee, "saturated": knee < len(rungs) - 1, "slo_passing": passing,
+            "slo_limit": slo_limit, "recommended": chosen,
+            "recommended_load": rungs[chosen]["load"] if chosen is not None else None,
             "recommendation": _recommendation(rungs, ladder, slo, knee, slo_limit, chosen, server_model,
                                               server_args)}
+
+
+def plateau_start(throughput: list[float], candidates: Any, min_gain: float) -> int:
+    """The first of `candidates` (indices) within `min_gain` of the best throughput among them: past
+    it, more load (or a larger setting) buys less than `min_gain` more."""
+    candidates = list(candidates)
+    best = max(throughput[i] for i in candidates)
+    return next(i for i in candidates if throughput[i] * (1 + min_gain) >= best)
 
 
 def slo_violations(rung: dict[str, Any], slo: dict[str, float]) -> list[str]:
@@ -131,24 +144,29 @@ def slo_violations(rung: dict[str, Any], slo: dict[str, float]) -> list[str]:
     return broken
 
 
-def _recommendation(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], knee: int | None,
+def _recommendation(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], knee: int,
                     slo_limit: int | None, chosen: int | None, server_model: str | None, server_args: str) -> str:
     if chosen is None:
-        return (f"No rung meets the SLO ({'; '.join(slo_violations(rungs[0], slo))} at the lowest load): lower "
-                f"the load, or give the server more memory or compute (see pagellm plan).")
+        worst = 0 if ladder != SETTINGS_LADDER else knee
+        return (f"No rung meets the SLO ({'; '.join(slo_violations(rungs[worst], slo))} at {ladder} "
+                f"{rungs[worst]['load']}): lower the load, or give the server more memory or compute "
+                f"(see pagellm plan).")
     rung = rungs[chosen]
     load = rung["load"]
     why = []
-    if knee is not None and chosen == knee:
-        why.append(f"throughput stops growing past it ({rungs[knee + 1]['output_throughput']:.1f} tok/s at "
-                   f"{rungs[knee + 1]['load']})")
-    if slo_limit is not None and chosen == slo_limit and slo_limit < len(rungs) - 1:
-        why.append(f"the next rung breaks the SLO ({'; '.join(slo_violations(rungs[slo_limit + 1], slo))})")
-    if not why:
-        why.append("the highest load tried; extend --values to find the knee")
+    if ladder == SETTINGS_LADDER:
+        why.append("the smallest setting within the SLO whose throughput is near the best within it")
+    else:
+        if chosen == knee and knee < len(rungs) - 1:
+            why.append(f"more load buys little more throughput ({rungs[-1]['output_throughput']:.1f} tok/s at "
+                       f"{rungs[-1]['load']})")
+        if chosen == slo_limit and slo_limit < len(rungs) - 1:
+            why.append(f"the next rung breaks the SLO ({'; '.join(slo_violations(rungs[slo_limit + 1], slo))})")
+        if not why:
+            why.append("the highest load tried; extend --values to find the knee")
     numbers = (f"{rung['request_throughput']:.2f} req/s, {rung['output_throughput']:.1f} output tok/s, "
                f"p99 TTFT {rung['p99_ttft_ms']:.0f} ms, p99 TPOT {_ms(rung['p99_tpot_ms'])}")
-    if ladder == "max-num-seqs":
+    if ladder == SETTINGS_LADDER:
         command = shlex.join(["pagellm", "serve", *([server_model] if server_model else []),
                               *shlex.split(server_args), "--max-num-seqs", str(load)])
         settings = f"run `{command}`"
@@ -167,7 +185,8 @@ def _ms(value: float | None) -> str:
 def format_rungs(rungs: list[dict[str, Any]], ladder: str, analysis: dict[str, Any]) -> str:
     rows = []
     for i, r in enumerate(rungs):
-        mark = "knee" if i == analysis["knee"] else ""
+        mark = " ".join(name for name, index in (("knee", analysis["throughput_knee"]),
+                                                  ("recommended", analysis["recommended"])) if index == i)
         rows.append([r["load"], r["completed"], r["failed"], r["request_throughput"], r["output_throughput"],
                      r["p50_ttft_ms"], r["p99_ttft_ms"], r["p50_tpot_ms"] or "-", r["p99_tpot_ms"] or "-", mark])
     return format_table([ladder, "done", "failed", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99",

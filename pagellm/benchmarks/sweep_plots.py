@@ -1,5 +1,5 @@
 """The sweep's PNG plots (matplotlib, Agg: no display needed): throughput against load, and TTFT and
-TPOT percentiles against load with the SLO limits, the knee marked on both."""
+TPOT percentiles against load with the SLO limits, the knee and the recommended rung marked on both."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +22,7 @@ def plot_sweep(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     loads = [r["load"] for r in rungs]
-    knee = analysis["knee"]
+    marks = {"knee": analysis["throughput_knee"], "recommended": analysis["recommended"]}
     log_x = loads[-1] / loads[0] >= 8  # a doubling ladder reads best on a log axis
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -34,7 +34,7 @@ def plot_sweep(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], 
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
     ax.set_title("Throughput against load")
-    _finish(ax, ladder, loads, knee, log_x)
+    _finish(ax, ladder, loads, marks, log_x)
     throughput_png = out_dir / "sweep_throughput.png"
     fig.tight_layout()
     fig.savefig(throughput_png, dpi=110)
@@ -51,7 +51,7 @@ def plot_sweep(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], 
         ax.set_ylabel("milliseconds")
         ax.set_title(title)
         ax.set_ylim(bottom=0)
-        _finish(ax, ladder, loads, knee, log_x)
+        _finish(ax, ladder, loads, marks, log_x)
     latency_png = out_dir / "sweep_latency.png"
     fig.tight_layout()
     fig.savefig(latency_png, dpi=110)
@@ -59,14 +59,16 @@ def plot_sweep(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], 
     return [throughput_png, latency_png]
 
 
-def _finish(ax: Any, ladder: str, loads: list[float], knee: int | None, log_x: bool) -> None:
-    """Axis label and scale, the knee's line, the grid and the legend."""
+def _finish(ax: Any, ladder: str, loads: list[float], marks: dict[str, int | None], log_x: bool) -> None:
+    """Axis label and scale, the knee's and the recommended rung's lines, the grid and the legend."""
     if log_x:
         ax.set_xscale("log", base=2)
     ax.set_xticks(loads, [f"{v:g}" for v in loads])
     ax.set_xlabel(_AXIS_LABELS[ladder])
     ax.margins(x=0.08)
-    if knee is not None:
-        ax.axvline(loads[knee], color="tab:red", linestyle="-.", alpha=0.7, label=f"knee ({loads[knee]:g})")
+    for (name, index), style in zip(marks.items(), (("tab:red", "-."), ("tab:green", ":"))):
+        if index is not None:
+            ax.axvline(loads[index], color=style[0], linestyle=style[1], linewidth=2, alpha=0.7,
+                       label=f"{name} ({loads[index]:g})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
