@@ -36,8 +36,8 @@ CUDA_CONTEXT_BYTES = 720_175_104
 """Memory outside PyTorch in a fresh engine process after its first step, measured on an H200 with
 CUDA 13 (the worker measures its own; tensor parallelism adds NCCL's buffers, not modelled here)."""
 CUDA_GRAPH_BASE_BYTES, CUDA_GRAPH_BYTES_PER_SIZE = 100 << 20, 5 << 19
-"""Decode graphs, a rough fit (within ~30%) of 120 to 330 MiB measured for 11 to 67 captured batch
-sizes. The engine captures them after sizing the KV cache, in the room the activation peak leaves."""
+"""Decode graphs, a rough fit of the 88 to 314 MiB measured for 11 to 67 captured batch sizes (15% under
+to 57% over). The engine captures them after sizing the KV cache, in the room the activation peak leaves."""
 
 
 @dataclass(slots=True, frozen=True)

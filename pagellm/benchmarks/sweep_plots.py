@@ -29,7 +29,7 @@ def plot_sweep(rungs: list[dict[str, Any]], ladder: str, slo: dict[str, float], 
     ax.plot(loads, [r["total_token_throughput"] for r in rungs], "s--", color="tab:gray", label="total tokens/s")
     ax.plot(loads, [r["output_throughput"] for r in rungs], "o-", color="tab:blue", label="output tokens/s")
     for load, rung in zip(loads, rungs):
-        ax.annotate(f"{rung['request_throughput']:.2g} req/s", (load, rung["output_throughput"]),
+        ax.annotate(f"{rung['request_throughput']:.2f} req/s", (load, rung["output_throughput"]),
                     textcoords="offset points", xytext=(0, 7), ha="center", fontsize=8)
     ax.set_ylabel("tokens/s")
     ax.set_ylim(bottom=0)
