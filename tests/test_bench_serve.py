@@ -28,7 +28,9 @@ VLLM_KEYS = ["completed", "failed", "request_throughput", "output_throughput", "
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    remote = RemoteServer(smollm2_path, *SERVER_FLAGS)
+    # One thread: these tiny loads gain nothing from two, and two threads that wait on each other
+    # slow down many times over when another process takes a core.
+    remote = RemoteServer(smollm2_path, *SERVER_FLAGS, env={"OMP_NUM_THREADS": "1"})
     yield remote
     assert remote.stop() == 0
 
