@@ -55,7 +55,7 @@ def run_cli(ns: argparse.Namespace) -> int:
         raise ValueError(f"--min-gain must be in [0, 1), got {ns.min_gain}")
     config = ServeConfig.from_namespace(ns)
     # Fail on a bad flag before the first rung; a max-num-seqs ladder makes its own --base-url.
-    (config if ns.ladder != "max-num-seqs" else dataclasses.replace(config, base_url="http://127.0.0.1")).validate()
+    (config if ns.ladder != SETTINGS_LADDER else dataclasses.replace(config, base_url="http://127.0.0.1")).validate()
     metadata = run_metadata()
     rungs = run_ladder(config, ns.ladder, values, ns.server_model, shlex.split(ns.server_args))
     analysis = analyze(rungs, ns.ladder, slo, ns.min_gain, ns.server_model, ns.server_args)
@@ -84,13 +84,14 @@ def _check_ladder(ladder: str, values: list[float]) -> list[float]:
 def run_ladder(config: ServeConfig, ladder: str, values: list[float], server_model: str | None,
                server_args: list[str]) -> list[dict[str, Any]]:
     """One `bench serve` result per rung (without the per-request lists), its load under `load`."""
+    from pagellm.benchmarks.server_process import ServerProcess
+
     workload = make_workload(config)
     rungs = []
     for value in values:
         print(f"--- {ladder} {value}", flush=True)
-        if ladder == "max-num-seqs":
-            from pagellm.benchmarks.server_process import ServerProcess
-
+        if ladder == SETTINGS_LADDER:
+            # The ladder's --max-num-seqs comes last, so it wins over one in --server-args.
             with ServerProcess(server_model, [*server_args, "--max-num-seqs", str(value)]) as server:
                 result = run_serve(dataclasses.replace(config, base_url=server.url), workload)
         else:
