@@ -110,15 +110,14 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})")
         parallel = ParallelConfig.resolve(self, arch, device)
-        on_gpu = device.type == "cuda"
-        max_num_batched_tokens = self.max_num_batched_tokens or max(8192 if on_gpu else 2048, self.max_num_seqs)
         return EngineConfig(
             args=self,
             source=source,
             device=device,
-            dtype=_resolve_dtype(self.dtype, device, arch.torch_dtype),
+            dtype=resolve_dtype(self.dtype, device, arch.torch_dtype),
             max_model_len=max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_batched_tokens=self.max_num_batched_tokens or default_max_num_batched_tokens(device,
+                                                                                                 self.max_num_seqs),
             attention_backend=self.attention_backend or _default_attention_backend(device),
             parallel=parallel,
             pooler=PoolerConfig.parse(self.pooler_config, self.runner),
@@ -227,7 +226,9 @@ class EngineConfig:
     def is_pooling(self) -> bool:
         return self.pooler is not None
 
-    def default_cpu_kv_cache_bytes(self) -> int:
+    @staticmethod
+    def default_cpu_kv_cache_bytes() -> int:
+        """The CPU's KV-cache budget when none is given: min(4 GiB, a quarter of RAM)."""
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(4 * _GiB, total_ram // 4)
 
@@ -274,7 +275,13 @@ def _cpu_has_bf16_instructions() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+def default_max_num_batched_tokens(device: torch.device, max_num_seqs: int) -> int:
+    """The step's token budget when none is given: 8192 on GPU, 2048 on CPU, at least max_num_seqs."""
+    return max(8192 if device.type == "cuda" else 2048, max_num_seqs)
+
+
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    """The torch dtype `dtype` (a name, an alias or "auto") stands for on `device`."""
     if dtype != "auto":
         return _DTYPES[_DTYPE_ALIASES.get(dtype, dtype)]
     if device.type == "cpu":

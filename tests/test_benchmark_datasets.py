@@ -10,6 +10,7 @@ from pagellm.benchmarks.datasets import (
     dataset_requests,
     load_requests,
     load_sharegpt_pairs,
+    prefix_requests,
     random_requests,
     random_requests_in_range,
     salvage_json_array,
@@ -203,3 +204,16 @@ def test_dataset_requests_random_uses_the_model_vocabulary():
     assert (info["num_requests"], info["total_output_tokens"]) == (50, 50 * 128)
     with pytest.raises(ValueError, match="dataset"):
         dataset_requests("alpaca", 1, preset, seed=0, input_len=8, output_len=8)
+
+
+def test_prefix_requests_share_their_prefixes_in_turn():
+    requests = prefix_requests(7, prefix_len=12, suffix_len=5, num_prefixes=3, output_len=4, vocab_size=50, seed=3)
+    assert [len(r.prompt_token_ids) for r in requests] == [17] * 7 and {r.output_len for r in requests} == {4}
+    prefixes = [tuple(r.prompt_token_ids[:12]) for r in requests]
+    assert len(set(prefixes)) == 3 and all(prefixes[i] == prefixes[i % 3] for i in range(7))
+    assert len({tuple(r.prompt_token_ids[12:]) for r in requests}) == 7
+    assert requests == prefix_requests(7, 12, 5, 3, 4, 50, seed=3)
+    # A request's prefix does not depend on how many requests are drawn.
+    assert prefix_requests(2, 12, 5, 3, 4, 50, seed=3)[1].prompt_token_ids[:12] == requests[1].prompt_token_ids[:12]
+    with pytest.raises(ValueError, match="num_prefixes"):
+        prefix_requests(2, 12, 5, 0, 4, 50, seed=3)

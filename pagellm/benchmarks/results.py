@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -106,12 +107,14 @@ def write_json(payload: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def format_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A plain-text table with right-aligned columns (floats to two decimals)."""
+def format_table(header: list[str], rows: list[list[Any]], left: Collection[int] = ()) -> str:
+    """A plain-text table with right-aligned columns (floats to two decimals), except the column
+    indices in `left` (text)."""
     cells = [header] + [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
     return "\n".join(lines)
 
 

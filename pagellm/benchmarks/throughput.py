@@ -28,7 +28,7 @@ def run_cli(ns: argparse.Namespace) -> int:
     args = engine_args_from(ns)
     requests, dataset = dataset_requests(ns.dataset, ns.num_prompts, resolve_model(args.model, args.load_format),
                                          args.seed, ns.input_len, ns.output_len, ns.random_range_ratio,
-                                         ns.dataset_path)
+                                         ns.dataset_path, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes)
     metadata = run_metadata()
     llm = LLM(**dataclasses.asdict(args))
     result, _ = measure_throughput(llm, requests, progress=not ns.disable_tqdm)

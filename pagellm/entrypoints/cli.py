@@ -6,9 +6,9 @@ import dataclasses
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from pagellm.benchmarks.cli import add_bench_parser
+from pagellm.benchmarks.cli import add_bench_parser, add_plan_parser
 from pagellm.config import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.entrypoints.openai.limits import add_limit_args
@@ -18,12 +18,13 @@ API_KEY_ENV = "PAGELLM_API_KEY"
 """`pagellm serve` reads its API key from here when --api-key is not given."""
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--kebab-case` flag per EngineArgs field (the model is positional), help from its docs."""
+def add_engine_args(parser: argparse.ArgumentParser, names: Collection[str] | None = None) -> None:
+    """One `--kebab-case` flag per EngineArgs field (the model is positional), or per field in `names`,
+    help from its docs."""
     hints = typing.get_type_hints(EngineArgs)
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
-        if f.name == "model":
+        if f.name == "model" or (names is not None and f.name not in names):
             continue
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"]
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(handler=_generate)
     _add_serve_parser(sub)
     add_bench_parser(sub, add_engine_args)
+    add_plan_parser(sub, add_engine_args)
     return parser
 
 

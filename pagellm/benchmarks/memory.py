@@ -1,0 +1,250 @@
+"""The memory ledger of one engine rank, computed rather than measured: what `Worker.determine_num_blocks`
+will find, so that capacity can be planned before the hardware is at hand (`pagellm plan`).
+
+GPU, as the worker sizes it: KV budget = gpu_memory_utilization x total memory - the profiled peak
+of the largest step (weights, buffers, activations) - memory outside PyTorch (CUDA context, kernels).
+The largest step (`ModelRunner.run_largest_step`) is max_num_batched_tokens fresh prompt tokens over
+max_num_seqs sequences, sampled with top-k/top-p; its activation peak is the larger of
+  - the forward pass: the MLP holds the residual stream, its normed input, gate/up and the activation
+    (measured: 4 x hidden + 3 x intermediate elements per token), and
+  - the sampler: 40 bytes per logit (max_num_seqs x vocab; `sample.sampler.apply_filters` holds the
+    float32 logits, a scaled and a sorted copy, int64 sort indices, probabilities, cumulative mass,
+    masks and the scattered result at once) while the final hidden states are still alive,
+plus cuBLAS's workspace. Weights and KV bytes per block come from the engine's own model class,
+built on the meta device. Calibrated on an H200 (benchmarks/results/kv_sizing_h200_20261201T151500Z.json):
+the activation peaks of Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B and SmolLM2 at several step budgets
+agree within 3 MB.
+CPU: the budget is fixed (--kv-cache-memory-bytes, else min(4 GiB, RAM / 4) shared by the ranks).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pagellm.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
+from pagellm.model_arch import ModelArchConfig
+
+SAMPLER_BYTES_PER_LOGIT = 40
+"""Measured on an H200: 40.0 bytes per (sequence x vocabulary entry) between 256, 384 and 1024 sequences."""
+FORWARD_ELEMENTS_PER_TOKEN_HIDDEN, FORWARD_ELEMENTS_PER_TOKEN_INTERMEDIATE = 4, 3
+"""The forward pass's activation peak per token, in elements of hidden_size and intermediate_size."""
+CUBLAS_WORKSPACE_BYTES = 32 << 20
+"""cuBLAS's workspace on Hopper, allocated through PyTorch's allocator on the first matmul."""
+CUDA_CONTEXT_BYTES = 720_175_104
+"""Memory outside PyTorch in a fresh engine process after its first step, measured on an H200 with
+CUDA 13 (the worker measures its own; tensor parallelism adds NCCL's buffers, not modelled here)."""
+CUDA_GRAPH_BASE_BYTES, CUDA_GRAPH_BYTES_PER_SIZE = 100 << 20, 5 << 19
+"""Decode graphs, a rough fit of the 88 to 314 MiB measured for 11 to 67 captured batch sizes (15% under
+to 57% over). The engine captures them after sizing the KV cache, in the room the activation peak leaves."""
+
+
+@dataclass(slots=True, frozen=True)
+class PlanSpec:
+    """What the ledger is computed for: one engine rank's model, settings and workload."""
+
+    arch: ModelArchConfig
+    device: str
+    """"cpu" or "cuda"."""
+    dtype_bytes: int
+    """Bytes per element of the model dtype (weights, activations, KV cache unless fp8)."""
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    input_len: int
+    """Typical prompt tokens per request."""
+    output_len: int
+    """Typical output tokens per request."""
+    total_memory_bytes: int | None = None
+    """The GPU's memory (cuda); the machine's RAM (cpu), for the fit check only."""
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    kv_cache_memory_bytes: int | None = None
+    """An explicit KV budget per rank (the engine's --kv-cache-memory-bytes)."""
+    cpu_kv_cache_bytes: int = 4 << 30
+    """The CPU's default budget for the whole replica (EngineConfig.default_cpu_kv_cache_bytes)."""
+    enforce_eager: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class Ledger:
+    """Bytes of one rank and what they buy."""
+
+    spec: PlanSpec
+    weights_bytes: int
+    """Parameters, linear layers at the quantization's size."""
+    buffers_bytes: int
+    """Non-parameter tensors of the model (the rotary cos/sin table) and the CUDA allocator's rounding."""
+    activation_peak_bytes: int
+    non_torch_bytes: int
+    """CUDA context and kernels (0 on the CPU)."""
+    cuda_graph_bytes: int
+    """Decode graphs, taken after the KV cache is sized (0 on the CPU or with enforce_eager)."""
+    kv_budget_bytes: int
+    """What is left for the KV cache; <= 0 when nothing is."""
+    kv_bytes_per_block: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_block // self.spec.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return max(0, self.kv_budget_bytes // self.kv_bytes_per_block)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_kv_blocks * self.spec.block_size
+
+    @property
+    def tokens_per_seq(self) -> int:
+        return min(self.spec.input_len + self.spec.output_len, self.spec.max_model_len)
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return math.ceil(self.tokens_per_seq / self.spec.block_size)
+
+    @property
+    def kv_limited_seqs(self) -> int:
+        """Sequences of input_len + output_len tokens whose KV fits at once."""
+        return self.num_kv_blocks // self.blocks_per_seq
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        """Sequences that run at once: the KV cache's limit or max_num_seqs, whichever is lower."""
+        return min(self.spec.max_num_seqs, self.kv_limited_seqs)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Everything at the largest step, KV cache included (the GPU's limit is utilization x total)."""
+        return (self.weights_bytes + self.buffers_bytes + self.activation_peak_bytes + self.non_torch_bytes
+                + self.kv_cache_bytes)
+
+
+def compute_ledger(spec: PlanSpec) -> Ledger:
+    """The ledger of `spec` (see the module docstring)."""
+    sizes = model_bytes(spec)
+    on_gpu = spec.device == "cuda"
+    activation = activation_peak_bytes(spec) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+    non_torch = CUDA_CONTEXT_BYTES if on_gpu else 0
+    if spec.kv_cache_memory_bytes is not None:
+        budget = spec.kv_cache_memory_bytes
+    elif on_gpu:
+        if spec.total_memory_bytes is None:
+            raise ValueError("the GPU's memory is unknown: pass --gpu-memory-gib")
+        resident = sizes.weights + sizes.buffers + sizes.allocator_rounding
+        budget = int(spec.total_memory_bytes * spec.gpu_memory_utilization) - (resident + activation) - non_torch
+    else:
+        budget = spec.cpu_kv_cache_bytes // spec.tensor_parallel_size
+    return Ledger(spec, sizes.weights, sizes.buffers + sizes.allocator_rounding, activation, non_torch,
+                  cuda_graph_bytes(spec), budget, sizes.kv_bytes_per_block)
+
+
+def activation_peak_bytes(spec: PlanSpec) -> int:
+    """Activation peak of the largest step on one rank, without cuBLAS's workspace."""
+    arch, tp, elem = spec.arch, spec.tensor_parallel_size, spec.dtype_bytes
+    tokens = spec.max_num_batched_tokens
+    seqs = min(spec.max_num_seqs, tokens)
+    mlp = (FORWARD_ELEMENTS_PER_TOKEN_HIDDEN * arch.hidden_size
+           + FORWARD_ELEMENTS_PER_TOKEN_INTERMEDIATE * arch.intermediate_size // tp)
+    # Residual, normed input and output of attention, the fused qkv and the attention output:
+    # below the MLP for every model so far, kept so that an unusual shape is not underestimated.
+    q_size = arch.num_attention_heads // tp * arch.head_dim
+    kv_size = max(1, arch.num_key_value_heads // tp) * arch.head_dim
+    attention = 3 * arch.hidden_size + q_size + 2 * kv_size + 2 * q_size
+    forward = tokens * elem * max(mlp, attention)
+    # The logits are gathered from every rank, so each rank samples the whole vocabulary.
+    sampler = seqs * arch.vocab_size * SAMPLER_BYTES_PER_LOGIT + tokens * arch.hidden_size * elem
+    return max(forward, sampler)
+
+
+def cuda_graph_bytes(spec: PlanSpec) -> int:
+    if spec.device != "cuda" or spec.enforce_eager:
+        return 0
+    from pagellm.worker.cuda_graphs import capture_sizes
+
+    return CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_BYTES_PER_SIZE * len(capture_sizes(spec.max_num_seqs))
+
+
+@dataclass(slots=True, frozen=True)
+class ModelBytes:
+    weights: int
+    """Parameters, each once (a tied LM head shares the embedding), linear layers at the quantization's size."""
+    buffers: int
+    """Non-parameter tensors (the rotary cos/sin table)."""
+    allocator_rounding: int
+    """What PyTorch's CUDA allocator charges for these tensors beyond their sizes."""
+    kv_bytes_per_block: int
+
+
+def model_bytes(spec: PlanSpec) -> ModelBytes:
+    """The bytes of one tensor-parallel rank's model, read off the engine's own model class built on
+    the meta device (no memory), so every architecture the engine supports is counted as allocated."""
+    import torch
+
+    from pagellm.attention import get_attn_backend
+    from pagellm.models import get_model_class
+    from pagellm.models.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    linear_layers = (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
+    try:
+        with _as_tensor_parallel_rank(spec.tensor_parallel_size), torch.device("meta"):
+            model = get_model_class(spec.arch.architecture)(spec.arch, get_attn_backend("torch"))
+    except ValueError as e:
+        if spec.tensor_parallel_size == 1:
+            raise
+        # The layers cannot be split over that many ranks.
+        raise ValueError(f"--tensor-parallel-size {spec.tensor_parallel_size}: {e}") from None
+    per_weight = quantized_weight_bytes(spec.quantization, spec.dtype_bytes)
+    sizes: list[int] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            # Quantization methods store linear layers' weights; embeddings, norms and biases stay.
+            quantized = isinstance(module, linear_layers) and name == "weight"
+            sizes.append(math.ceil(param.numel() * (per_weight if quantized else spec.dtype_bytes)))
+    buffers = [b.numel() * b.element_size() for b in model.buffers()]
+    rounding = sum(cuda_allocated_bytes(n) - n for n in sizes + buffers) if spec.device == "cuda" else 0
+    layers = model.attention_layers()
+    kv_elem = kv_cache_element_bytes(spec.kv_cache_dtype, spec.dtype_bytes)
+    kv_block = 2 * len(layers) * spec.block_size * layers[0].num_kv_heads * layers[0].head_dim * kv_elem
+    return ModelBytes(sum(sizes), sum(buffers), rounding, kv_block)
+
+
+def cuda_allocated_bytes(num_bytes: int) -> int:
+    """What PyTorch's CUDA caching allocator charges for a tensor of `num_bytes` made in a fresh segment.
+
+    Sizes round up to 512 bytes; a tensor of 10 MiB or more gets a segment rounded up to 2 MiB, and
+    the rest of that segment is split off only if it exceeds 1 MiB, else the tensor is charged all of
+    it (Qwen2.5-7B's weights: 57 MiB of this).
+    """
+    size = max(512, -(-num_bytes // 512) * 512)
+    if size < 10 << 20:
+        return size
+    segment = -(-size // (2 << 20)) * (2 << 20)
+    return segment if segment - size <= 1 << 20 else size
+
+
+@contextlib.contextmanager
+def _as_tensor_parallel_rank(tp_size: int) -> Iterator[None]:
+    """Build layers as rank 0 of `tp_size` would (they read the process's parallel state), then restore it."""
+    from pagellm.distributed.parallel_state import init_tensor_parallel, parallel_state
+
+    state = parallel_state()
+    saved = (state.tp_rank, state.tp_size, state.tp_group)
+    init_tensor_parallel(0, tp_size)
+    try:
+        yield
+    finally:
+        state.tp_rank, state.tp_size, state.tp_group = saved

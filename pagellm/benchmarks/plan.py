@@ -1,0 +1,211 @@
+"""`pagellm plan MODEL`: the memory ledger of a deployment (`benchmarks/memory.py`) as a table or JSON,
+with what to change when the workload does not fit."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Any
+
+from pagellm.benchmarks.memory import Ledger, PlanSpec, compute_ledger
+from pagellm.benchmarks.results import format_table
+from pagellm.model_arch import ModelArchConfig
+
+_GiB = 1 << 30
+
+
+def run_cli(ns: argparse.Namespace) -> int:
+    name, arch = resolve_arch(ns.model)
+    ledger = compute_ledger(spec_from_args(ns, arch))
+    tips = advice(ledger)
+    if ns.json:
+        print(json.dumps(ledger_json(name, ledger, tips), indent=2))
+    else:
+        print(format_plan(name, ledger, tips))
+    return 0
+
+
+def resolve_arch(model: str | None) -> tuple[str, ModelArchConfig]:
+    """The architecture of a model path (GGUF file, Hugging Face directory), a config.json file or a
+    preset name; None: the embedded default model. Only the shape is read, never the weights."""
+    from pagellm.loader import resolve_model
+    from pagellm.loader.source import read_json
+
+    if model is not None and model.endswith(".json") and os.path.isfile(model):
+        return model, ModelArchConfig.from_hf_dict(read_json(model))
+    source = resolve_model(model, "dummy")
+    return model or os.path.basename(source.path), source.arch
+
+
+def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig) -> PlanSpec:
+    """The plan's inputs from the command line: the device and its memory, dtype and defaults as
+    the engine would resolve them."""
+    import torch
+
+    from pagellm.config import EngineArgs, EngineConfig, default_max_num_batched_tokens, resolve_dtype
+
+    from pagellm.benchmarks.cli import PLAN_ENGINE_ARGS
+
+    # The engine's own checks, with its messages (which name the flag).
+    EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_ARGS}).validate()
+    for flag in ("input_len", "output_len"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(ns, flag)}")
+    if ns.gpu_memory_gib is not None and ns.gpu_memory_gib <= 0:
+        raise ValueError(f"--gpu-memory-gib must be positive, got {ns.gpu_memory_gib}")
+    device = ns.device
+    if device == "auto":
+        device = "cuda" if ns.gpu_memory_gib is not None or torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if ns.gpu_memory_gib is not None:
+            total = int(ns.gpu_memory_gib * _GiB)
+        elif torch.cuda.is_available():
+            total = torch.cuda.mem_get_info(0)[1]
+        else:
+            raise ValueError("--device cuda on a machine without a GPU needs --gpu-memory-gib")
+    else:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    max_model_len = ns.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ValueError(f"--max-model-len ({max_model_len}) is larger than the model's max_position_embeddings "
+                         f"({arch.max_position_embeddings})")
+    torch_device = torch.device(device)
+    return PlanSpec(
+        arch=arch, device=device, dtype_bytes=resolve_dtype(ns.dtype, torch_device, arch.torch_dtype).itemsize,
+        max_model_len=max_model_len, max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens or default_max_num_batched_tokens(torch_device,
+                                                                                           ns.max_num_seqs),
+        input_len=ns.input_len, output_len=ns.output_len, total_memory_bytes=total,
+        gpu_memory_utilization=ns.gpu_memory_utilization, block_size=ns.block_size, quantization=ns.quantization,
+        kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
+        kv_cache_memory_bytes=ns.kv_cache_memory_bytes, cpu_kv_cache_bytes=EngineConfig.default_cpu_kv_cache_bytes(),
+        enforce_eager=ns.enforce_eager)
+
+
+def advice(ledger: Ledger) -> list[str]:
+    """What does not fit, and what each usual remedy would give (each computed, one change at a time)."""
+    spec = ledger.spec
+    problems = []
+    if ledger.num_kv_blocks == 0:
+        fixed = ledger.weights_bytes + ledger.buffers_bytes + ledger.activation_peak_bytes + ledger.non_torch_bytes
+        problems.append(f"nothing is left for the KV cache: weights, activations and the CUDA context take "
+                        f"{_gib(fixed):.2f} GiB of the {_budget_gib(spec):.2f} GiB allowed")
+    elif ledger.kv_cache_tokens < spec.max_model_len:
+        problems.append(f"one request of --max-model-len {spec.max_model_len} tokens does not fit the KV cache "
+                        f"({ledger.kv_cache_tokens} tokens): lower --max-model-len to {ledger.kv_cache_tokens} or less")
+    if 0 < ledger.kv_limited_seqs < spec.max_num_seqs:
+        problems.append(f"the KV cache holds {ledger.kv_limited_seqs} sequences of {ledger.tokens_per_seq} tokens, "
+                        f"fewer than --max-num-seqs {spec.max_num_seqs}: past that the engine preempts; "
+                        f"--max-num-seqs {ledger.kv_limited_seqs} avoids it")
+    if spec.device == "cpu" and spec.total_memory_bytes and ledger.peak_bytes > spec.total_memory_bytes:
+        problems.append(f"weights, KV cache and activations ({_gib(ledger.peak_bytes):.2f} GiB) exceed the "
+                        f"machine's {_gib(spec.total_memory_bytes):.2f} GiB: lower --kv-cache-memory-bytes")
+    if not problems:
+        return []
+    return problems + [f"what-if {change}: {_capacity(other)}" for change, other in _what_ifs(spec)]
+
+
+def _what_ifs(spec: PlanSpec) -> list[tuple[str, Ledger]]:
+    changes: list[tuple[str, dict[str, Any]]] = []
+    if spec.kv_cache_dtype == "auto":
+        changes.append(("--kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"}))
+    if spec.device == "cpu":
+        # The CPU's budget is fixed: only a larger one or smaller entries buy more KV.
+        budget = spec.kv_cache_memory_bytes or spec.cpu_kv_cache_bytes
+        changes.append((f"--kv-cache-memory-bytes {2 * budget}", {"kv_cache_memory_bytes": 2 * budget}))
+        return _ledgers(spec, changes)
+    if spec.quantization == "none":
+        changes.append(("--quantization fp8", {"quantization": "fp8"}))
+    changes.append((f"--tensor-parallel-size {2 * spec.tensor_parallel_size}",
+                    {"tensor_parallel_size": 2 * spec.tensor_parallel_size}))
+    if spec.kv_cache_memory_bytes is None and spec.gpu_memory_utilization < 0.95:
+        changes.append(("--gpu-memory-utilization 0.95", {"gpu_memory_utilization": 0.95}))
+    if spec.max_num_batched_tokens // 2 >= max(2048, spec.max_num_seqs):
+        half = spec.max_num_batched_tokens // 2
+        changes.append((f"--max-num-batched-tokens {half}", {"max_num_batched_tokens": half}))
+    return _ledgers(spec, changes)
+
+
+def _ledgers(spec: PlanSpec, changes: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Ledger]]:
+    """The ledger of each change that fits more sequences, one change at a time."""
+    now = compute_ledger(spec).kv_limited_seqs
+    ledgers = []
+    for change, fields in changes:
+        try:
+            ledger = compute_ledger(dataclasses.replace(spec, **fields))
+        except ValueError:  # e.g. the model's heads cannot be split that way
+            continue
+        if ledger.kv_limited_seqs > now:
+            ledgers.append((change, ledger))
+    return ledgers
+
+
+def _capacity(ledger: Ledger) -> str:
+    return (f"{ledger.num_kv_blocks} blocks, {ledger.kv_cache_tokens} tokens, "
+            f"{ledger.kv_limited_seqs} sequences of {ledger.tokens_per_seq} tokens")
+
+
+def _gib(num_bytes: float) -> float:
+    return num_bytes / _GiB
+
+
+def _budget_gib(spec: PlanSpec) -> float:
+    return _gib((spec.total_memory_bytes or 0) * spec.gpu_memory_utilization)
+
+
+def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
+    spec = ledger.spec
+    inputs = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "arch"}
+    return {
+        "model": model, "architecture": spec.arch.architecture, **inputs,
+        "weights_bytes": ledger.weights_bytes, "buffers_bytes": ledger.buffers_bytes,
+        "activation_peak_bytes": ledger.activation_peak_bytes, "non_torch_bytes": ledger.non_torch_bytes,
+        "cuda_graph_bytes": ledger.cuda_graph_bytes, "kv_budget_bytes": ledger.kv_budget_bytes,
+        "kv_bytes_per_token": ledger.kv_bytes_per_token, "kv_bytes_per_block": ledger.kv_bytes_per_block,
+        "num_kv_blocks": ledger.num_kv_blocks, "kv_cache_tokens": ledger.kv_cache_tokens,
+        "kv_cache_bytes": ledger.kv_cache_bytes, "tokens_per_seq": ledger.tokens_per_seq,
+        "kv_limited_seqs": ledger.kv_limited_seqs, "max_concurrent_seqs": ledger.max_concurrent_seqs,
+        "fits": not tips, "advice": tips,
+    }
+
+
+def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
+    spec = ledger.spec
+    on_gpu = spec.device == "cuda"
+    where = f"GPU of {_gib(spec.total_memory_bytes):.2f} GiB" if on_gpu else "CPU"
+    lines = [f"{model} ({spec.arch.architecture}) on a {where}, {spec.dtype_bytes} bytes per element, "
+             f"tensor parallel {spec.tensor_parallel_size} (per rank); quantization {spec.quantization}, "
+             f"KV cache dtype {spec.kv_cache_dtype}", ""]
+    if spec.kv_cache_memory_bytes is not None:
+        budget_row = ["KV budget", _gib(spec.kv_cache_memory_bytes), "--kv-cache-memory-bytes"]
+    elif on_gpu:
+        budget_row = ["allowed", _gib(spec.total_memory_bytes * spec.gpu_memory_utilization),
+                      f"--gpu-memory-utilization {spec.gpu_memory_utilization}"]
+    else:
+        budget_row = ["KV budget", _gib(spec.cpu_kv_cache_bytes // spec.tensor_parallel_size),
+                      "min(4 GiB, RAM / 4), shared by the ranks; the rest is not deducted on the CPU"]
+    rows = [budget_row,
+            ["weights", _gib(ledger.weights_bytes), f"quantization {spec.quantization}"],
+            ["buffers", _gib(ledger.buffers_bytes), "rotary table" + (", allocator rounding" if on_gpu else "")],
+            ["activation peak", _gib(ledger.activation_peak_bytes),
+             f"largest step: {spec.max_num_batched_tokens} tokens, "
+             f"{min(spec.max_num_seqs, spec.max_num_batched_tokens)} sequences sampled"]]
+    if on_gpu:
+        rows.append(["CUDA context", _gib(ledger.non_torch_bytes), "memory outside PyTorch"])
+    rows.append(["KV cache", _gib(ledger.kv_cache_bytes), f"{ledger.num_kv_blocks} blocks of {spec.block_size} tokens"])
+    if on_gpu:
+        rows.append(["CUDA graphs", _gib(ledger.cuda_graph_bytes),
+                     "after sizing, in the activation peak's room (estimate)" if ledger.cuda_graph_bytes else
+                     "--enforce-eager"])
+    lines.append(format_table(["memory", "GiB", "notes"], rows, left=(0, 2)))
+    lines.append("")
+    capacity = [["KV bytes per token", ledger.kv_bytes_per_token, f"KV cache dtype {spec.kv_cache_dtype}"],
+                ["KV cache tokens", ledger.kv_cache_tokens, f"{ledger.num_kv_blocks} blocks"],
+                ["tokens per sequence", ledger.tokens_per_seq, f"--input-len {spec.input_len} + --output-len "
+                                                               f"{spec.output_len}, at most --max-model-len"],
+                ["sequences in the KV cache", ledger.kv_limited_seqs, f"{ledger.blocks_per_seq} blocks each"],
+                ["max concurrent sequences", ledger.max_concurrent_seqs, f"--max-num-seqs {spec.max_num_seqs}"]]
+    lines.append(format_table(["capacity", "value", "notes"], capacity, left=(0, 2)))
+    lines += ["", *(f"- {tip}" for tip in tips)] if tips else ["", "fits: every --max-num-seqs sequence runs at once"]
+    return "\n".join(lines)

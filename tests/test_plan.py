@@ -1,0 +1,133 @@
+"""`pagellm plan`: the ledger agrees with the engine's own KV sizing (on the CPU, and with the H200
+measurements), its byte counts with real models, and its advice with its own what-ifs."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.kv_sizing_gpu import SMOLLM2_135M
+from pagellm.attention import get_attn_backend
+from pagellm.benchmarks.memory import PlanSpec, compute_ledger, cuda_allocated_bytes
+from pagellm.config import EngineArgs
+from pagellm.entrypoints.cli import main as cli_main
+from pagellm.loader import resolve_model
+from pagellm.models import get_model_class
+from pagellm.model_arch import ModelArchConfig
+from pagellm.worker.worker import Worker
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+H200_REFERENCE_BLOCKS = 55_636
+"""KV blocks the engine allocated for Llama-3.1-8B at 0.9 utilization on an H200 (gpu_fast_path results)."""
+TINY_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"], "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def _plan_json(args: list[str], capsys) -> dict:
+    assert cli_main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_h200_reference_within_5_percent(capsys):
+    """The H200 run of benchmarks/results/gpu_fast_path_20261129T190650Z.json, replayed by plan."""
+    run = json.loads((RESULTS / "gpu_fast_path_20261129T190650Z.json").read_text())
+    load = run["phases"]["engine.load"]["result"]
+    assert load["num_kv_blocks"] == H200_REFERENCE_BLOCKS
+    plan = _plan_json([load["model"], "--gpu-memory-gib", str(load["gpu_total_gib"]), "--dtype", load["dtype"],
+                       "--gpu-memory-utilization", "0.9", "--max-model-len", str(load["max_model_len"]),
+                       "--max-num-seqs", str(load["max_num_seqs"])], capsys)
+    assert plan["num_kv_blocks"] == pytest.approx(H200_REFERENCE_BLOCKS, rel=0.05)
+    assert plan["kv_bytes_per_token"] == 131072  # 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+    assert plan["kv_cache_tokens"] == plan["num_kv_blocks"] * 16
+    assert plan["max_concurrent_seqs"] == 256 and plan["fits"]
+
+
+def test_every_h200_measurement_within_2_percent():
+    """Each configuration of the calibration run (one knob at a time, four models) agrees too."""
+    measured = json.loads((RESULTS / "kv_sizing_h200_20261201T151500Z.json").read_text())["runs"]
+    for run in measured:
+        arch = (ModelArchConfig.from_hf_dict(SMOLLM2_135M) if run["model"].startswith("smollm2")
+                else resolve_model(run["model"], "dummy").arch)
+        ledger = compute_ledger(PlanSpec(arch, "cuda", 2, run["max_model_len"], run["max_num_seqs"],
+                                         run["max_num_batched_tokens"], 1024, 128,
+                                         total_memory_bytes=run["total_bytes"]))
+        assert ledger.num_kv_blocks == pytest.approx(run["num_kv_blocks"], rel=0.02), run
+        assert ledger.activation_peak_bytes == pytest.approx(run["activation_peak_bytes"], rel=0.02), run
+
+
+def test_cpu_plan_matches_the_engines_own_sizing(smollm2_path, capsys):
+    """The engine's Worker sizes the cache for SmolLM2 on this CPU (model built on the meta device:
+    the sizing reads only its shape) and plan predicts the same number of blocks."""
+    config = EngineArgs(smollm2_path, device="cpu").create_engine_config()
+    worker = Worker(config)
+    with torch.device("meta"):
+        worker.runner.model = get_model_class(config.source.arch.architecture)(config.source.arch,
+                                                                                get_attn_backend("torch"))
+    engine_blocks = worker.determine_num_blocks()
+    plan = _plan_json([smollm2_path, "--device", "cpu"], capsys)
+    assert plan["num_kv_blocks"] == pytest.approx(engine_blocks, rel=0.05)
+    assert plan["kv_bytes_per_token"] * 16 == worker.runner.kv_bytes_per_block()
+
+
+def test_weights_count_each_parameter_once_and_shard_with_tensor_parallelism():
+    """Against a real (CPU) model: tied embeddings counted once; with TP 2, each rank holds half of
+    every linear layer and of the vocabulary."""
+    arch = ModelArchConfig.from_hf_dict(TINY_QWEN2)
+    model = get_model_class(arch.architecture)(arch, get_attn_backend("torch"))
+    real = sum(p.numel() * p.element_size() for p in model.parameters())
+    spec = PlanSpec(arch, "cpu", 4, 256, 8, 256, 16, 16)
+    assert compute_ledger(spec).weights_bytes == real
+    tp2 = compute_ledger(PlanSpec(arch, "cpu", 4, 256, 8, 256, 16, 16, tensor_parallel_size=2))
+    norms = (2 * 2 + 1) * 64 * 4  # replicated on every rank
+    assert tp2.weights_bytes - norms == pytest.approx((real - norms) / 2, rel=0.01)
+
+
+def test_what_if_sizes_follow_the_byte_counts():
+    arch = resolve_model("llama-3.1-8b", "dummy").arch
+    base = PlanSpec(arch, "cuda", 2, 4096, 256, 8192, 1024, 128, total_memory_bytes=80 << 30)
+    none, fp8, gptq = (compute_ledger(dataclasses.replace(base, quantization=q)) for q in ("none", "fp8", "gptq"))
+    assert gptq.weights_bytes < fp8.weights_bytes < none.weights_bytes
+    # Only linear layers shrink: the 2 x 525M-parameter embeddings stay 16-bit.
+    assert fp8.weights_bytes > none.weights_bytes / 2
+    assert gptq.num_kv_blocks > fp8.num_kv_blocks > none.num_kv_blocks
+    fp8_kv = compute_ledger(dataclasses.replace(base, kv_cache_dtype="fp8"))
+    assert fp8_kv.kv_bytes_per_token * 2 == none.kv_bytes_per_token
+    assert fp8_kv.num_kv_blocks == pytest.approx(2 * none.num_kv_blocks, abs=1)
+
+
+def test_advice_when_the_model_does_not_fit(capsys):
+    plan = _plan_json(["llama-3.1-8b", "--gpu-memory-gib", "16", "--max-model-len", "8192"], capsys)
+    assert not plan["fits"] and plan["num_kv_blocks"] == 0 and plan["max_concurrent_seqs"] == 0
+    assert plan["advice"][0].startswith("nothing is left for the KV cache")
+    # Every what-if offered is one that makes room, checked by planning it.
+    what_ifs = [a for a in plan["advice"] if a.startswith("what-if")]
+    assert any("--tensor-parallel-size 2" in a for a in what_ifs)
+    tp2 = _plan_json(["llama-3.1-8b", "--gpu-memory-gib", "16", "--max-model-len", "8192",
+                      "--tensor-parallel-size", "2"], capsys)
+    assert tp2["num_kv_blocks"] > 0 and f"{tp2['num_kv_blocks']} blocks" in next(
+        a for a in what_ifs if "--tensor-parallel-size 2" in a)
+
+
+def test_table_and_bad_flags(capsys):
+    assert cli_main(["plan", "qwen3-8b", "--gpu-memory-gib", "80", "--input-len", "2000", "--output-len", "500"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache" in out and "max concurrent sequences" in out and "--max-num-seqs 256" in out
+    for args, flag in ((["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+                       (["--input-len", "0"], "--input-len"), (["--gpu-memory-gib", "-1"], "--gpu-memory-gib"),
+                       (["--tensor-parallel-size", "3"], "--tensor-parallel-size 3")):
+        assert cli_main(["plan", "qwen3-8b", "--device", "cuda", "--gpu-memory-gib", "80", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pagellm: error:") and flag in err and err.count("\n") == 1
+
+
+def test_cuda_allocator_rounding():
+    assert cuda_allocated_bytes(1) == 512
+    assert cuda_allocated_bytes(3 << 20) == 3 << 20  # below 10 MiB: its segment is split
+    assert cuda_allocated_bytes((31 << 20) + (1 << 19)) == 32 << 20  # 0.5 MiB left over: charged
+    assert cuda_allocated_bytes((28 << 20) + (1 << 19)) == (28 << 20) + (1 << 19)  # 1.5 MiB left: split
