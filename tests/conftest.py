@@ -37,3 +37,22 @@ def hf_smollm2_tokenizer(smollm2_path: str):
 
     folder, name = os.path.split(smollm2_path)
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+SHARED_SERVER_NAME = "smollm2"
+SHARED_SERVER_MAX_LEN = 1024
+SHARED_SERVER_KV_BYTES = 96 << 20
+SHARED_SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(SHARED_SERVER_KV_BYTES),
+                       "--max-model-len", str(SHARED_SERVER_MAX_LEN), "--served-model-name", SHARED_SERVER_NAME)
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_path: str):
+    """One plain `pagellm serve` of SmolLM2 for the modules that need nothing else of it (each server
+    start loads the model in two processes: seconds of CI time)."""
+    from server_utils import RemoteServer
+
+    remote = RemoteServer(smollm2_path, *SHARED_SERVER_FLAGS)
+    yield remote
+    assert remote.stop() == 0, "the server did not shut down cleanly"
+

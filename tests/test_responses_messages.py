@@ -17,11 +17,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
-from server_utils import RemoteServer
-
-MODEL_NAME = "smollm2"
-ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(96 << 20),
-                "--max-model-len", "1024", "--served-model-name", MODEL_NAME)
+from conftest import SHARED_SERVER_NAME as MODEL_NAME
 MAX_TOKENS = 16
 QUESTION = "In one sentence, what is the sun?"
 SHORT = "What is the capital of France?"  # answered greedily in 8 tokens
@@ -31,10 +27,8 @@ SYSTEM = "You are a helpful assistant who answers briefly."
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    remote = RemoteServer(smollm2_path, *ENGINE_FLAGS)
-    yield remote
-    assert remote.stop() == 0, "the server did not shut down cleanly"
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,12 @@ from pagellm.entrypoints.cli import main
 from pagellm.entrypoints.openai.api_server import load_chat_template
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.sampling_params import RequestOutputKind
+from conftest import SHARED_SERVER_FLAGS as ENGINE_FLAGS
+from conftest import SHARED_SERVER_KV_BYTES as KV_BYTES
+from conftest import SHARED_SERVER_MAX_LEN as MAX_LEN
+from conftest import SHARED_SERVER_NAME as MODEL_NAME
 from server_utils import RemoteServer, metric_samples
 
-MODEL_NAME = "smollm2"
-MAX_LEN = 1024
-KV_BYTES = 96 << 20
-ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(KV_BYTES),
-                "--max-model-len", str(MAX_LEN), "--served-model-name", MODEL_NAME)
 MAX_TOKENS = 16
 QUESTIONS = [f"In one sentence, what is {topic}?" for topic in
              ("the sun", "a river", "music", "a library", "rain", "a bridge")]
@@ -29,10 +28,8 @@ DEADLINE_S = 30.0
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_path):
-    remote = RemoteServer(smollm2_path, *ENGINE_FLAGS)
-    yield remote
-    assert remote.stop() == 0, "the server did not shut down cleanly"
+def server(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

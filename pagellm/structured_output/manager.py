@@ -49,7 +49,7 @@ def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids
 class RequestGrammar:
     """One request's grammar: compiling, then a matcher that follows its output tokens."""
 
-    __slots__ = ("_future", "_deadline", "_kind", "_timeout_s", "_matcher", "waiting_for_token")
+    __slots__ = ("_future", "_deadline", "_kind", "_timeout_s", "_matcher", "waiting_for_token", "_may_open")
 
     def __init__(self, future: "concurrent.futures.Future", kind: str, timeout_s: float) -> None:
         self._future = future
@@ -59,6 +59,9 @@ class RequestGrammar:
         self._matcher: "xgrammar.GrammarMatcher | None" = None
         self.waiting_for_token: int | None = None
         """A reasoning model's end-of-reasoning token: the grammar applies once it was generated."""
+        self._may_open: tuple[int, int] | None = None
+        """(start, end) of reasoning the first output token may open (Qwen3 style): that token is
+        allowed besides the grammar's, and if sampled, the grammar waits for the end."""
 
     def ready(self) -> bool:
         """Whether the matcher exists; raises GrammarError if the compile failed or ran out of time."""
@@ -70,7 +73,8 @@ class RequestGrammar:
                 raise GrammarError(self._kind, f"took longer than {self._timeout_s:g} s to compile "
                                                "(--structured-outputs-compile-timeout); simplify it")
             return False
-        self._matcher, self.waiting_for_token = self._future.result()  # raises the compile's GrammarError
+        # Raises the compile's GrammarError.
+        self._matcher, (self.waiting_for_token, self._may_open) = self._future.result()
         return True
 
     @property
@@ -80,10 +84,20 @@ class RequestGrammar:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._may_open is not None:
+            start = self._may_open[0]
+            word = bitmask[row, start // 32].view(np.uint32) | np.uint32(1 << (start % 32))
+            bitmask[row, start // 32] = word.view(np.int32)
 
     def accept(self, token_id: int) -> bool:
         """Advance past a generated token; True when the output must end here (the grammar is
         complete, or the token broke it, which the mask should make impossible)."""
+        if self._may_open is not None:
+            start, end = self._may_open
+            self._may_open = None
+            if token_id == start:
+                self.waiting_for_token = end
+                return False
         if self.waiting_for_token is not None:
             if token_id == self.waiting_for_token:
                 self.waiting_for_token = None
@@ -141,8 +155,8 @@ class GrammarManager:
             self._pending.discard(future)
 
     def _build(self, source: GrammarSource, prompt_token_ids: list[int],
-               eos_token_ids: frozenset[int]) -> tuple["xgrammar.GrammarMatcher", int | None]:
-        """(matcher, end-of-reasoning token to wait for). Runs in the pool."""
+               eos_token_ids: frozenset[int]) -> tuple["xgrammar.GrammarMatcher", tuple]:
+        """(matcher, its reasoning state: see _reasoning_state). Runs in the pool."""
         import xgrammar as xgr
 
         compiler = self._get_compiler(eos_token_ids)
@@ -152,20 +166,24 @@ class GrammarManager:
             raise
         except Exception as e:  # xgrammar's compile of a parsed grammar failing is a bug there, not a stall here
             raise GrammarError(source.kind, f"does not compile: {e}") from None
-        return xgr.GrammarMatcher(compiled), self._reasoning_end(prompt_token_ids)
+        return xgr.GrammarMatcher(compiled), self._reasoning_state(prompt_token_ids)
 
-    def _reasoning_end(self, prompt_token_ids: list[int]) -> int | None:
-        """The token to wait for before the grammar applies: the end of reasoning, unless the prompt
-        already closed it (a chat template that turns thinking off writes an empty block)."""
+    def _reasoning_state(self, prompt_token_ids: list[int]) -> tuple[int | None, tuple[int, int] | None]:
+        """(the end-of-reasoning token to wait for, the (start, end) the first token may open) at the
+        start of the output. A prompt that already closed the reasoning (a template that turns
+        thinking off writes an empty block) starts constrained; one the template left open
+        (DeepSeek-R1) waits for the end; otherwise the output may open it (Qwen3)."""
         start_id, end_id = self._reasoning_ids
         if end_id is None:
-            return None
+            return None, None
         for token_id in reversed(prompt_token_ids):
             if token_id == end_id:
-                return None
+                return None, None
             if token_id == start_id:
-                break
-        return end_id
+                return end_id, None
+        if self._reasoning.opens_in_prompt:
+            return end_id, None
+        return None, ((start_id, end_id) if start_id is not None else None)
 
     def _get_compiler(self, eos_token_ids: frozenset[int]) -> "xgrammar.GrammarCompiler":
         with self._lock:
