@@ -197,6 +197,10 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # min_tokens bans the end of output, which a complete sentence of the grammar needs.
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where "
+                             "the output ends")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

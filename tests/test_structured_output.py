@@ -156,6 +156,7 @@ def test_a_slow_compile_delays_no_other_request_and_times_out(smollm2_path: str,
     (StructuredOutputsParams(grammar="root ::= undefined_rule"), "structured_outputs.grammar: is not supported"),
     (StructuredOutputsParams(json={"type": "object", "description": "x" * 70000}),
      "structured_outputs.json: is 700"),
+    (StructuredOutputsParams(json='{"items":' * 2000 + "{}" + "}" * 2000), "structured_outputs.json: is nested too deeply"),
 ])
 def test_bad_specs_are_refused_before_the_engine(llm: LLM, spec: StructuredOutputsParams, message: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(message)):
@@ -163,7 +164,22 @@ def test_bad_specs_are_refused_before_the_engine(llm: LLM, spec: StructuredOutpu
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_a_grammar_left_with_nothing_to_sample_aborts_the_request(llm: LLM) -> None:
+    """allowed_token_ids leaving none of the tokens the grammar allows: the request ends as aborted,
+    never as a 'stop' whose text breaks the grammar, and the engine goes on."""
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    outside = llm.get_tokenizer().encode("zzz", add_special_tokens=False)[:1]
+    banned, fine = llm.generate(["Answer:", "Answer:"], [
+        SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec, allowed_token_ids=outside),
+        SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec)], use_tqdm=False)
+    assert banned.outputs[0].finish_reason == "abort"
+    assert fine.outputs[0].finish_reason == "stop" and fine.outputs[0].text in ("yes", "no")
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_structured_outputs_params_validation() -> None:
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(json={"type": "object"}, regex="a")
     with pytest.raises(ValueError, match="exactly one of"):

@@ -70,7 +70,8 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                        help="limits as METRIC_STAT:MILLISECONDS, e.g. ttft_p99:2000 tpot_p90:100; METRIC one of "
                             "ttft, tpot, itl, e2el and STAT one of mean, median, p90, p99")
     sweep.add_argument("--min-gain", type=float, default=0.1,
-                       help="throughput growth from one rung to the next below which the load is past the knee")
+                       help="the knee is the first rung whose output throughput is within this fraction of the ladder's "
+                            "best: more load past it buys less")
     sweep.add_argument("--output-dir", default="sweep-results",
                        help="where sweep.json and the PNG plots go")
     sweep.add_argument("--server-model", default=None,

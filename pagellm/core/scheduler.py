@@ -7,6 +7,7 @@ recently admitted running request is preempted and later recomputed.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -27,6 +28,8 @@ from pagellm.core.request import Request, RequestStatus, check_prompt_fits
 
 if TYPE_CHECKING:
     from pagellm.structured_output.manager import GrammarManager
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -86,7 +89,7 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         check_prompt_fits(request.num_tokens, self.limits.max_model_len)
         structured = request.sampling_params.structured_outputs
-        if structured is not None and request.grammar is None:
+        if structured is not None:
             if self.grammars is None:
                 raise ValueError("structured output needs the model's tokenizer, and this engine has none")
             request.grammar = self.grammars.start(structured, request.prompt_token_ids, request.eos_token_ids)
@@ -115,7 +118,9 @@ class Scheduler:
         self.kv.free(request)
         del self.requests[request.request_id]
         self._num_history_requests -= request.sampling_params.reads_output_history
-        self._num_grammar_requests -= request.grammar is not None
+        if request.grammar is not None:
+            self._num_grammar_requests -= 1
+            request.grammar.cancel()
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
@@ -282,9 +287,15 @@ class Scheduler:
             request.append_token(token_id)
             self.num_generation_tokens += 1
             finished = request.check_stop(token_id, self.limits.max_model_len)
-            if request.grammar is not None and not finished and request.grammar.accept(token_id):
-                request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
-                finished = True
+            if request.grammar is not None and not finished:
+                try:
+                    if request.grammar.accept(token_id):
+                        request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
+                        finished = True
+                except ValueError as e:  # GrammarError: nothing the grammar allows could be sampled
+                    logger.warning("request %s: %s", req_id, e)
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    finished = True
             results.append(EngineCoreOutput(
                 req_id, [token_id], request.status.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), request.first_scheduled_time,

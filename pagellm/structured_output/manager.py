@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMPILE_THREADS = 2
+_CACHE_LIMIT_BYTES = 512 << 20
+"""xgrammar's compiled-grammar cache (LRU): distinct schemas must not grow the core's memory forever."""
 
 
 def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list[int]) -> "xgrammar.TokenizerInfo":
@@ -49,13 +51,15 @@ def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids
 class RequestGrammar:
     """One request's grammar: compiling, then a matcher that follows its output tokens."""
 
-    __slots__ = ("_future", "_deadline", "_kind", "_timeout_s", "_matcher", "waiting_for_token", "_may_open")
+    __slots__ = ("_future", "_started", "_kind", "_timeout_s", "_matcher", "waiting_for_token", "_may_open")
 
     def __init__(self, future: "concurrent.futures.Future", kind: str, timeout_s: float) -> None:
         self._future = future
         self._kind = kind
         self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
+        self._started: float | None = None
+        """When the compile was first seen running: its time limit counts from there, not from the
+        time it queued behind others."""
         self._matcher: "xgrammar.GrammarMatcher | None" = None
         self.waiting_for_token: int | None = None
         """A reasoning model's end-of-reasoning token: the grammar applies once it was generated."""
@@ -68,14 +72,24 @@ class RequestGrammar:
         if self._matcher is not None:
             return True
         if not self._future.done():
-            if time.monotonic() > self._deadline:
-                self._future.cancel()
-                raise GrammarError(self._kind, f"took longer than {self._timeout_s:g} s to compile "
-                                               "(--structured-outputs-compile-timeout); simplify it")
+            if self._future.running():
+                now = time.monotonic()
+                self._started = self._started or now
+                if now - self._started > self._timeout_s:
+                    raise GrammarError(self._kind, f"took longer than {self._timeout_s:g} s to compile "
+                                                   "(--structured-outputs-compile-timeout); simplify it")
             return False
-        # Raises the compile's GrammarError.
-        self._matcher, (self.waiting_for_token, self._may_open) = self._future.result()
+        try:
+            self._matcher, (self.waiting_for_token, self._may_open) = self._future.result()
+        except GrammarError:
+            raise
+        except BaseException as e:  # cancelled at shutdown
+            raise GrammarError(self._kind, f"was not compiled: {type(e).__name__}") from None
         return True
+
+    def cancel(self) -> None:
+        """The request is gone: a compile still queued never runs (one running cannot be stopped)."""
+        self._future.cancel()
 
     @property
     def active(self) -> bool:
@@ -90,8 +104,8 @@ class RequestGrammar:
             bitmask[row, start // 32] = word.view(np.int32)
 
     def accept(self, token_id: int) -> bool:
-        """Advance past a generated token; True when the output must end here (the grammar is
-        complete, or the token broke it, which the mask should make impossible)."""
+        """Advance past a generated token; True when the output is complete. GrammarError when the
+        token breaks the grammar (the mask makes that impossible unless nothing was left to sample)."""
         if self._may_open is not None:
             start, end = self._may_open
             self._may_open = None
@@ -103,8 +117,11 @@ class RequestGrammar:
                 self.waiting_for_token = None
             return False
         if not self._matcher.accept_token(token_id):
-            logger.warning("token %d is outside the request's grammar; ending the request", token_id)
-            return True
+            # Only when every token was masked (allowed_token_ids or bad_words banned all the grammar
+            # allows): the output cannot go on in the language.
+            raise GrammarError(self._kind, f"token {token_id} is outside the grammar: the request's other "
+                                           "settings (allowed_token_ids, bad_words) banned every "
+                                           "token the grammar allowed")
         return self._matcher.is_terminated()
 
 
@@ -119,6 +136,8 @@ class GrammarManager:
         self._reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
         self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
         self._lock = threading.Lock()
+        """Guards `_pending` (the step loop and the pool's callbacks)."""
+        self._init_lock = threading.Lock()
         self._compiler: "xgrammar.GrammarCompiler | None" = None
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._pending: set[concurrent.futures.Future] = set()
@@ -159,14 +178,14 @@ class GrammarManager:
         """(matcher, its reasoning state: see _reasoning_state). Runs in the pool."""
         import xgrammar as xgr
 
-        compiler = self._get_compiler(eos_token_ids)
         try:
-            compiled = compiler.compile_grammar(source.parse())
+            compiled = self._get_compiler(eos_token_ids).compile_grammar(source.parse())
+            return xgr.GrammarMatcher(compiled), self._reasoning_state(prompt_token_ids)
         except GrammarError:
             raise
-        except Exception as e:  # xgrammar's compile of a parsed grammar failing is a bug there, not a stall here
-            raise GrammarError(source.kind, f"does not compile: {e}") from None
-        return xgr.GrammarMatcher(compiled), self._reasoning_state(prompt_token_ids)
+        except Exception as e:  # a failure here (tokenizer table, compile) fails this request, never the engine
+            logger.exception("compiling a %s grammar failed", source.kind)
+            raise GrammarError(source.kind, f"could not be compiled: {type(e).__name__}: {e}") from None
 
     def _reasoning_state(self, prompt_token_ids: list[int]) -> tuple[int | None, tuple[int, int] | None]:
         """(the end-of-reasoning token to wait for, the (start, end) the first token may open) at the
@@ -186,7 +205,8 @@ class GrammarManager:
         return None, ((start_id, end_id) if start_id is not None else None)
 
     def _get_compiler(self, eos_token_ids: frozenset[int]) -> "xgrammar.GrammarCompiler":
-        with self._lock:
+        # Its own lock: building the vocabulary table takes seconds, and the step loop takes `_lock`.
+        with self._init_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
@@ -194,7 +214,8 @@ class GrammarManager:
 
                 tokenizer = load_tokenizer(self._source)
                 info = build_tokenizer_info(tokenizer, self._vocab_size, list(eos_token_ids))
-                self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS,
+                                                     cache_limit_bytes=_CACHE_LIMIT_BYTES)
                 if self._reasoning is not None:
                     ids = tuple(tokenizer.backend.token_to_id(t) for t in (self._reasoning.start, self._reasoning.end))
                     if ids[1] is None:

@@ -36,6 +36,13 @@ class GrammarSource:
 
     @classmethod
     def of(cls, params: StructuredOutputsParams) -> "GrammarSource":
+        try:
+            return cls._of(params)
+        except RecursionError:  # json.loads / dumps of a spec nested thousands of levels deep
+            raise GrammarError(params.kind, "is nested too deeply") from None
+
+    @classmethod
+    def _of(cls, params: StructuredOutputsParams) -> "GrammarSource":
         kind = params.kind
         if kind in ("json", "structural_tag"):
             value = getattr(params, kind)

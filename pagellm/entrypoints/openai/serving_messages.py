@@ -40,7 +40,9 @@ class AnthropicServingMessages(OpenAIServing):
         [final] = await self.finals([run.started], raw_request)
         o = final.outputs[0]
         stop_reason, stop_sequence = _stop(o)
-        message = MessagesResponse(id=message_id, model=run.model, content=[TextContent(text=o.text)],
+        # Without the reasoning (--reasoning-parser) the output may begin with.
+        text = run.output.message(o.text).content or ""
+        message = MessagesResponse(id=message_id, model=run.model, content=[TextContent(text=text)],
                                    stop_reason=stop_reason, stop_sequence=stop_sequence,
                                    usage=_usage(self.usage([final])))
         return JSONResponse(message.model_dump())
@@ -59,10 +61,12 @@ class AnthropicServingMessages(OpenAIServing):
         yield MessagesEvent(type="ping")
         num_tokens: dict[int, int] = {}
         last = None
+        choice = run.output.stream()  # the content deltas, without the reasoning
         async for _, _, last in self.deltas([run.started], num_tokens):
-            if last.text:
+            content = choice.delta(last.text, last.finish_reason is not None).get("content")
+            if content:
                 yield MessagesEvent(type="content_block_delta", index=0,
-                                    delta={"type": "text_delta", "text": last.text})
+                                    delta={"type": "text_delta", "text": content})
         yield MessagesEvent(type="content_block_stop", index=0)
         stop_reason, stop_sequence = _stop(last)
         yield MessagesEvent(type="message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},

@@ -55,7 +55,9 @@ class OpenAIServingResponses(OpenAIServing):
                                      raw_request, named=True)
         [final] = await self.finals([run.started], raw_request)
         o = final.outputs[0]
-        self._finish(response, o.text, o.finish_reason, self.usage([final]), history, request.store)
+        # The message's content: without the reasoning (--reasoning-parser) the output may begin with.
+        text = run.output.message(o.text).content or ""
+        self._finish(response, text, o.finish_reason, self.usage([final]), history, request.store)
         return JSONResponse(response.model_dump())
 
     def _history(self, request: ResponsesRequest) -> list[Message]:
@@ -113,11 +115,13 @@ class OpenAIServingResponses(OpenAIServing):
         yield event("response.content_part.added", **where, part=OutputText(text="").model_dump())
         num_tokens: dict[int, int] = {}
         finish_reason, parts = None, []
+        choice = run.output.stream()  # the content deltas, without the reasoning
         async for _, _, o in self.deltas([run.started], num_tokens):
             finish_reason = o.finish_reason
-            if o.text:
-                parts.append(o.text)
-                yield event("response.output_text.delta", **where, delta=o.text, logprobs=[])
+            content = choice.delta(o.text, o.finish_reason is not None).get("content")
+            if content:
+                parts.append(content)
+                yield event("response.output_text.delta", **where, delta=content, logprobs=[])
         self._finish(response, "".join(parts), finish_reason, self.usage([run.first], sum(num_tokens.values())),
                      history, store, item_id)
         item = response.output[0]
