@@ -149,7 +149,7 @@ async def send_streamed(client: httpx.AsyncClient, url: str, payload: dict[str, 
                         result.ttft_s = now - start
                     last = now
                     result.generated_text += text
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError) as e:  # also malformed chunks
         result.error = f"{type(e).__name__}: {e}"
         return result
     result.latency_s = time.perf_counter() - start
@@ -175,5 +175,9 @@ def _completion_text(chunk: dict[str, Any]) -> str:
 
 
 def _chat_text(chunk: dict[str, Any]) -> str:
+    """The delta's text: a reasoning model's first tokens are reasoning, and they count for TTFT."""
     choices = chunk.get("choices") or []
-    return ((choices[0].get("delta") or {}).get("content") or "") if choices else ""
+    if not choices:
+        return ""
+    delta = choices[0].get("delta") or {}
+    return (delta.get("reasoning_content") or delta.get("reasoning") or "") + (delta.get("content") or "")
