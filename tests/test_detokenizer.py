@@ -181,10 +181,11 @@ def test_detokenize_false_and_truncated_prompt(llm):
 def test_special_tokens_in_engine_output(llm):
     chat = [{"role": "user", "content": "Say hi."}]
     greedy = dict(temperature=0.0, max_tokens=60)
-    plain = llm.chat(chat, SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
-    spaced = llm.chat(chat, SamplingParams(**greedy, skip_special_tokens=False), use_tqdm=False)[0].outputs[0]
-    tight = llm.chat(chat, SamplingParams(**greedy, skip_special_tokens=False, spaces_between_special_tokens=False),
-                     use_tqdm=False)[0].outputs[0]
+    prompt = llm.get_tokenizer().apply_chat_template(chat)
+    # One batch: the three requests differ only in detokenization, so their tokens are the same.
+    plain, spaced, tight = (o.outputs[0] for o in llm.generate([prompt] * 3, [
+        SamplingParams(**greedy), SamplingParams(**greedy, skip_special_tokens=False),
+        SamplingParams(**greedy, skip_special_tokens=False, spaces_between_special_tokens=False)], use_tqdm=False))
     assert plain.finish_reason == "stop" and plain.stop_reason is None  # ended on <|im_end|>
     assert spaced.text == plain.text + " <|im_end|>"
     assert tight.text == plain.text + "<|im_end|>"

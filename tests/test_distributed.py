@@ -21,7 +21,9 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.config import EngineArgs
 from pagellm.executor.base import WorkerFailedError
+from pagellm.loader import resolve_model
 from pagellm.models.llama import stage_layers
+from pagellm.tokenizer import load_tokenizer
 from server_utils import RemoteServer
 from test_greedy_vs_hf import CONVERSATIONS
 
@@ -46,8 +48,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def chat_prompts(smollm2_path: str) -> list[list[int]]:
-    llm = LLM(smollm2_path, **CPU)
-    tok = llm.get_tokenizer()
+    tok = load_tokenizer(resolve_model(smollm2_path))
     return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
             for c in CONVERSATIONS[:5]]
 
