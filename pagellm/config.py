@@ -9,6 +9,7 @@ import torch
 
 from pagellm.loader import ModelSource, resolve_model
 from pagellm.model_arch import ModelArchConfig
+from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -26,6 +27,7 @@ class EngineArgs:
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
+    quantization: str | None = _arg(None, "How weights are stored and multiplied: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are and multiplied by CPU kernels, as llama.cpp does: activations rounded to 8-bit blocks; CPU only so far) | none (every weight dequantized to --dtype at load). None: gguf for a GGUF model on the CPU when the kernels can run here (x86-64 with AVX2 and a C compiler), else none.")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
     seed: int = _arg(0, 'Seed of the random weights (dummy) and of sampling for requests without their own seed.')
@@ -56,6 +58,9 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def validate(self) -> None:
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -111,6 +116,7 @@ class EngineArgs:
                 f"({arch.max_position_embeddings})")
         parallel = ParallelConfig.resolve(self, arch, device)
         return EngineConfig(
+            quantization=resolve_quantization(self.quantization, source.load_format, source.path, device),
             args=self,
             source=source,
             device=device,
@@ -221,6 +227,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pooler: PoolerConfig | None = None
     """The pooling runner's pooler; None for the generate runner."""
+    quantization: str | None = None
+    """The weights' quantization method (see `pagellm.quantization`); None: dense in `dtype`."""
 
     @property
     def is_pooling(self) -> bool:

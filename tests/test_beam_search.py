@@ -13,7 +13,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, device="cpu", dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=1024)
+    return LLM(smollm2_path, device="cpu", dtype="float32", quantization="none", kv_cache_memory_bytes=128 << 20, max_model_len=1024)
 
 
 def test_beam_search_matches_hf(llm, hf_smollm2_model):

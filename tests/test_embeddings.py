@@ -41,7 +41,7 @@ BATCH_TOLERANCE = 1e-5
 
 
 def _llm(path: str, pooling_type: str, **kwargs) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", runner="pooling", max_model_len=MAX_LEN,
+    return LLM(path, device="cpu", dtype="float32", quantization="none", runner="pooling", max_model_len=MAX_LEN,
                kv_cache_memory_bytes=KV_BYTES, pooler_config={"pooling_type": pooling_type}, **kwargs)
 
 

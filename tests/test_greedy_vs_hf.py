@@ -36,7 +36,7 @@ def prompt_ids(reference_llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_llm(smollm2_path: str) -> LLM:
-    return LLM(smollm2_path, dtype="float32", device="cpu")
+    return LLM(smollm2_path, dtype="float32", quantization="none", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_requests_alone_match_hf(reference_llm, prompt_ids, hf_reference):
     ("no prefix caching, block size 32", dict(enable_prefix_caching=False, block_size=32)),
 ])
 def test_scheduling_variants_match_hf(smollm2_path, prompt_ids, hf_reference, label, kwargs):
-    llm = LLM(smollm2_path, dtype="float32", device="cpu", **kwargs)
+    llm = LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", **kwargs)
     outputs = llm.generate(prompt_ids, VARIANT, use_tqdm=False)
     assert_matches_reference(outputs, first_tokens(hf_reference, VARIANT_TOKENS), label)
     assert_no_leak(llm.llm_engine)
@@ -125,7 +125,7 @@ def test_scheduling_variants_match_hf(smollm2_path, prompt_ids, hf_reference, la
 def test_preemption_matches_hf(smollm2_path, prompt_ids, hf_reference):
     # 20 blocks x 16 tokens: two or three of the eight requests fit at once, so the scheduler
     # must preempt and recompute.
-    llm = LLM(smollm2_path, dtype="float32", device="cpu", num_gpu_blocks_override=20, max_model_len=320)
+    llm = LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", num_gpu_blocks_override=20, max_model_len=320)
     outputs = llm.generate(prompt_ids, VARIANT, use_tqdm=False)
     assert llm.llm_engine.get_stats().num_preemptions > 0
     assert_matches_reference(outputs, first_tokens(hf_reference, VARIANT_TOKENS), "preemption")
@@ -136,8 +136,36 @@ def test_triton_attention_backend_matches_hf(smollm2_path, prompt_ids, hf_refere
     # Under Triton's CPU interpreter here (slow: few prompts and tokens), on the GPU compiled.
     pytest.importorskip("triton")
     num_tokens, num_prompts = 3, 1
-    llm = LLM(smollm2_path, dtype="float32", device="cpu", attention_backend="triton")
+    llm = LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", attention_backend="triton")
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens)
     outputs = llm.generate(prompt_ids[:num_prompts], params, use_tqdm=False)
     assert_matches_reference(outputs, first_tokens(hf_reference, num_tokens, num_prompts), "triton backend")
+    assert_no_leak(llm.llm_engine)
+
+
+QUANT_GAP = 0.5
+"""Kept quantized, GGUF weights multiply activations rounded to 8-bit blocks (as llama.cpp does),
+which moves SmolLM2's log-probabilities by up to ~0.15 (measured on these prompts): the tokens
+may part from the dequantized engine's only where HF's top-2 logit gap is below this."""
+QUANT_LOGPROB_TOL = 0.3
+
+
+def test_gguf_blocks_kept_quantized_track_the_dequantized_engine(smollm2_path, reference_llm, prompt_ids,
+                                                                 hf_reference):
+    llm = LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    assert llm.llm_engine.config.quantization == "gguf"  # the CPU default for a GGUF file
+    params = SamplingParams(temperature=0.0, max_tokens=VARIANT_TOKENS, logprobs=0)
+    ours = llm.generate(prompt_ids, params, use_tqdm=False)
+    reference = reference_llm.generate(prompt_ids, params, use_tqdm=False)
+    agreed = 0
+    for i, (a, b, (_, gaps)) in enumerate(zip(ours, reference, hf_reference)):
+        a, b = a.outputs[0], b.outputs[0]
+        for step, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                assert gaps[step] < QUANT_GAP, f"prompt {i} parts at step {step} (HF top-2 gap {gaps[step]:.3f})"
+                break
+            delta = abs(a.logprobs[step][x].logprob - b.logprobs[step][y].logprob)
+            assert delta < QUANT_LOGPROB_TOL, f"prompt {i} step {step}: logprob off by {delta:.3f}"
+            agreed += 1
+    assert agreed >= len(prompt_ids) * VARIANT_TOKENS // 2, f"only {agreed} tokens agree"
     assert_no_leak(llm.llm_engine)

@@ -16,7 +16,7 @@ PROMPT = ("In the quiet town by the river, the baker wakes before dawn, lights t
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
     # A 16-token budget splits the ~35-token prompt over several prefill chunks.
-    return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=512,
+    return LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=512,
                max_num_batched_tokens=16, max_num_seqs=4)
 
 

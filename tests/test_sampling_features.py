@@ -90,7 +90,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a small village, th
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    return LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
 
 
 def greedy(**kwargs) -> SamplingParams:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -132,8 +132,9 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, float32 CPU tensor)` for every weight, dequantized one tensor at a time."""
+def iter_gguf_weights(path: str, keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, CPU tensor)` for every weight, one tensor at a time: dequantized to float32,
+    or for the names in `keep_quantized` the stored blocks as uint8 [rows, bytes per row]."""
     with GGUFFile(path) as gguf:
         config = gguf_to_hf_config(gguf)
         permuted = gguf.metadata["general.architecture"] in _PERMUTED_QK_ARCHITECTURES
@@ -142,7 +143,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             name = hf_tensor_name(info.name)
             if name is None:
                 raise ValueError(f"{path!r}: GGUF tensor {info.name!r} has no Hugging Face counterpart pagellm knows")
-            tensor = _dequantize(gguf, info).reshape(info.shape)
+            if name in keep_quantized:
+                tensor = torch.from_numpy(np.array(gguf.tensor_bytes(info)))
+            else:
+                tensor = _dequantize(gguf, info).reshape(info.shape)
             module = name.rsplit(".", 1)[0].split(".", 3)[-1]
             if permuted and module in heads:
                 tensor = unpermute_rotary_rows(tensor, heads[module])

@@ -1,7 +1,7 @@
 """One entry point for a source's weights, whatever the format."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
@@ -10,15 +10,15 @@ from pagellm.loader.safetensors_loader import iter_safetensors_weights
 from pagellm.loader.source import ModelSource
 
 
-def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(source: ModelSource, keep_quantized: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_parameter_name, CPU tensor)` pairs, one tensor in memory at a time.
 
-    GGUF weights come dequantized to float32 with q/k rows in Hugging Face order; safetensors
-    weights keep their stored dtype. A tied `lm_head.weight` is not yielded when the checkpoint
-    does not store it.
+    GGUF weights come dequantized to float32 (those named in `keep_quantized`: as stored blocks)
+    with q/k rows in Hugging Face order; safetensors weights keep their stored dtype. A tied
+    `lm_head.weight` is not yielded when the checkpoint does not store it.
     """
     if source.load_format == "gguf":
-        return iter_gguf_weights(source.path)
+        return iter_gguf_weights(source.path, keep_quantized)
     if source.load_format == "safetensors":
         return iter_safetensors_weights(source.path)
     raise ValueError(

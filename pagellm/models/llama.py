@@ -31,8 +31,6 @@ _STACKED_PARAMS = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 
-
-
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
@@ -219,6 +217,15 @@ class LlamaForCausalLM(nn.Module):
             tied_head_here = self.config.tie_word_embeddings and self.lm_head is not None
             return self.model.embed_tokens is None and not tied_head_here
         return name.startswith(("model.norm.", "lm_head.")) and not self.model.is_last_stage
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        """The Hugging Face tensor names that parameter `param_name` is loaded from."""
+        names = [param_name.replace(fused, hf) for hf, fused, _ in _STACKED_PARAMS if fused in param_name]
+        if names:
+            return names
+        if param_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return ["model.embed_tokens.weight"]
+        return [param_name]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this rank's parameters; returns the names filled."""

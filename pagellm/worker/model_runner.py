@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 from dataclasses import dataclass
 
@@ -15,6 +17,8 @@ from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOut
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.loader import initialize_dummy_weights, iter_weights
 from pagellm.models import get_model_class
+from pagellm.quantization import build_quant_config
+from pagellm.quantization.base import process_weights_after_loading
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
@@ -55,20 +59,24 @@ class ModelRunner:
         model_cls = get_model_class(self.arch.architecture)
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        quant = build_quant_config(self.config.quantization, self.config.source.path)
         try:
             with torch.device(self.device):
                 model = model_cls(self.arch, backend)
+                keep_quantized = quant.apply(model) if quant is not None else set()
         finally:
             torch.set_default_dtype(previous_dtype)
         if self.config.source.load_format == "dummy":
             initialize_dummy_weights(model, self.config.args.seed)
         else:
-            loaded = model.load_weights(iter_weights(self.config.source))
+            loaded = model.load_weights(iter_weights(self.config.source, keep_quantized))
             missing = {name for name, _ in model.named_parameters()} - loaded
             if missing:
                 raise ValueError(f"checkpoint {self.config.source.path} lacks weights: {sorted(missing)[:8]}")
+        process_weights_after_loading(model.modules())
         self.model = model.eval()
-        logger.info("loaded %s (%s) in %.2f s", self.config.source.path, self.dtype, time.perf_counter() - start)
+        logger.info("loaded %s (%s%s) in %.2f s", self.config.source.path, self.dtype,
+                    f", {quant.name} weights" if quant is not None else "", time.perf_counter() - start)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads."""
@@ -123,11 +131,8 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         layers = self.model.attention_layers()
         shape = (num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in layers
-        ]
+        self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
+                          for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
 
@@ -288,6 +293,15 @@ class ModelRunner:
                 state.prompt_logprobs_parts.append(
                     (ids[start:end, :width], values[start:end, :width], ranks[start:end]))
             start = end
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. On the CPU it is anonymous memory, which the OS hands out
+    zeroed and commits page by page on first write: a cache sized for the worst case costs
+    neither start-up time nor resident memory until its blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=dtype).view(shape)
 
 
 class _HostCopy:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed import (
@@ -12,13 +11,15 @@ from pagellm.distributed import (
     tensor_parallel_all_reduce,
 )
 from pagellm.models.layers.linear import copy_weight
+from pagellm.quantization.base import LinearMethod, UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table whose rows are split into equal, contiguous per-rank ranges.
 
     The vocabulary is padded up to a multiple of the tensor-parallel size; padding rows are zero.
-    `weight` may be an existing parameter to share (tied input and output embeddings).
+    `weight` may be an existing parameter to share (tied input and output embeddings). The table
+    is a [shard_size, embedding_dim] matrix stored by `quant_method`, like a linear layer's weight.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, weight: nn.Parameter | None = None) -> None:
@@ -28,17 +29,28 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // get_tp_world_size())
         self.shard_start = get_tp_rank() * self.shard_size
         if weight is None:
-            weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim), requires_grad=False)
-            weight.weight_loader = self.weight_loader
-        elif weight.shape != (self.shard_size, embedding_dim):
-            expected = (self.shard_size, embedding_dim)
-            raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected {expected}")
-        self.weight = weight
+            self.set_quant_method(UnquantizedLinearMethod())
+        else:
+            if weight.shape != (self.shard_size, embedding_dim):
+                expected = (self.shard_size, embedding_dim)
+                raise ValueError(f"shared weight has shape {tuple(weight.shape)}, expected {expected}")
+            self.quant_method: LinearMethod = UnquantizedLinearMethod()
+            self.weight = weight
+
+    def set_quant_method(self, method: LinearMethod, shared: "VocabParallelEmbedding | None" = None) -> None:
+        """Store the table with `method` (before loading); `shared`: the module whose (already
+        re-created) table this one shares."""
+        self.quant_method = method
+        if shared is None:
+            method.create_weights(self, self.embedding_dim, self.shard_size)
+        else:
+            self.weight = shared.weight
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} loads one unstacked tensor (got shard_id={shard_id!r})")
-        if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
+        # A quantized table keeps the checkpoint's rows but stores each row its own way.
+        if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1:] != param.shape[1:]:
             raise ValueError(
                 f"embedding of shape {tuple(loaded_weight.shape)} does not match vocab_size={self.num_embeddings}, "
                 f"hidden_size={self.embedding_dim} from the config"
@@ -49,10 +61,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if get_tp_world_size() == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.quant_method.embedding(self, input_ids)
         local_ids = input_ids - self.shard_start
         elsewhere = (local_ids < 0) | (local_ids >= self.shard_size)
-        out = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        out = self.quant_method.embedding(self, local_ids.masked_fill(elsewhere, 0))
         return tensor_parallel_all_reduce(out.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
 
@@ -61,5 +73,5 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        logits = tensor_parallel_all_gather(F.linear(hidden, self.weight), dim=-1)
+        logits = tensor_parallel_all_gather(self.quant_method.apply(self, hidden, None), dim=-1)
         return logits[..., : self.num_embeddings].float()

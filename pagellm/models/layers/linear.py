@@ -10,10 +10,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed import get_tp_rank, get_tp_world_size, tensor_parallel_all_reduce
+from pagellm.quantization.base import LinearMethod, UnquantizedLinearMethod
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -46,24 +46,31 @@ def _new_param(*shape: int) -> nn.Parameter:
 
 
 class _ParallelLinear(nn.Module, ABC):
-    """y = x W^T + b with this rank's [output_size, input_size] slice of W."""
+    """y = x W^T + b with this rank's [output_size, input_size] slice of W, stored and multiplied
+    by the layer's `quant_method`."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
-        self.weight = _new_param(output_size, input_size)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size, self.output_size = input_size, output_size
+        """This rank's sizes."""
+        self.set_quant_method(UnquantizedLinearMethod())
         if bias:
             self.bias = _new_param(output_size)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def set_quant_method(self, method: LinearMethod) -> None:
+        """Store and multiply the weight with `method` (before loading: it creates the weight)."""
+        self.quant_method = method
+        method.create_weights(self, self.input_size, self.output_size)
+
     @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's slice of the full checkpoint tensor `loaded_weight` into `param`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -157,4 +164,4 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce sums it in exactly once.
         bias = self.bias if get_tp_rank() == 0 else None
-        return tensor_parallel_all_reduce(F.linear(x, self.weight, bias))
+        return tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias))
