@@ -243,9 +243,10 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, which on SIGINT/SIGTERM also marks the server draining (readiness and new
-    requests get 503) while uvicorn stops listening and lets requests in flight finish, for at most
-    --shutdown-timeout seconds."""
+    """uvicorn's server, which on SIGINT/SIGTERM also marks the server draining; at its next tick
+    (every 0.1 s) uvicorn closes the listening socket (new connections are refused) and the idle
+    keep-alive connections, and lets requests in flight finish, for at most --shutdown-timeout
+    seconds. Draining answers a request that gets in before that tick with 503 (readiness too)."""
 
     def __init__(self, config: uvicorn.Config, traffic: TrafficState) -> None:
         super().__init__(config)
