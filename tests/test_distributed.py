@@ -182,11 +182,14 @@ def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(tiny_ll
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size \\(2\\) must divide the model's num_attention_heads \\(9\\)"),
-    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
-    ({"pipeline_parallel_size": 31}, "pipeline_parallel_size \\(31\\) exceeds the model's 30 layers"),
+    ({"tensor_parallel_size": 2},
+     "tensor_parallel_size \\(--tensor-parallel-size\\) 2 must divide the model's num_attention_heads \\(9\\)"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size \\(--tensor-parallel-size\\) must be a positive integer"),
+    ({"pipeline_parallel_size": 31},
+     "pipeline_parallel_size \\(--pipeline-parallel-size\\) 31 exceeds the model's 30 layers"),
     ({"tensor_parallel_size": 3, "distributed_executor_backend": "uni"}, "'uni' runs one rank"),
-    ({"distributed_executor_backend": "threads"}, "distributed_executor_backend must be one of"),
+    ({"distributed_executor_backend": "threads"},
+     "distributed_executor_backend \\(--distributed-executor-backend\\) must be one of"),
 ])
 def test_invalid_splits_fail_at_start_naming_the_flag(smollm2_path, kwargs, message):
     with pytest.raises(ValueError, match=message):

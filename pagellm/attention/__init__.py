@@ -10,6 +10,7 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("pagellm.attention.torch_backend", "TorchAttentionBackend"),
     "triton": ("pagellm.attention.triton_backend", "TritonAttentionBackend"),
 }
+ATTENTION_BACKENDS = tuple(_BACKENDS)
 
 
 def get_attn_backend(name: str) -> AttentionBackend:
@@ -20,4 +21,4 @@ def get_attn_backend(name: str) -> AttentionBackend:
     return getattr(importlib.import_module(module), cls)()
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "get_attn_backend"]
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVCache", "get_attn_backend"]

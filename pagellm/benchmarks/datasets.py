@@ -211,7 +211,8 @@ def sharegpt_requests(
         requests.append(BenchRequest(prompt_ids, output_len))
         if len(requests) == num:
             return requests
-    raise ValueError(f"only {len(requests)} ShareGPT conversations pass the length filters, fewer than {num}")
+    raise ValueError(f"only {len(requests)} ShareGPT conversations pass the length filters, fewer than {num} "
+                     f"(--num-prompts)")
 
 
 def sharegpt_path() -> str:
@@ -231,7 +232,10 @@ def load_sharegpt_pairs(path: str) -> tuple[tuple[str, str], ...]:
 
     Cached: parsing the 120 MB file takes seconds and benchmarks often sample it more than once.
     """
-    records, _ = salvage_json_array(path)
+    try:
+        records, _ = salvage_json_array(path)
+    except ValueError as e:  # not a JSON array, or not UTF-8 text
+        raise ValueError(f"--dataset-path must be a ShareGPT JSON file (an array of conversations): {e}") from None
     pairs = []
     for record in records:
         pair = _first_exchange(record)

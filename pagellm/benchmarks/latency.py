@@ -24,15 +24,9 @@ def run_cli(ns: argparse.Namespace) -> int:
     """`pagellm bench latency`: print a table per batch size; with --output-json also write it."""
     from pagellm.entrypoints.cli import engine_args_from
 
-    for flag in ("input_len", "num_iters"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(ns, flag)}")
+    # The other counts are checked as the command line is parsed.
     if ns.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (a time per output token needs two tokens), got {ns.output_len}")
-    if ns.num_iters_warmup < 0:
-        raise ValueError(f"--num-iters-warmup must be >= 0, got {ns.num_iters_warmup}")
-    if any(b < 1 for b in ns.batch_sizes):
-        raise ValueError(f"--batch-sizes must be positive integers, got {ns.batch_sizes}")
     args = engine_args_from(ns)
     metadata = run_metadata()
     llm = LLM(**dataclasses.asdict(args))

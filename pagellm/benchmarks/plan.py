@@ -49,11 +49,6 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig) -> PlanSpec:
 
     # The engine's own checks, with its messages (which name the flag).
     EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_ARGS}).validate()
-    for flag in ("input_len", "output_len"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(ns, flag)}")
-    if ns.gpu_memory_gib is not None and ns.gpu_memory_gib <= 0:
-        raise ValueError(f"--gpu-memory-gib must be positive, got {ns.gpu_memory_gib}")
     device = ns.device
     if device == "auto":
         device = "cuda" if ns.gpu_memory_gib is not None or torch.cuda.is_available() else "cpu"

@@ -51,13 +51,12 @@ def run_cli(ns: argparse.Namespace) -> int:
 
     values = _check_ladder(ns.ladder, ns.values)
     slo = parse_slo(ns.slo)
-    if not 0 <= ns.min_gain < 1:
-        raise ValueError(f"--min-gain must be in [0, 1), got {ns.min_gain}")
+    server_args = _split_server_args(ns.server_args)
     config = ServeConfig.from_namespace(ns)
     # Fail on a bad flag before the first rung; a max-num-seqs ladder makes its own --base-url.
     (config if ns.ladder != SETTINGS_LADDER else dataclasses.replace(config, base_url="http://127.0.0.1")).validate()
     metadata = run_metadata()
-    rungs = run_ladder(config, ns.ladder, values, ns.server_model, shlex.split(ns.server_args))
+    rungs = run_ladder(config, ns.ladder, values, ns.server_model, server_args)
     analysis = analyze(rungs, ns.ladder, slo, ns.min_gain, ns.server_model, ns.server_args)
     out = Path(ns.output_dir)
     plots = plot_sweep(rungs, ns.ladder, slo, analysis, out)
@@ -79,6 +78,13 @@ def _check_ladder(ladder: str, values: list[float]) -> list[float]:
             raise ValueError(f"--values of a {ladder} ladder must be whole numbers, got {values}")
         return [int(v) for v in values]
     return values
+
+
+def _split_server_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as e:  # an unclosed quote
+        raise ValueError(f"--server-args must be flags quoted as for a shell, got {text!r} ({e})") from None
 
 
 def run_ladder(config: ServeConfig, ladder: str, values: list[float], server_model: str | None,

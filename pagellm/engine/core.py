@@ -25,6 +25,8 @@ class EngineCore:
         try:
             num_blocks = self.executor.determine_num_blocks()
             args = config.args
+            if num_blocks < 1:
+                raise ValueError(_no_kv_block_error(config))
             # Validates that max_model_len fits before the cache is allocated.
             limits = SchedulerLimits(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -119,3 +121,13 @@ class EngineCore:
         if self.grammars is not None:
             self.grammars.shutdown()
         self.executor.shutdown()
+
+
+def _no_kv_block_error(config: EngineConfig) -> str:
+    """Why the KV cache got no block, naming the flags that size it."""
+    args = config.args
+    given = f" above {args.kv_cache_memory_bytes}" if args.kv_cache_memory_bytes is not None else ""
+    gpu = (" or gpu_memory_utilization (--gpu-memory-utilization)"
+           if config.device.type == "cuda" and args.kv_cache_memory_bytes is None else "")
+    return (f"the KV cache's memory holds no block of {args.block_size} tokens (keys and values of every layer): "
+            f"raise kv_cache_memory_bytes (--kv-cache-memory-bytes){given}{gpu}")

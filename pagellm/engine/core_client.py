@@ -70,6 +70,8 @@ class CoreClient:
                     return
                 if isinstance(message, StartupFailed):
                     self.process.join(timeout=10)
+                    if message.bad_setting:
+                        raise ValueError(message.error)
                     raise RuntimeError(f"engine core failed to start: {message.error}")
             elif not self.process.is_alive():
                 raise RuntimeError(f"engine core exited during start-up (exit code {self.process.exitcode})")

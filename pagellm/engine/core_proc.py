@@ -57,7 +57,11 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, h
     try:
         try:
             core = EngineCore(args.create_engine_config())
-        except Exception as e:  # any start-up failure is reported to the API process, then we exit
+        except ValueError as e:  # a bad setting: its message says which flag to change, a traceback nothing more
+            logger.error("engine core failed to start: %s", e)
+            outputs.send(encoder.encode(StartupFailed(str(e), bad_setting=True)))
+            return
+        except Exception as e:  # any other start-up failure is reported to the API process, then we exit
             logger.exception("engine core failed to start")
             outputs.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
             return

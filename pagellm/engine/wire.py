@@ -38,6 +38,9 @@ class Ready(msgspec.Struct, tag=True):
 
 class StartupFailed(msgspec.Struct, tag=True):
     error: str
+    bad_setting: bool = False
+    """A ValueError: a setting that does not work with this model or machine (the error names the
+    flag), rather than a failure of the engine."""
 
 
 class CoreOutputs(msgspec.Struct, tag=True):

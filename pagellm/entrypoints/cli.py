@@ -8,14 +8,27 @@ import types
 import typing
 from collections.abc import Collection, Sequence
 
+from pagellm import __version__
 from pagellm.benchmarks.cli import add_bench_parser, add_plan_parser
 from pagellm.config import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
+from pagellm.entrypoints.cli_args import (
+    Parser,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    probability,
+    set_handler,
+)
 from pagellm.entrypoints.openai.limits import add_limit_args
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGELLM_API_KEY"
 """`pagellm serve` reads its API key from here when --api-key is not given."""
+DEMO_PROMPT = "Tell me a short story about a robot who learns to paint."
+"""`pagellm generate`'s prompt without --prompt when stdin is a terminal."""
 
 
 def add_engine_args(parser: argparse.ArgumentParser, names: Collection[str] | None = None) -> None:
@@ -36,8 +49,11 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Collection[str] | No
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """The engine flags, checked (ValueError naming the flag), so that a bad one fails before the model loads."""
     names = EngineArgs.field_names()
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    args.validate()
+    return args
 
 
 def _base_type(hint) -> type:
@@ -51,9 +67,9 @@ def _generate(ns: argparse.Namespace) -> int:
     from pagellm import LLM, SamplingParams
 
     args = engine_args_from(ns)
-    llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.sampling_seed)
-    prompts = ns.prompt or ["Tell me a short story about a robot who learns to paint."]
+    prompts = ns.prompt or [_prompt_from_stdin()]
+    llm = LLM(**dataclasses.asdict(args))
     if ns.raw:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     else:
@@ -64,13 +80,24 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_from_stdin() -> str:
+    """All of stdin, unless it is a terminal (nobody typing a prompt there knows to end it with
+    Ctrl-D): then the demo prompt."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return DEMO_PROMPT
+    prompt = sys.stdin.read().strip()
+    if not prompt:
+        raise ValueError("stdin is empty: give a prompt with --prompt or on stdin")
+    return prompt
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from pagellm.entrypoints.openai.api_server import run_server
 
     try:
         return run_server(ns)
     except RuntimeError as e:  # the engine process failed to start
-        print(f"pagellm: error: {e}", file=sys.stderr)
+        print(f"{ns.prog}: error: {e}", file=sys.stderr)
         return 1
 
 
@@ -79,7 +106,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument("--port", type=port, default=8000, help="TCP port to listen on; 0: any free one")
     serve.add_argument("--served-model-name", nargs="+", default=None,
                        help="name(s) clients pass as `model`; the first is reported in responses and metrics. "
                             "None: the model argument, or SmolLM2-135M-Instruct for the embedded model")
@@ -104,41 +131,46 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     add_limit_args(serve)
     _add_reliability_args(serve)
     add_engine_args(serve)
-    serve.set_defaults(handler=_serve)
+    set_handler(serve, _serve)
 
 
 def _add_reliability_args(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("overload, timeouts and shutdown")
-    group.add_argument("--max-waiting-requests", type=int, default=None,
+    group.add_argument("--max-waiting-requests", type=non_negative_int, default=None,
                        help="generation requests that may wait beyond the --max-num-seqs the engine runs; past "
                             "that, new ones get 503 with Retry-After at once. None: 4 per --max-num-seqs")
-    group.add_argument("--request-timeout", type=float, default=None,
+    group.add_argument("--request-timeout", type=positive_float, default=None,
                        help="seconds after which an unfinished generation request is aborted with a 504 (a stream "
                             "gets an error event); None: no limit. A client may set a shorter limit for one "
                             "request with the header X-Request-Timeout: <seconds>")
-    group.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S,
+    group.add_argument("--engine-stall-timeout", type=non_negative_float, default=DEFAULT_STALL_TIMEOUT_S,
                        help="seconds one engine step may run before the engine counts as stalled and the server "
                             "exits with status 1 (a dead or frozen engine is noticed within about a second "
                             "regardless); 0: never")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+    group.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds that requests in flight may take to finish before the "
                             "server closes them and exits")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV-cache LLM inference")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="pagellm", description="pagellm: paged-KV-cache LLM inference")
+    parser.add_argument("--version", action="version", version=f"pagellm {__version__}")
+    # No dest: a missing command is then reported by its choices, not by an attribute name.
+    sub = parser.add_subparsers(required=True)
     gen = sub.add_parser("generate", help="offline generation for a few prompts (chat template applied)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     gen.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
-    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--prompt", action="append",
+                     help="a prompt (repeat for several); without --prompt, all of stdin is the prompt, or, when "
+                          f"stdin is a terminal, the demo prompt {DEMO_PROMPT!r}")
     gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--max-tokens", type=positive_int, default=128, help="most tokens generated per prompt")
+    gen.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0: greedy")
+    gen.add_argument("--top-p", type=probability, default=None,
+                     help="sample from the most likely tokens whose probabilities add up to this; None: all")
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
-    gen.set_defaults(handler=_generate)
+    set_handler(gen, _generate)
     _add_serve_parser(sub)
     add_bench_parser(sub, add_engine_args)
     add_plan_parser(sub, add_engine_args)
@@ -146,11 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command: 0 on success; 2, with one line on stderr naming the flag, on a bad flag."""
     ns = build_parser().parse_args(argv)
     try:
         return ns.handler(ns)
     except ValueError as e:
-        print(f"pagellm: error: {e}", file=sys.stderr)
+        # Our checks raise ValueError naming the flag, also those that need the model or the machine
+        # (a KV cache too small for one block), which argparse cannot make; its exit status, no usage.
+        print(f"{ns.prog}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -33,8 +33,8 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         if kwargs.get("data_parallel_size", 1) != 1:
-            raise ValueError("data_parallel_size is for pagellm serve, which runs one engine core per replica; "
-                             "offline, run one LLM per replica (each on its own devices)")
+            raise ValueError("data_parallel_size (--data-parallel-size) is for pagellm serve, which runs one engine "
+                             "core per replica; offline, run one LLM per replica (each on its own devices)")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Tokenizer:

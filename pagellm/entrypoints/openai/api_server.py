@@ -182,7 +182,10 @@ def load_chat_template(value: str | None) -> str | None:
         template = value
     else:
         raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template string")
-    compile_chat_template(template)  # a syntax error should stop start-up, not fail every request
+    try:
+        compile_chat_template(template)  # a syntax error should stop start-up, not fail every request
+    except ValueError as e:
+        raise ValueError(f"--chat-template: {e}") from None
     return template
 
 
@@ -215,8 +218,6 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     # Every data-parallel replica runs max_num_seqs sequences.
     traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs * args.data_parallel_size,
                                                     ns.max_waiting_requests, ns.request_timeout))
-    if ns.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout:g}")
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size)
     traffic.on_turned_away = metrics.record_turned_away
@@ -242,9 +243,10 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, which on SIGINT/SIGTERM also marks the server draining (readiness and new
-    requests get 503) while uvicorn stops listening and lets requests in flight finish, for at most
-    --shutdown-timeout seconds."""
+    """uvicorn's server, which on SIGINT/SIGTERM also marks the server draining; at its next tick
+    (every 0.1 s) uvicorn closes the listening socket (new connections are refused) and the idle
+    keep-alive connections, and lets requests in flight finish, for at most --shutdown-timeout
+    seconds. Draining answers a request that gets in before that tick with 503 (readiness too)."""
 
     def __init__(self, config: uvicorn.Config, traffic: TrafficState) -> None:
         super().__init__(config)
