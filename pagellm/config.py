@@ -40,7 +40,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, 'Reuse the KV of shared prompt prefixes across requests.')
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
-    attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton. None: triton on CUDA (when Triton is installed), torch on CPU.')
+    attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton | cpu (the torch backend with decode steps in C kernels; float32 on x86-64 CPUs). None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
     async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
@@ -122,8 +122,10 @@ class EngineArgs:
                 f"{_flag('max_model_len')} {max_model_len} is larger than the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})")
         parallel = ParallelConfig.resolve(self, arch, device)
-        attention_backend = self.attention_backend or _default_attention_backend(device)
-        if attention_backend == "triton" and device.type != "cuda":
+        dtype = resolve_dtype(self.dtype, device, arch.torch_dtype)
+        attention_backend = self.attention_backend or _default_attention_backend(device, dtype)
+        # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU: the tests use it.
+        if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
                              f"{device.type}: use torch")
         return EngineConfig(
@@ -131,7 +133,7 @@ class EngineArgs:
             args=self,
             source=source,
             device=device,
-            dtype=resolve_dtype(self.dtype, device, arch.torch_dtype),
+            dtype=dtype,
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or default_max_num_batched_tokens(device,
                                                                                                  self.max_num_seqs),
@@ -282,9 +284,11 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _default_attention_backend(device: torch.device) -> str:
+def _default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type != "cuda":
-        return "torch"
+        from pagellm.ops import cpu_ops  # noqa: PLC0415 (builds the C kernels on first use)
+
+        return "cpu" if dtype == torch.float32 and cpu_ops.available() else "torch"
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -23,7 +23,7 @@ from pagellm.attention import get_attn_backend  # noqa: E402
 from pagellm.model_arch import ModelArchConfig  # noqa: E402
 from pagellm.models import get_model_class  # noqa: E402
 from pagellm.models.layers import RotaryEmbedding  # noqa: E402
-from pagellm.ops import triton_activation, triton_norm, triton_rotary  # noqa: E402
+from pagellm.ops import cpu_ops, triton_activation, triton_norm, triton_rotary  # noqa: E402
 from pagellm.ops.dispatch import resolve_impl  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -160,14 +160,16 @@ def test_rotary_embedding_matches_torch_on_qkv_views(
 
 def test_dispatch_rule() -> None:
     x = torch.zeros(2, device=DEVICE)
-    # The default: Triton exactly for GPU tensors, so the CPU engine keeps the PyTorch path.
-    assert resolve_impl(x, None) == ("triton" if ON_GPU else "torch")
+    # The default: Triton for GPU tensors, the C kernels for float32 CPU tensors (tests/test_cpu_kernels.py).
+    cpu_default = "cpu" if cpu_ops.available() else "torch"
+    assert resolve_impl(x, None) == ("triton" if ON_GPU else cpu_default)
+    assert resolve_impl(x.bfloat16(), None) == ("triton" if ON_GPU else "torch")
     assert resolve_impl(x, "torch") == "torch"
     with ops.use_impl("triton"):
         assert resolve_impl(x, None) == "triton"
         assert resolve_impl(x, "torch") == "torch"
-    assert resolve_impl(x, None) == ("triton" if ON_GPU else "torch")
-    with pytest.raises(ValueError, match="impl must be one of torch, triton"):
+    assert resolve_impl(x, None) == ("triton" if ON_GPU else cpu_default)
+    with pytest.raises(ValueError, match="impl must be one of torch, triton, cpu"):
         ops.silu_and_mul(x, impl="cuda")  # type: ignore[arg-type]
 
 

@@ -10,6 +10,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from pagellm.config import EngineArgs
+from pagellm.ops import native
 from pagellm.quantization import ggml_cpu, resolve_quantization
 from pagellm.quantization.gguf import DENSE_MIN_ROWS, GGUFConfig, GGUFLinearMethod
 
@@ -87,7 +88,7 @@ def test_quantization_flag_errors_name_the_flag(smollm2_path, tmp_path, monkeypa
     assert resolve_quantization("none", "gguf", smollm2_path, cpu) is None
     assert resolve_quantization(None, "safetensors", str(tmp_path), cpu) is None
     # Without a compiler: the default falls back to dequantizing (with a warning), the flag fails.
-    monkeypatch.setattr(ggml_cpu, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     assert resolve_quantization(None, "gguf", smollm2_path, cpu) is None
     with pytest.raises(ValueError, match="no C compiler"):
         resolve_quantization("gguf", "gguf", smollm2_path, cpu)

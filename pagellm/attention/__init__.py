@@ -9,6 +9,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCac
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("pagellm.attention.torch_backend", "TorchAttentionBackend"),
     "triton": ("pagellm.attention.triton_backend", "TritonAttentionBackend"),
+    "cpu": ("pagellm.attention.cpu_backend", "CPUAttentionBackend"),
 }
 ATTENTION_BACKENDS = tuple(_BACKENDS)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ class AttentionMetadata:
     """Host copy of `query_start_loc`, so backends can plan without a device sync."""
     seq_lens_cpu: np.ndarray
     """Host copy of `seq_lens`."""
+    backend_plan: Any = None
+    """What a backend derives from the fields above, built by the first layer of the step and
+    reused by the others (the torch backend's gather indices and masks)."""
 
     @property
     def num_seqs(self) -> int:

@@ -1,8 +1,9 @@
 """The small ops of a decoder layer, each either PyTorch or one fused Triton kernel.
 
 Dispatch (`dispatch.resolve_impl`): an explicit `impl` argument wins, then a `use_impl(...)` block,
-else Triton for tensors on a GPU when `triton` imports, PyTorch otherwise. Triton is optional:
-its kernel modules are imported only when a Triton implementation runs.
+else Triton for tensors on a GPU when `triton` imports, the C kernels (`cpu_ops`) for float32 CPU
+tensors when they build, PyTorch otherwise. Triton is optional: its kernel modules are imported
+only when a Triton implementation runs.
 """
 from __future__ import annotations
 
@@ -19,31 +20,34 @@ __all__ = [
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl | None = None) -> torch.Tensor:
     """x [..., N] / rms(x) * weight [N], normalised in float32 and cast back before the weight."""
-    if resolve_impl(x, impl) == "triton":
+    chosen = resolve_impl(x, impl)
+    if chosen == "triton":
         from pagellm.ops import triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
-    return torch_ops.rms_norm(x, weight, eps)
+    return _cpu_or_torch(chosen).rms_norm(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the next block's input and its residual stream."""
-    if resolve_impl(x, impl) == "triton":
+    chosen = resolve_impl(x, impl)
+    if chosen == "triton":
         from pagellm.ops import triton_norm
 
         return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
-    return torch_ops.fused_add_rms_norm(x, residual, weight, eps)
+    return _cpu_or_torch(chosen).fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
     """x [..., 2d] (gate, up) -> silu(gate) * up [..., d]."""
-    if resolve_impl(x, impl) == "triton":
+    chosen = resolve_impl(x, impl)
+    if chosen == "triton":
         from pagellm.ops import triton_activation
 
         return triton_activation.silu_and_mul(x)
-    return torch_ops.silu_and_mul(x)
+    return _cpu_or_torch(chosen).silu_and_mul(x)
 
 
 def rotary_embedding(
@@ -54,8 +58,18 @@ def rotary_embedding(
     impl: Impl | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary embedding: positions [T], query [T, H, D], key [T, Hkv, D] -> new (query, key)."""
-    if resolve_impl(query, impl) == "triton":
+    chosen = resolve_impl(query, impl)
+    if chosen == "triton":
         from pagellm.ops import triton_rotary
 
         return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache)
-    return torch_ops.rotary_embedding(positions, query, key, cos_sin_cache)
+    return _cpu_or_torch(chosen).rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def _cpu_or_torch(impl: Impl):
+    """The module of a non-Triton implementation."""
+    if impl == "cpu":
+        from pagellm.ops import cpu_ops
+
+        return cpu_ops
+    return torch_ops

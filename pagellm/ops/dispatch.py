@@ -1,4 +1,5 @@
-"""Which implementation an op runs: PyTorch (CPU path and test oracle) or a fused Triton kernel."""
+"""Which implementation an op runs: PyTorch (the test oracle), a fused Triton kernel (GPU), or a C
+kernel (float32 on the CPU)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +10,7 @@ from typing import Literal, get_args
 
 import torch
 
-Impl = Literal["torch", "triton"]
+Impl = Literal["torch", "triton", "cpu"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 
 # Set only inside `use_impl`; a ContextVar rather than a module global so that concurrent
@@ -48,10 +49,20 @@ def use_impl(impl: Impl) -> Iterator[None]:
 
 
 def resolve_impl(x: torch.Tensor, impl: Impl | None) -> Impl:
-    """`impl` if given, else the `use_impl` override, else Triton for GPU tensors when it imports."""
+    """`impl` if given, else the `use_impl` override, else Triton for GPU tensors when it imports,
+    the C kernels for float32 CPU tensors when they build, PyTorch otherwise."""
     if impl is not None:
         return _check(impl)
     forced = _forced_impl.get()
     if forced is not None:
         return forced
-    return "triton" if x.is_cuda and triton_available() else "torch"
+    if x.is_cuda:
+        return "triton" if triton_available() else "torch"
+    return "cpu" if x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_available() else "torch"
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the C kernels build and load here (imported late: building them runs the compiler)."""
+    from pagellm.ops import cpu_ops  # noqa: PLC0415
+
+    return cpu_ops.available()

@@ -7,6 +7,9 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., N] / rms(x) * weight [N]; normalised in float32 and cast back before the weight (as HF Llama)."""
+    if x.dtype == torch.float32 == weight.dtype:
+        # The same arithmetic in one ATen op (about 2.5x faster than the composite on a CPU).
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -34,8 +37,11 @@ def rotary_embedding(
     positions [T]; query [T, H, D]; key [T, Hkv, D]; cos_sin_cache [max_position, D] with cos in
     the first half of a row and sin in the second.
     """
-    cos, sin = cos_sin_cache[positions].unsqueeze(-2).chunk(2, dim=-1)
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(-2).chunk(2, dim=-1)
+    # q and k rotated as one tensor: half the small ops, which is what a CPU decode step pays for.
+    num_heads = query.shape[1]
+    both = _rotate(torch.cat((query, key), dim=1), cos, sin)
+    return both[:, :num_heads], both[:, num_heads:]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
