@@ -28,7 +28,7 @@ class EngineArgs:
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
-    quantization: str | None = _arg(None, "How weights are stored and multiplied: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are and multiplied by CPU kernels, as llama.cpp does: activations rounded to 8-bit blocks; CPU only so far) | none (every weight dequantized to --dtype at load). None: gguf for a GGUF model on the CPU when the kernels can run here (x86-64 with AVX2 and a C compiler), else none.")
+    quantization: str | None = _arg(None, "How weights are stored and multiplied: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are and multiplied by CPU kernels in float32, about 4x fewer bytes than float32 weights; CPU only so far) | none (every weight dequantized to --dtype at load). None: gguf for a GGUF model on the CPU when the kernels can run here (x86-64 with AVX2 and a C compiler), else none.")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
     seed: int = _arg(0, 'Seed of the random weights (dummy) and of sampling for requests without their own seed.')
@@ -40,7 +40,7 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, 'Reuse the KV of shared prompt prefixes across requests.')
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
-    attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton | cpu (the torch backend with decode steps in C kernels; float32 on x86-64 CPUs). None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
+    attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton | cpu (C kernels, each query attended alone, so results never depend on the batch; float32 on x86-64 CPUs). None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
     async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")

@@ -73,7 +73,7 @@ def paged_batch(shapes: list[tuple[int, int]], block_size: int, heads: int, kv_h
 
 
 @pytest.mark.parametrize("shapes", [[(37, 1)], [(37, 1), (0, 1), (70, 1), (15, 1)], [(50, 23), (37, 1), (0, 9)]],
-                         ids=["one decode", "decodes", "mixed (torch path)"])
+                         ids=["one decode", "decodes", "prompt chunks and decodes"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128)])
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_cpu_backend_matches_torch_backend(shapes, heads, kv_heads, head_dim, block_size):
@@ -87,6 +87,19 @@ def test_cpu_backend_matches_torch_backend(shapes, heads, kv_heads, head_dim, bl
     for a, b in zip(*caches):
         assert torch.equal(a, b)
     assert torch.equal(caches[0][0], cache[0]) == (md.num_tokens == 1)  # only the -1 row: nothing written
+
+
+def test_a_querys_result_does_not_depend_on_its_batch():
+    """Bit for bit: a decode alone, and the same query as the last of a prompt chunk in a mixed batch."""
+    md, q, k, v, cache = paged_batch([(20, 5), (7, 1)], 16, 9, 3, 64, seed=8)
+    backend = get_attn_backend("cpu")
+    batch = backend.forward(q, k, v, tuple(c.clone() for c in cache), md, 0.125)
+    # Sequence 0's last query alone: its context is the cache plus the 4 keys written before it.
+    alone_cache = tuple(c.clone() for c in cache)
+    backend.forward(q[:4], k[:4], v[:4], alone_cache, build_metadata([(20, 4, md.block_table[0].tolist())], 16), 0.125)
+    alone = backend.forward(q[4:5], k[4:5], v[4:5], alone_cache,
+                            build_metadata([(24, 1, md.block_table[0].tolist())], 16), 0.125)
+    assert torch.equal(alone[0], batch[4])
 
 
 def test_decode_attention_over_a_long_context_matches_torch():

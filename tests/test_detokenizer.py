@@ -21,7 +21,7 @@ def tokenizer(smollm2_path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
+    return LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
 
 
 def stream(tokenizer: Tokenizer, token_ids: list[int], **params) -> tuple[list[str], IncrementalDetokenizer]:

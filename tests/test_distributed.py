@@ -30,6 +30,9 @@ from test_greedy_vs_hf import CONVERSATIONS
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
 CPU = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "kv_cache_memory_bytes": 1 << 28}
+# The splits must give one rank's tokens: SmolLM2 dequantized, as before GGUF blocks were kept
+# (test_tensor_parallel_keeps_gguf_blocks_quantized runs those).
+EXACT = {**CPU, "quantization": "none"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,13 +58,13 @@ def chat_prompts(smollm2_path: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def single_rank_tokens(smollm2_path: str, chat_prompts) -> list[list[int]]:
-    llm = LLM(smollm2_path, **CPU)
+    llm = LLM(smollm2_path, **EXACT)
     return _tokens(llm.generate(chat_prompts, GREEDY, use_tqdm=False))
 
 
 def _run_split(smollm2_path: str, prompts, **kwargs) -> tuple[list[list[int]], int]:
     """Greedy tokens per prompt, and the number of preemptions."""
-    llm = LLM(smollm2_path, **{**CPU, **kwargs})
+    llm = LLM(smollm2_path, **{**EXACT, **kwargs})
     try:
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         core = llm.llm_engine.engine_core
@@ -94,7 +97,7 @@ def test_split_model_gives_the_single_rank_greedy_tokens(smollm2_path, chat_prom
 
 def test_pipeline_stages_reuse_the_prefix_cache(smollm2_path, chat_prompts, single_rank_tokens):
     # The same prompts twice in one batch: the second copies hit blocks the first ones wrote.
-    llm = LLM(smollm2_path, **CPU, pipeline_parallel_size=2)
+    llm = LLM(smollm2_path, **EXACT, pipeline_parallel_size=2)
     try:
         llm.generate(chat_prompts[:2], GREEDY, use_tqdm=False)
         outputs = llm.generate(chat_prompts, GREEDY, use_tqdm=False)
@@ -245,3 +248,22 @@ def test_server_with_a_killed_rank_fails_requests_and_exits_1_leaving_no_process
         assert all(_gone(pid) for pid in pids)
     finally:
         server.stop()
+
+
+def test_tensor_parallel_keeps_gguf_blocks_quantized(smollm2_path, chat_prompts):
+    """Row-parallel layers take whole 32-value blocks of their input features: two ranks score the
+    prompts as one rank does (the ranks' partial sums add in another order: float32 rounding)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def score(**kwargs) -> list[list[float]]:
+        llm = LLM(smollm2_path, **CPU, **kwargs)
+        try:
+            assert llm.llm_engine.config.quantization == "gguf"
+            outputs = llm.generate(chat_prompts[:2], params, use_tqdm=False)
+            return [[lp[token].logprob for lp, token in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+                    for o in outputs]
+        finally:
+            llm.llm_engine.shutdown()
+
+    for one, two in zip(score(), score(tensor_parallel_size=2)):
+        assert max(abs(a - b) for a, b in zip(one, two)) < 0.3

@@ -219,7 +219,8 @@ def test_embed_needs_the_pooling_runner(smollm2_path):
 
 @pytest.fixture(scope="module")
 def server(smollm2_path):
-    remote = RemoteServer(smollm2_path, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes",
+    remote = RemoteServer(smollm2_path, "--device", "cpu", "--dtype", "float32", "--quantization", "none",
+                          "--kv-cache-memory-bytes",
                           str(KV_BYTES), "--max-model-len", str(MAX_LEN), "--served-model-name", "smollm2",
                           "--runner", "pooling")
     yield remote

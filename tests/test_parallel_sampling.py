@@ -17,7 +17,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path) -> LLM:
-    return LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
+    return LLM(smollm2_path, dtype="float32", quantization="none", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024)
 
 
 def used_blocks(engine: LLMEngine) -> int:
@@ -129,7 +129,8 @@ def test_duplicate_parent_id_is_refused_before_anything_is_queued(llm):
 @pytest.fixture(scope="module")
 def async_llm(smollm2_path):
     engine = AsyncLLM.from_engine_args(EngineArgs(
-        smollm2_path, device="cpu", dtype="float32", kv_cache_memory_bytes=SMALL_KV, max_model_len=1024))
+        smollm2_path, device="cpu", dtype="float32", quantization="none", kv_cache_memory_bytes=SMALL_KV,
+        max_model_len=1024))
     yield engine
     engine.shutdown()
 

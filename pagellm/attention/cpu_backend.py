@@ -1,5 +1,6 @@
-"""The torch backend with decode-only steps in C: one call per layer writes the step's keys and
-values and attends each sequence's single query over its paged context (float32, CPU)."""
+"""Attention on the CPU in C (float32): every query of the step, prompt chunks and decodes alike,
+attended alone over its sequence's paged context, so a token's result never depends on the batch
+or on how its prompt was chunked (the torch backend's batched SDPA differs in the last bits)."""
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,8 @@ from pagellm.ops import cpu_ops
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
-    """Steps with prompts (several queries per sequence) and the pre-cache profiling pass run the
-    PyTorch path; its tests are the reference for the C one."""
+    """The pre-cache profiling pass and other dtypes run the PyTorch path, the reference the C
+    kernel is tested against."""
 
     name = "cpu"
 
@@ -24,14 +25,13 @@ class CPUAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_seqs = metadata.num_seqs
-        if (kv_cache is None or query.dtype != torch.float32 or metadata.max_query_len != 1
-                or metadata.num_tokens != num_seqs):
+        if kv_cache is None or query.dtype != torch.float32:
             return super().forward(query, key, value, kv_cache, metadata, scale)
         k_cache, v_cache = kv_cache
-        cpu_ops.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, num_seqs)
-        out = cpu_ops.paged_decode_attention(query[:num_seqs], k_cache, v_cache, metadata.block_table,
-                                             metadata.seq_lens, scale)
-        if query.shape[0] > num_seqs:  # batch padding rows stay zero
-            out = torch.cat((out, out.new_zeros(query.shape[0] - num_seqs, *out.shape[1:])))
+        num_tokens = metadata.num_tokens
+        cpu_ops.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, num_tokens)
+        out = cpu_ops.paged_attention(query[:num_tokens], k_cache, v_cache, metadata.block_table,
+                                      metadata.query_start_loc, metadata.seq_lens, scale)
+        if query.shape[0] > num_tokens:  # batch padding rows stay zero
+            out = torch.cat((out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])))
         return out

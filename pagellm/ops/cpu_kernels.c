@@ -63,23 +63,30 @@ void write_rows(const float *new_rows, int64_t T, int64_t width, int64_t stride,
             for (int64_t i = 0; i < width; i++) cache[slots[t] * width + i] = new_rows[t * stride + i];
 }
 
-/* One query per sequence against its paged context: out [B, H, D] for q [B, H, D] (rows
- * `q_stride` floats apart); caches [num_blocks, block_size, Hkv, D]; block_table [B, bt_stride]
- * int32; seq_lens [B]. Query head h reads KV head h / (H / Hkv). */
-void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-                            const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                            int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                            float *out) {
-    const int64_t group = H / Hkv;
-#pragma omp parallel for schedule(dynamic) if (B * H > 8)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H, kvh = h / group, len = seq_lens[b];
-        const float *qv = q + b * q_stride + h * D;
+/* Causal attention of every query of a flat batch over its sequence's paged context: out [T, H, D]
+ * for q [T, H, D] (rows `q_stride` floats apart); sequence b owns queries query_start[b] ..
+ * query_start[b+1]-1, the last of its seq_lens[b] positions; caches [num_blocks, block_size, Hkv,
+ * D]; block_table [B, bt_stride] int32. Query head h reads KV head h / (H / Hkv). Each query is
+ * computed alone, in the same order whatever else is in the batch or the step: a token's result
+ * is the same in a prompt, a decode, a recompute after preemption or any batch. */
+void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                     const int32_t *block_table, int64_t bt_stride, const int32_t *query_start,
+                     const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
+                     float scale, float *out) {
+    const int64_t group = H / Hkv, T = query_start[B];
+#pragma omp parallel for schedule(dynamic) if (T * H > 8)
+    for (int64_t th = 0; th < T * H; th++) {
+        const int64_t t = th / H, h = th % H, kvh = h / group;
+        int64_t b = 0;
+        while (query_start[b + 1] <= t) b++;
+        const int64_t len = seq_lens[b] - (query_start[b + 1] - 1 - t);  /* positions 0 .. this one */
+        const int32_t *blocks = block_table + b * bt_stride;
+        const float *qv = q + t * q_stride + h * D;
         float *scores = malloc(len * sizeof(float));
-        float *o = out + (b * H + h) * D;
+        float *o = out + (t * H + h) * D;
         float top = -INFINITY;
         for (int64_t p = 0; p < len; p++) {
-            const int64_t slot = (int64_t)block_table[b * bt_stride + p / block_size] * block_size + p % block_size;
+            const int64_t slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
             const float *kv = k_cache + (slot * Hkv + kvh) * D;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -92,7 +99,7 @@ void paged_decode_attention(const float *q, int64_t q_stride, const float *k_cac
         for (int64_t p = 0; p < len; p++) {
             const float e = expf(scores[p] - top);
             total += e;
-            const int64_t slot = (int64_t)block_table[b * bt_stride + p / block_size] * block_size + p % block_size;
+            const int64_t slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
             const float *vv = v_cache + (slot * Hkv + kvh) * D;
             for (int64_t i = 0; i < D; i++) o[i] += e * vv[i];
         }

@@ -3,10 +3,10 @@
 Why our own C: PyTorch's CPU weight-only kernels (`_weight_int4pack_mm_for_cpu`,
 `_weight_int8pack_mm`, fbgemm's dynamic int8 linear) were measured on this project's 2-core AVX2
 machine at SmolLM2-135M shapes: the fastest took 16 ms per token for the matrix products alone
-at batch 1 (2.1x llama.cpp's whole token), and the fast int8 one quantizes activations per
-tensor, which broke greedy agreement (28/123 tokens). The C file is the llama.cpp recipe (Q8
-blocks of activations, integer dot products) in ~200 lines, compiled once per machine with the
-system C compiler (`pagellm.ops.native`); without a compiler or AVX2 the GGUF weights are
+at batch 1 (2.1x llama.cpp's whole token), and the int8 ones round activations (per tensor, or
+to bfloat16), which broke greedy agreement (28/123 tokens for fbgemm's). The C file multiplies
+the GGUF blocks as they are with float32 activations, compiled once per machine with the system
+C compiler (`pagellm.ops.native`); without a compiler or AVX2 the GGUF weights are
 dequantized at load instead, with a warning.
 """
 from __future__ import annotations
@@ -36,15 +36,6 @@ def gemm(qtype: int, x: torch.Tensor, weight: torch.Tensor, out_features: int) -
     _check(_library().ggml_gemm(qtype, x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), out_features,
                                 out.data_ptr()))
     return out
-
-
-def round_to_q8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float32 rounded as `gemm` rounds activations: per 32-value block to int8 steps of
-    max|x| / 127, so that a BLAS product with the dequantized weight gives what `gemm` gives."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    inverse = torch.where(scale > 0, 1 / scale, 0)
-    return (torch.round(blocks * inverse) * scale).reshape(x.shape)
 
 
 def dequantize(qtype: int, weight: torch.Tensor, in_features: int) -> torch.Tensor:

@@ -12,19 +12,12 @@ import logging
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.quantization import ggml_cpu
 from pagellm.quantization.base import LinearMethod, QuantizationConfig
 
 logger = logging.getLogger(__name__)
-
-DENSE_MIN_ROWS = 32
-"""From this many input rows (prefill chunks, large batches) a product dequantizes the weight to
-float32 and uses the BLAS, whose cost grows less with the rows; below it the Q8 kernel is faster.
-Both multiply the same Q8-rounded activations, so a row's result does not depend on its batch."""
-
 
 class GGUFLinearMethod(LinearMethod):
     """The weight as raw GGUF blocks [output_size, input_size / 32 * block bytes] (uint8)."""
@@ -41,12 +34,9 @@ class GGUFLinearMethod(LinearMethod):
         """The model's dtype (what an embedding lookup returns)."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.reshape(-1, self.input_size).float()
-        if rows.shape[0] >= DENSE_MIN_ROWS:
-            weight = ggml_cpu.dequantize(self.qtype, layer.weight, self.input_size)
-            out = F.linear(ggml_cpu.round_to_q8_blocks(rows), weight)
-        else:
-            out = ggml_cpu.gemm(self.qtype, rows, layer.weight, self.output_size)
+        # Every batch size takes the kernel: each row is summed alone, in the same order, so a
+        # row's result never depends on its batch.
+        out = ggml_cpu.gemm(self.qtype, x.reshape(-1, self.input_size).float(), layer.weight, self.output_size)
         if bias is not None:
             out += bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
