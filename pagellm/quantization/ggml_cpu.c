@@ -92,14 +92,20 @@ int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
     const int bb = block_bytes(qtype);
     if (bb == 0 || K % 32) return -1;
     const int64_t row_bytes = K / 32 * bb;
+    /* Rows of x in chunks that stay in the L2 cache while every weight row passes over them (a
+     * prompt's whole x, re-read from L3 for each weight row, bounded large batches before). */
+    const int64_t chunk = 64;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t end = M - m0 < chunk ? M : m0 + chunk;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = w + n * row_bytes;
-        int64_t r = 0;
-        /* A constant R per call lets the compiler unroll and keep the accumulators in registers. */
-        for (; r + 4 <= M; r += 4) dot_rows(qtype, 4, x, K, row, y, N, r, n);
-        if (r + 2 <= M) { dot_rows(qtype, 2, x, K, row, y, N, r, n); r += 2; }
-        if (r < M) dot_rows(qtype, 1, x, K, row, y, N, r, n);
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            int64_t r = m0;
+            /* A constant R per call lets the compiler unroll and keep the accumulators in registers. */
+            for (; r + 4 <= end; r += 4) dot_rows(qtype, 4, x, K, row, y, N, r, n);
+            if (r + 2 <= end) { dot_rows(qtype, 2, x, K, row, y, N, r, n); r += 2; }
+            if (r < end) dot_rows(qtype, 1, x, K, row, y, N, r, n);
+        }
     }
     return 0;
 }
