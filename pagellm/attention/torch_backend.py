@@ -140,14 +140,7 @@ def _plan_group(md: AttentionMetadata, seqs: np.ndarray, block_size: int, group:
     seq_lens = md.seq_lens_cpu[seqs].astype(np.int64)
     num_blocks = -(-int(seq_lens.max()) // block_size)
     blocks = md.block_table[torch.from_numpy(seqs).to(device), :num_blocks].flatten()
-    # Query at position p sees keys 0..p; padded queries are clamped to the last real key so no
-    # row is fully masked (SDPA would return NaN there).
-    first_pos = seq_lens - valid.sum(1)
-    last_key = np.minimum(first_pos[:, None] + np.arange(q_len), seq_lens[:, None] - 1)  # [B, L]
-    visible = torch.arange(num_blocks * block_size, device=device) <= torch.from_numpy(last_key).to(device).unsqueeze(-1)
-    # An additive float mask: SDPA on CPU runs about twice as fast with it as with a boolean one.
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-    mask = mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(batch, 1, q_len * group, -1)
+    mask = _causal_mask(seq_lens - valid.sum(1), seq_lens, q_len, num_blocks * block_size, group, dtype, device)
     flat_rows = rows.ravel()
     flat_valid = np.flatnonzero(valid.ravel())
     return _Group(
@@ -159,6 +152,19 @@ def _plan_group(md: AttentionMetadata, seqs: np.ndarray, block_size: int, group:
         batch=batch,
         q_len=q_len,
     )
+
+
+def _causal_mask(first_pos: np.ndarray, seq_lens: np.ndarray, q_len: int, num_keys: int, group: int,
+                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[B, 1, L * G, num_keys] additive mask of a padded group, G query heads per KV head folded
+    into the query axis; first_pos [B] position of each sequence's first query, seq_lens [B]."""
+    # Query at position p sees keys 0..p; padded queries are clamped to the last real key so no
+    # row is fully masked (SDPA would return NaN there).
+    last_key = np.minimum(first_pos[:, None] + np.arange(q_len), seq_lens[:, None] - 1)  # [B, L]
+    visible = torch.arange(num_keys, device=device) <= torch.from_numpy(last_key).to(device).unsqueeze(-1)
+    # An additive float mask: SDPA on CPU runs about twice as fast with it as with a boolean one.
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(len(seq_lens), 1, q_len * group, -1)
 
 
 def _length_buckets(seqs: np.ndarray, seq_lens: np.ndarray, max_waste: float = 0.25) -> list[np.ndarray]:
@@ -221,13 +227,7 @@ def _attend(
     # so each KV head is attended once and K/V are never repeated.
     q = _gather_rows(query, rows).view(batch, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
     q = q.reshape(batch, num_kv_heads, q_len * group, head_dim)
-    # Query at position p sees keys 0..p; padded queries are clamped to the last real key so no
-    # row is fully masked (SDPA would return NaN there).
-    last_key = np.minimum(first_pos[:, None] + np.arange(q_len), seq_lens[:, None] - 1)  # [B, L]
-    visible = torch.arange(keys.shape[1], device=device) <= torch.from_numpy(last_key).to(device).unsqueeze(-1)
-    # An additive float mask: SDPA on CPU runs about twice as fast with it as with a boolean one.
-    mask = torch.zeros(visible.shape, dtype=query.dtype, device=device).masked_fill_(~visible, float("-inf"))
-    mask = mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(batch, 1, q_len * group, -1)
+    mask = _causal_mask(first_pos, seq_lens, q_len, keys.shape[1], group, query.dtype, device)
     o = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
     o = o.view(batch, num_kv_heads, q_len, group, head_dim).transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     flat_valid = np.flatnonzero(valid.ravel())

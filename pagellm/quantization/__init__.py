@@ -24,10 +24,7 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
     """
     from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
 
-    if requested not in (None, *QUANTIZATION_METHODS):
-        raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATION_METHODS)}, "
-                         f"got {requested!r}")
-    if requested == "none":
+    if requested == "none":  # (EngineArgs.validate has checked the name)
         return None
     if requested is None:
         if load_format != "gguf" or device.type != "cpu":
