@@ -6,6 +6,7 @@
  * ops; PyTorch's versions (pagellm/ops/torch_ops.py) stay the reference they are tested against.
  * Parallel loops use OpenMP, which after torch resolves to torch's own runtime and pool.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,10 +64,39 @@ void write_rows(const float *new_rows, int64_t T, int64_t width, int64_t stride,
             for (int64_t i = 0; i < width; i++) cache[slots[t] * width + i] = new_rows[t * stride + i];
 }
 
+/* e^x for 8 floats (x <= 0 here): 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p Cephes' degree-6
+ * polynomial (about 1 ulp); below -87 (and for -inf) the result is 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 in_range = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), in_range);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+enum { SPAN = 32, MAX_HEAD_DIM = 256 };
+
 /* Causal attention of every query of a flat batch over its sequence's paged context: out [T, H, D]
  * for q [T, H, D] (rows `q_stride` floats apart); sequence b owns queries query_start[b] ..
  * query_start[b+1]-1, the last of its seq_lens[b] positions; caches [num_blocks, block_size, Hkv,
- * D]; block_table [B, bt_stride] int32. Query head h reads KV head h / (H / Hkv). Each query is
+ * D]; block_table [B, bt_stride] int32. Query head h reads KV head h / (H / Hkv); D is a multiple
+ * of 8, at most 256. Online softmax over spans of 32 positions (no scratch memory). Each query is
  * computed alone, in the same order whatever else is in the batch or the step: a token's result
  * is the same in a prompt, a decode, a recompute after preemption or any batch. */
 void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
@@ -82,28 +112,44 @@ void paged_attention(const float *q, int64_t q_stride, const float *k_cache, con
         const int64_t len = seq_lens[b] - (query_start[b + 1] - 1 - t);  /* positions 0 .. this one */
         const int32_t *blocks = block_table + b * bt_stride;
         const float *qv = q + t * q_stride + h * D;
-        float *scores = malloc(len * sizeof(float));
-        float *o = out + (t * H + h) * D;
-        float top = -INFINITY;
-        for (int64_t p = 0; p < len; p++) {
-            const int64_t slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
-            const float *kv = k_cache + (slot * Hkv + kvh) * D;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; i++) dot += qv[i] * kv[i];
-            scores[p] = dot * scale;
-            top = fmaxf(top, scores[p]);
+        __m256 o[MAX_HEAD_DIM / 8];
+        for (int64_t i = 0; i < D / 8; i++) o[i] = _mm256_setzero_ps();
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t p0 = 0; p0 < len; p0 += SPAN) {
+            const int64_t n = len - p0 < SPAN ? len - p0 : SPAN;
+            const float *rows[SPAN];
+            float s[SPAN];
+            float span_top = -INFINITY;
+            int64_t block = p0 / block_size, offset = p0 % block_size;  /* one division per span */
+            for (int64_t j = 0; j < n; j++) {
+                rows[j] = k_cache + (((int64_t)blocks[block] * block_size + offset) * Hkv + kvh) * D;
+                if (++offset == block_size) offset = 0, block++;
+                __m256 dot = _mm256_setzero_ps();
+                for (int64_t i = 0; i < D; i += 8)
+                    dot = _mm256_fmadd_ps(_mm256_loadu_ps(qv + i), _mm256_loadu_ps(rows[j] + i), dot);
+                s[j] = hsum8(dot) * scale;
+                span_top = fmaxf(span_top, s[j]);
+            }
+            if (span_top > top) {  /* rescale what was summed under the old maximum */
+                const float shrink = expf(top - span_top);
+                for (int64_t i = 0; i < D / 8; i++) o[i] = _mm256_mul_ps(o[i], _mm256_set1_ps(shrink));
+                total *= shrink;
+                top = span_top;
+            }
+            for (int64_t j = n; j < SPAN; j++) s[j] = -INFINITY;
+            for (int64_t j = 0; j < SPAN; j += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top)));
+                _mm256_storeu_ps(s + j, e);
+                total += hsum8(e);
+            }
+            for (int64_t j = 0; j < n; j++) {
+                const float *vv = v_cache + (rows[j] - k_cache);
+                const __m256 e = _mm256_set1_ps(s[j]);
+                for (int64_t i = 0; i < D / 8; i++) o[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vv + 8 * i), o[i]);
+            }
         }
-        float total = 0.0f;
-        for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-        for (int64_t p = 0; p < len; p++) {
-            const float e = expf(scores[p] - top);
-            total += e;
-            const int64_t slot = (int64_t)blocks[p / block_size] * block_size + p % block_size;
-            const float *vv = v_cache + (slot * Hkv + kvh) * D;
-            for (int64_t i = 0; i < D; i++) o[i] += e * vv[i];
-        }
-        for (int64_t i = 0; i < D; i++) o[i] /= total;
-        free(scores);
+        const __m256 inv = _mm256_set1_ps(1.0f / total);
+        float *dst = out + (t * H + h) * D;
+        for (int64_t i = 0; i < D / 8; i++) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(o[i], inv));
     }
 }

@@ -75,6 +75,12 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
                        cache.data_ptr())
 
 
+def attention_supports(query: torch.Tensor) -> bool:
+    """Whether `paged_attention` takes queries like this one (float32, head size a multiple of 8 up to 256)."""
+    head_dim = query.shape[-1]
+    return query.dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of query [T, H, D] (heads contiguous; sequence b's queries at

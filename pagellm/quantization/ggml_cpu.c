@@ -7,16 +7,19 @@
  *   Q8_0: {fp16 d; int8 qs[32]}           w = d * q
  * A 4-bit block holds value j in the low nibble of qs[j] and value j + 16 in the high nibble.
  *
- * Each 32-value block is expanded to float32 once and multiplied with up to four activation
- * rows, so a call reads the weights once whatever the batch. Activations stay float32 (llama.cpp
- * rounds them to 8-bit blocks, which was measured to derail SmolLM2's greedy answers, its own
- * included): the result is x @ dequantize(W)^T, each output summed in the same order whatever
- * the number of rows, so a row's result never depends on its batch. ggml_dequantize gives the
+ * A call reads the weights once whatever the batch: for up to three activation rows each block
+ * is expanded into registers and used at once; for more, eight weight rows at a time are expanded to
+ * float32 and every activation row is multiplied with them in 4 x 2 register tiles.
+ * Activations stay float32 (llama.cpp rounds them to 8-bit blocks, which was measured to derail
+ * SmolLM2's greedy answers, its own included): the result is x @ dequantize(W)^T, each output
+ * summed in the same order whatever the number of rows, so a row's result never depends on its
+ * batch. ggml_dequantize gives the
  * exact float32 values. Parallel over output rows with OpenMP: loaded after torch, the library
  * shares torch's OpenMP runtime and thread pool.
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
@@ -68,46 +71,119 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* y[r, n] for rows r0 .. r0+R-1 of x (R = 1, 2 or 4), one weight row. Every row sums into two
- * partial accumulators (the even and odd 8-value quarters of each block), added at the end: the
- * same order whatever R, and two independent FMA chains per row. */
-static inline void dot_rows(int qtype, int R, const float *x, int64_t K, const uint8_t *row,
-                            float *y, int64_t N, int64_t r0, int64_t n) {
+/* Every output y[r, n] is one 8-lane FMA chain over k = 0, 8, 16, ... (w * x, lane by lane),
+ * then hsum: the same operations whatever the batch, so a row's result never depends on it. */
+
+/* R <= 3 activation rows (small decode batches, where expanding the blocks is the cost): C <= 4
+ * weight rows expanded block by block straight into registers, R x C independent chains. */
+static inline __attribute__((always_inline)) void on_the_fly(int qtype, int R, int C, const float *x, int64_t K,
+                                                            const uint8_t *w, int64_t row_bytes, float *y,
+                                                            int64_t N) {
     const int bb = block_bytes(qtype);
-    __m256 acc[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < K / 32; g++) {
-        __m256 w[4];
-        expand(qtype, row + g * bb, w);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + (r0 + r) * K + g * 32;
-            for (int i = 0; i < 4; i++) acc[r][i & 1] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r][i & 1]);
+        for (int c = 0; c < C; c++) {
+            __m256 v[4];
+            /* The next rows' block: with several rows read at once the hardware prefetcher alone
+             * fell behind on weights streamed from memory (the 30 MB head: 2.5x slower). */
+            _mm_prefetch((const char *)(w + (c + C) * row_bytes + g * bb), _MM_HINT_T0);
+            expand(qtype, w + c * row_bytes + g * bb, v);
+            for (int r = 0; r < R; r++)
+                for (int i = 0; i < 4; i++)
+                    acc[r][c] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(x + r * K + g * 32 + 8 * i), acc[r][c]);
         }
     }
-    for (int r = 0; r < R; r++) y[(r0 + r) * N + n] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * N + c] = hsum(acc[r][c]);
 }
 
-/* y [M, N] = x [M, K] @ W^T. Returns 0, or -1 for an unknown qtype or K not a multiple of 32. */
+/* Rows n .. n+C-1 (C = min(N - n, width)) for all R rows of x. */
+static inline __attribute__((always_inline)) void on_the_fly_rows(int qtype, int R, int width, const float *x,
+                                                                 int64_t K, const uint8_t *w, int64_t row_bytes,
+                                                                 float *y, int64_t N, int64_t n) {
+    const uint8_t *rows = w + n * row_bytes;
+    switch (N - n < width ? N - n : width) {  /* constant C per call: the accumulators stay in registers */
+    case 4: on_the_fly(qtype, R, 4, x, K, rows, row_bytes, y + n, N); break;
+    case 3: on_the_fly(qtype, R, 3, x, K, rows, row_bytes, y + n, N); break;
+    case 2: on_the_fly(qtype, R, 2, x, K, rows, row_bytes, y + n, N); break;
+    default: on_the_fly(qtype, R, 1, x, K, rows, row_bytes, y + n, N); break;
+    }
+}
+
+/* R <= 4 activation rows x C <= 2 expanded weight rows (float32, K apart): the register tile. */
+static inline __attribute__((always_inline)) void tile(int R, int C, const float *x, int64_t K, const float *w,
+                                                      float *y, int64_t N) {
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[2];
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[r * N + c] = hsum(acc[r][c]);
+}
+
+static void tiles(int C, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) tile(4, C, x + r * K, K, w, y + r * N, N);
+    switch (M - r) {  /* constant R per call: the accumulators stay in registers */
+    case 3: tile(3, C, x + r * K, K, w, y + r * N, N); break;
+    case 2: tile(2, C, x + r * K, K, w, y + r * N, N); break;
+    case 1: tile(1, C, x + r * K, K, w, y + r * N, N); break;
+    }
+}
+
+enum { PANEL = 8,  /* weight rows expanded to float32 together, reused by every activation row */
+       CHUNK = 64  /* activation rows per pass over the weights: they stay in L2 while it passes */ };
+
+/* y [M, N] = x [M, K] @ W^T. Returns 0, -1 for an unknown qtype or K not a multiple of 32, -2
+ * when scratch memory cannot be allocated. */
 int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y) {
     const int bb = block_bytes(qtype);
     if (bb == 0 || K % 32) return -1;
     const int64_t row_bytes = K / 32 * bb;
-    /* Rows of x in chunks that stay in the L2 cache while every weight row passes over them (a
-     * prompt's whole x, re-read from L3 for each weight row, bounded large batches before). */
-    const int64_t chunk = 64;
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-        const int64_t end = M - m0 < chunk ? M : m0 + chunk;
+    if (M < 4) {
+        const int width = M == 3 ? 2 : 4;
 #pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *row = w + n * row_bytes;
-            int64_t r = m0;
-            /* A constant R per call lets the compiler unroll and keep the accumulators in registers. */
-            for (; r + 4 <= end; r += 4) dot_rows(qtype, 4, x, K, row, y, N, r, n);
-            if (r + 2 <= end) { dot_rows(qtype, 2, x, K, row, y, N, r, n); r += 2; }
-            if (r < end) dot_rows(qtype, 1, x, K, row, y, N, r, n);
+        for (int64_t n = 0; n < N; n += width) {
+            if (M == 1) on_the_fly_rows(qtype, 1, 4, x, K, w, row_bytes, y, N, n);
+            else if (M == 2) on_the_fly_rows(qtype, 2, 4, x, K, w, row_bytes, y, N, n);
+            else on_the_fly_rows(qtype, 3, 2, x, K, w, row_bytes, y, N, n);
         }
+        return 0;
     }
-    return 0;
+    int failed = 0;
+#pragma omp parallel reduction(| : failed)
+    {
+        float *panel = aligned_alloc(32, PANEL * K * sizeof(float));
+        failed = panel == NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
+            const int64_t rows = M - m0 < CHUNK ? M - m0 : CHUNK;
+#pragma omp for schedule(static)
+            for (int64_t n0 = 0; n0 < N; n0 += PANEL) {
+                if (panel == NULL) continue;
+                const int64_t height = N - n0 < PANEL ? N - n0 : PANEL;
+                for (int64_t c = 0; c < height; c++)
+                    for (int64_t g = 0; g < K / 32; g++) {
+                        __m256 v[4];
+                        expand(qtype, w + (n0 + c) * row_bytes + g * bb, v);
+                        for (int i = 0; i < 4; i++) _mm256_store_ps(panel + c * K + g * 32 + 8 * i, v[i]);
+                    }
+                int64_t c = 0;
+                for (; c + 2 <= height; c += 2) tiles(2, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
+                if (c < height) tiles(1, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
+            }
+        }
+        free(panel);
+    }
+    return failed ? -2 : 0;
 }
 
 /* out [R, K] = the float32 values of R weight rows. Returns 0, or -1 as ggml_gemm. */
