@@ -11,6 +11,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.layer import Attention
 from pagellm.distributed import parallel_state
 from pagellm.model_arch import ModelArchConfig
+from pagellm.models.cpu_layer import FusedDecoderLayer
 from pagellm.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -117,6 +118,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fused: FusedDecoderLayer | None = None
+        """The whole layer as one C call, set by the worker on the CPU where it applies (cpu_layer.py)."""
 
     def forward(
         self,
@@ -126,6 +129,8 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it is added); the next norm adds them."""
+        if self.fused is not None and hidden.shape[0] == attn_metadata.num_tokens:
+            return self.fused(positions, hidden, residual, attn_metadata)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -206,7 +211,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [self.model.layers[i].self_attn.attn for i in self.model.local_layers]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This pipeline stage's layers."""
+        return [self.model.layers[i] for i in self.model.local_layers]
 
     def _on_other_stage(self, name: str) -> bool:
         """Whether checkpoint tensor `name` belongs to a pipeline stage other than this one."""

@@ -7,19 +7,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
-
 import torch
 
 from pagellm.ops import native
-
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernels build and load on this machine."""
-    return native.unavailable_reason(SOURCE) is None
+    return native.unavailable_reason() is None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,7 +95,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 @functools.cache
 def _lib() -> ctypes.CDLL:
-    lib = native.load(SOURCE)
+    lib = native.library()
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, f32, ptr, ptr]
     lib.silu_and_mul.argtypes = [ptr, i64, i64, ptr]

@@ -1,6 +1,6 @@
 """C kernels for the CPU, compiled on first use with the system C compiler and cached per user.
 
-A library is built once per source text and flags (about a second) into ~/.cache/pagellm (or
+One library is built from all the sources, once per their text and flags (about two seconds) into ~/.cache/pagellm (or
 $XDG_CACHE_HOME/pagellm), then loaded with ctypes. Loaded after torch, its OpenMP dependency
 resolves to the libgomp torch already loaded: one thread pool for both. Callers check
 `unavailable_reason()` and fall back to PyTorch where it is not None.
@@ -25,8 +25,14 @@ logger = logging.getLogger(__name__)
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
-def unavailable_reason(source: Path) -> str | None:
-    """Why the kernels of `source` cannot run here (None: they can)."""
+_PACKAGE = Path(__file__).resolve().parent.parent
+SOURCES = (_PACKAGE / "ops" / "cpu_kernels.c", _PACKAGE / "quantization" / "ggml_cpu.c", _PACKAGE / "ops" / "cpu_layer.c")
+"""Built together into one library: the decoder-layer call (cpu_layer.c) calls the others."""
+HEADER = _PACKAGE / "ops" / "cpu_kernels.h"
+
+
+def unavailable_reason() -> str | None:
+    """Why the CPU kernels cannot run here (None: they can)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU kernels need an x86-64 CPU, this is {platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
@@ -34,11 +40,11 @@ def unavailable_reason(source: Path) -> str | None:
     if compiler() is None:
         return "no C compiler (cc, gcc or $CC) was found to build the CPU kernels"
     try:
-        load(source)
+        library()
     except subprocess.CalledProcessError as e:
-        return f"building {source.name} failed: {e.stderr.strip()[-500:]}"
+        return f"building the CPU kernels failed: {e.stderr.strip()[-500:]}"
     except OSError as e:
-        return f"building or loading {source.name} failed: {e}"
+        return f"building or loading the CPU kernels failed: {e}"
     return None
 
 
@@ -47,23 +53,24 @@ def compiler() -> str | None:
 
 
 @functools.cache
-def load(source: Path) -> ctypes.CDLL:
-    """The compiled library of `source` (built now if this text and flags were never built)."""
-    text = source.read_bytes()
-    key = hashlib.sha256(text + " ".join(_FLAGS).encode()).hexdigest()[:16]
+def library() -> ctypes.CDLL:
+    """The compiled kernels (built now if these sources and flags were never built here)."""
+    digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    for path in (*SOURCES, HEADER):
+        digest.update(path.read_bytes())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagellm"
-    path = cache / f"{source.stem}-{key}.so"
+    path = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: concurrent processes never load a half-written file.
         with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as tmp:
             pass
         try:
-            subprocess.run([compiler(), *_FLAGS, "-o", tmp.name, str(source)], check=True, capture_output=True,
-                           text=True)
+            subprocess.run([compiler(), *_FLAGS, "-I", str(HEADER.parent), "-o", tmp.name, *map(str, SOURCES)],
+                           check=True, capture_output=True, text=True)
             os.replace(tmp.name, path)
         finally:
             if os.path.exists(tmp.name):
                 os.unlink(tmp.name)
-        logger.info("built %s into %s", source.name, path)
+        logger.info("built the CPU kernels into %s", path)
     return ctypes.CDLL(str(path))

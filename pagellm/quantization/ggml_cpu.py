@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
-
 import torch
 
 from pagellm.ops import native
 
-SOURCE = Path(__file__).with_name("ggml_cpu.c")
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
 """GGML type id -> bytes per 32-value block, for the types the kernels take: Q4_0, Q4_1, Q8_0."""
 
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run here (None: they can)."""
-    return native.unavailable_reason(SOURCE)
+    return native.unavailable_reason()
 
 
 def gemm(qtype: int, x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -54,7 +51,7 @@ def _check(status: int) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = native.load(SOURCE)
+    lib = native.library()
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.ggml_gemm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, i64, ptr]
     lib.ggml_dequantize.argtypes = [ctypes.c_int, ptr, i64, i64, ptr]

@@ -17,6 +17,7 @@ from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOut
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.loader import initialize_dummy_weights, iter_weights
 from pagellm.models import get_model_class
+from pagellm.models.cpu_layer import fuse_decoder_layers
 from pagellm.quantization import build_quant_config
 from pagellm.quantization.base import process_weights_after_loading
 from pagellm.sample.logits_processors import LogitsProcessors
@@ -135,6 +136,8 @@ class ModelRunner:
                           for _ in layers]
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
+        if self.device.type == "cpu" and fuse_decoder_layers(self.model.decoder_layers()):
+            logger.info("decoder layers run as one C call each (CPU, GGUF blocks)")
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
