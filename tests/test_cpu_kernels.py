@@ -42,6 +42,14 @@ def test_silu_and_mul_matches_torch(tokens, intermediate):
     torch.testing.assert_close(ops.silu_and_mul(x, impl="cpu"), ops.silu_and_mul(x, impl="torch"), **CLOSE)
 
 
+def test_silu_and_mul_saturates_like_torch():
+    """The vectorized exp clamps its input: far tails must still give silu's limits (0 and g)."""
+    g = torch.tensor([-1e4, -200.0, -88.5, -87.0, -20.0, 0.0, 20.0, 87.0, 88.5, 200.0, 1e4, 3.5] * 2)
+    x = torch.cat((g, torch.linspace(-2, 2, len(g)))).reshape(1, -1)
+    torch.testing.assert_close(ops.silu_and_mul(x, impl="cpu"), ops.silu_and_mul(x, impl="torch"),
+                               rtol=1e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", [(1, 9, 3, 64), (6, 4, 2, 128), (2, 2, 1, 96)])
 def test_rotary_matches_torch_on_qkv_views(tokens, heads, kv_heads, head_dim):
     qkv = randn(5, tokens, (heads + 2 * kv_heads) * head_dim)
