@@ -8,8 +8,8 @@
  * A 4-bit block holds value j in the low nibble of qs[j] and value j + 16 in the high nibble.
  *
  * A call reads the weights once whatever the batch: for up to three activation rows each block
- * is expanded into registers and used at once; for more, eight weight rows at a time are expanded to
- * float32 and every activation row is multiplied with them in 4 x 2 register tiles.
+ * is expanded into registers and used at once; for more, twelve weight rows at a time are expanded to
+ * float32 and every activation row is multiplied with them in 4 x 3 register tiles.
  * Activations stay float32 (llama.cpp rounds them to 8-bit blocks, which was measured to derail
  * SmolLM2's greedy answers, its own included): the result is x @ dequantize(W)^T, each output
  * summed in the same order whatever the number of rows, so a row's result never depends on its
@@ -112,14 +112,15 @@ static inline __attribute__((always_inline)) void on_the_fly_rows(int qtype, int
     }
 }
 
-/* R <= 4 activation rows x C <= 2 expanded weight rows (float32, K apart): the register tile. */
+/* R <= 4 activation rows x C <= 3 expanded weight rows (float32, K apart): the register tile (12
+ * sums, 3 weight vectors, one activation vector: the 16 AVX2 registers; 4 x 2 was load-bound). */
 static inline __attribute__((always_inline)) void tile(int R, int C, const float *x, int64_t K, const float *w,
                                                       float *y, int64_t N) {
-    __m256 acc[4][2];
+    __m256 acc[4][3];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
-        __m256 wv[2];
+        __m256 wv[3];
         for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
         for (int r = 0; r < R; r++) {
             const __m256 xv = _mm256_loadu_ps(x + r * K + k);
@@ -140,7 +141,7 @@ static void tiles(int C, const float *x, int64_t M, int64_t K, const float *w, f
     }
 }
 
-enum { PANEL = 8,  /* weight rows expanded to float32 together, reused by every activation row */
+enum { PANEL = 12,  /* weight rows expanded to float32 together, reused by every activation row */
        CHUNK = 64  /* activation rows per pass over the weights: they stay in L2 while it passes */ };
 
 /* y [M, N] = x [M, K] @ W^T. Returns 0, -1 for an unknown qtype or K not a multiple of 32, -2
@@ -177,7 +178,8 @@ int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         for (int i = 0; i < 4; i++) _mm256_store_ps(panel + c * K + g * 32 + 8 * i, v[i]);
                     }
                 int64_t c = 0;
-                for (; c + 2 <= height; c += 2) tiles(2, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
+                for (; c + 3 <= height; c += 3) tiles(3, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
+                if (c + 2 <= height) { tiles(2, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N); c += 2; }
                 if (c < height) tiles(1, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
             }
         }
