@@ -11,6 +11,7 @@ from pagellm.attention import ATTENTION_BACKENDS
 from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
 from pagellm.model_arch import ModelArchConfig
 from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
+from pagellm.spec_decode import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -52,6 +53,7 @@ class EngineArgs:
     reasoning_parser: str | None = _arg(None, "How the model marks its reasoning: qwen3 | deepseek_r1 (<think>...</think>). Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
     structured_outputs_compile_timeout: float = _arg(10.0, "Seconds a request's JSON schema, regex or grammar may take to compile (off the step loop, in a thread pool) before the request is refused (HTTP 400).")
     structured_outputs_max_bytes: int = _arg(65536, "Largest JSON schema, regex, grammar or choice list a request may send, in bytes of its JSON text; larger ones are refused (HTTP 400).")
+    speculative_config: str | dict | None = _arg(None, 'Speculative decoding, as vLLM: JSON like \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\' (prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens, verified in one step; greedy output is unchanged, sampled output keeps its distribution); optional "disable_by_batch_size": N (no speculation while N or more requests run). One rank only; steps then run without async scheduling. None: off.')
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
@@ -94,6 +96,12 @@ class EngineArgs:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         PoolerConfig.parse(self.pooler_config, self.runner)
+        if SpeculativeConfig.parse(self.speculative_config) is not None:
+            if self.runner != "generate":
+                raise ValueError("speculative_config (--speculative-config) applies only to the generate runner")
+            if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+                raise ValueError("speculative_config (--speculative-config) runs on one rank only so far: "
+                                 "tensor_parallel_size and pipeline_parallel_size must be 1")
         if self.reasoning_parser is not None:
             from pagellm.reasoning import REASONING_PARSERS  # noqa: PLC0415 (keeps config import-light)
 
@@ -140,6 +148,7 @@ class EngineArgs:
             attention_backend=attention_backend,
             parallel=parallel,
             pooler=PoolerConfig.parse(self.pooler_config, self.runner),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )
 
 
@@ -244,6 +253,8 @@ class EngineConfig:
     """The pooling runner's pooler; None for the generate runner."""
     quantization: str | None = None
     """The weights' quantization method (see `pagellm.quantization`); None: dense in `dtype`."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (None: off)."""
 
     @property
     def is_pooling(self) -> bool:

@@ -83,7 +83,7 @@ class FakeWorker:
         # Sampled exactly the requests whose prefill (or decode) reached the end of their tokens.
         assert set(req_ids) == {rid for rid in out.num_scheduled_tokens
                                 if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens}
-        return ModelRunnerOutput(req_ids, sampled)
+        return ModelRunnerOutput(req_ids, [[t] for t in sampled])
 
 
 @dataclass
@@ -548,11 +548,11 @@ def test_overlapped_schedule_decodes_from_a_placeholder():
     assert out1.num_scheduled_tokens == {"c": 4} and out2.num_scheduled_tokens == {"c": 1}
     c = s.requests["c"]
     assert c.num_output_placeholders == 2 and c.num_computed_tokens == 5
-    s.update_from_output(ModelRunnerOutput(["c"], [50]))
+    s.update_from_output(ModelRunnerOutput(["c"], [[50]]))
     assert s.schedule().num_scheduled_tokens == {"c": 1}   # samples the third and last token
     assert s.schedule().num_scheduled_tokens == {}         # two in flight reach max_tokens
-    s.update_from_output(ModelRunnerOutput(["c"], [51]))
-    assert s.update_from_output(ModelRunnerOutput(["c"], [52]))[0].finish_reason == "length"
+    s.update_from_output(ModelRunnerOutput(["c"], [[51]]))
+    assert s.update_from_output(ModelRunnerOutput(["c"], [[52]]))[0].finish_reason == "length"
     assert c.output_token_ids == [50, 51, 52]
     assert_drained(s)
 
@@ -570,7 +570,7 @@ def test_late_output_for_request_preempted_by_overlapped_schedule():
     assert out2.num_scheduled_tokens == {"c": 1} and "b" in out2.freed_req_ids
     b = s.requests["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_output_placeholders == 0
-    s.update_from_output(ModelRunnerOutput(["c", "b"], [50, 51]))   # b's token arrives late
+    s.update_from_output(ModelRunnerOutput(["c", "b"], [[50], [51]]))   # b's token arrives late
     assert b.output_token_ids == [] and s.requests["c"].output_token_ids == [50]
     s.finish_requests(list(s.requests), RequestStatus.FINISHED_ABORTED)
     assert_drained(s)
@@ -604,7 +604,7 @@ def test_pipeline_batches_wait_for_tokens_and_carry_them_to_the_workers():
                 sampled[rid] = next_token(worker[rid], lengths[rid])
         if not out.is_empty:
             in_flight.append((set(out.num_scheduled_tokens),
-                              ModelRunnerOutput(list(sampled), list(sampled.values()))))
+                              ModelRunnerOutput(list(sampled), [[t] for t in sampled.values()])))
         if len(in_flight) == 2 or (out.is_empty and in_flight):
             s.update_from_output(in_flight.popleft()[1])
     assert chunked_while_in_flight

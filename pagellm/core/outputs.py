@@ -1,7 +1,7 @@
 """Messages between the scheduler and the workers, and from the engine core to its caller."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagellm.pooling_params import PoolingParams
@@ -54,6 +54,9 @@ class SchedulerOutput:
     """Requests whose worker-side state must be dropped (finished, aborted or preempted)."""
     grammar_bitmask: "GrammarBitmask | None" = None
     """The allowed tokens of the rows that sample under a grammar this step."""
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens per request (speculative decoding): its last scheduled tokens, after its last
+    known one; each is verified against the model's own choice at the position before it."""
 
     @property
     def is_empty(self) -> bool:
@@ -85,12 +88,13 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """The token sampled for each request that reached the end of its known tokens this step."""
+    """The tokens sampled for each request that reached the end of its known tokens this step."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
+    sampled_token_ids: list[list[int]]
+    """Per request: its accepted draft tokens (speculative decoding), then the one it sampled."""
     logprobs: dict[str, TokenLogprobs] | None = None
-    """Per request that asked for logprobs: one row, the sampled token's."""
+    """Per request that asked for logprobs: one row per sampled token."""
     prompt_logprobs: dict[str, TokenLogprobs] | None = None
     """Per request whose prompt finished this step and that asked for prompt_logprobs: one row per
     prompt token after the first."""
@@ -131,3 +135,17 @@ class SchedulerStats:
     num_scheduled_tokens_total: int = 0
     """Tokens run through the model, recomputation after preemption included."""
     num_generation_tokens: int = 0
+    spec: "SpecDecodeStats | None" = None
+    """Speculative decoding's counters (totals), when it is on."""
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Running totals of speculative decoding, as vLLM's `spec_decode_*` metrics count them."""
+
+    num_drafts: int = 0
+    """Steps in which a request verified draft tokens."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    """[k]: how often the draft at position i (0-based) was accepted."""

@@ -77,6 +77,8 @@ class Request:
     Its `sampling_params` are then inert defaults."""
     grammar: "RequestGrammar | None" = None
     """The matcher of a request with structured output, set by the scheduler when it arrives."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens scheduled after its last token by the step in flight (speculative decoding)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

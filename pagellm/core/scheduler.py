@@ -23,8 +23,10 @@ from pagellm.core.outputs import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodeStats,
 )
 from pagellm.core.request import Request, RequestStatus, check_prompt_fits
+from pagellm.spec_decode import NgramProposer, SpeculativeConfig
 
 if TYPE_CHECKING:
     from pagellm.structured_output.manager import GrammarManager
@@ -56,11 +58,12 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
-                 grammars: "GrammarManager | None" = None) -> None:
+                 grammars: "GrammarManager | None" = None, speculative: SpeculativeConfig | None = None) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
         token before it is scheduled again (no placeholders), and the scheduler output carries it.
-        `grammars`: compiles and matches structured-output requests (None: they are refused)."""
+        `grammars`: compiles and matches structured-output requests (None: they are refused).
+        `speculative`: propose draft tokens for decoding requests (None: no speculation)."""
         self.limits = limits
         self.grammars = grammars
         self.rejected: list[tuple[str, str]] = []
@@ -81,6 +84,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
+        self.speculative = speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
+                           if speculative is not None else None)
 
     # -- requests in and out ------------------------------------------------------------------
 
@@ -134,8 +141,9 @@ class Scheduler:
 
         Requests then decode from placeholders (their last token stays on the device), which is
         exact unless sampling reads the output history on the host (penalties, bad words,
-        min_tokens): while such a request exists, steps run one at a time."""
-        return self._num_history_requests == 0
+        min_tokens): while such a request exists, steps run one at a time. So do they with
+        speculative decoding, whose proposals read each request's latest tokens."""
+        return self._num_history_requests == 0 and self.proposer is None
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -144,6 +152,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
 
         i = 0
@@ -154,7 +163,11 @@ class Scheduler:
                     or (request.num_output_placeholders and not self.workers_see_samples)):
                 i += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            drafts = self._propose(request, budget) if num_new == 1 else []
+            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts))
+            if new_blocks is None and drafts:  # no room to speculate: decode plainly
+                drafts = []
+                new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -164,6 +177,9 @@ class Scheduler:
                 new_blocks = self.kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
+            if drafts:
+                request.spec_token_ids = spec_tokens[request.request_id] = drafts
+                num_new += len(drafts)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             start = request.num_computed_tokens
@@ -219,18 +235,35 @@ class Scheduler:
             total_num_scheduled_tokens=self.limits.max_num_batched_tokens - budget,
             freed_req_ids=self._freed_req_ids,
             grammar_bitmask=self._grammar_bitmask(num_scheduled),
+            scheduled_spec_tokens=spec_tokens,
         )
         self._freed_req_ids = set()
         # The tokens handed out are counted as computed once scheduled: the step that computes
         # them is always launched before the next schedule(). One reaching the end of its known
-        # tokens samples one more, a placeholder until its id comes back.
+        # tokens (and of its drafts) samples one more, a placeholder until its id comes back.
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
             request.num_computed_tokens += n
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            if request.num_computed_tokens >= request.num_tokens_with_placeholders:
                 request.num_output_placeholders += 1
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Draft tokens for a request about to decode its last token, within its max_tokens, the
+        model's length and the step's budget; none for requests whose sampling reads the output
+        history (penalties, min_tokens...) or follows a grammar, which decode one token a step."""
+        if (self.proposer is None or request.num_output_placeholders
+                or request.num_computed_tokens != request.num_tokens - 1
+                or request.grammar is not None or request.pooling_params is not None
+                or request.sampling_params.reads_output_history
+                or (self.speculative.disable_by_batch_size is not None
+                    and len(self.running) >= self.speculative.disable_by_batch_size)):
+            return []
+        # The step yields the accepted drafts and one token more: all must fit.
+        room = min(request.max_tokens - request.num_output_tokens,
+                   self.limits.max_model_len - request.num_tokens, budget) - 1
+        return self.proposer.propose(request.all_token_ids, room)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed or ran out of time is
@@ -266,6 +299,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         # A token in flight is dropped: recomputation samples it again (same seed, same position).
         request.num_output_placeholders = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -278,32 +312,52 @@ class Scheduler:
         results = self._finish_pooled(output.pooler_output) if output.pooler_output else []
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
-        for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
+        for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if (request is None or request.status != RequestStatus.RUNNING  # aborted or preempted meanwhile
                     or request.num_output_placeholders == 0):  # sampled before a preemption: dropped
                 continue
             request.num_output_placeholders -= 1
-            request.append_token(token_id)
-            self.num_generation_tokens += 1
-            finished = request.check_stop(token_id, self.limits.max_model_len)
-            if request.grammar is not None and not finished:
-                try:
-                    if request.grammar.accept(token_id):
-                        request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
+            if request.spec_token_ids:
+                self._count_accepted(request, len(token_ids) - 1)
+            new_token_ids, finished = [], False
+            for token_id in token_ids:
+                request.append_token(token_id)
+                new_token_ids.append(token_id)
+                self.num_generation_tokens += 1
+                finished = request.check_stop(token_id, self.limits.max_model_len)
+                if request.grammar is not None and not finished:
+                    try:
+                        if request.grammar.accept(token_id):
+                            request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
+                            finished = True
+                    except ValueError as e:  # GrammarError: nothing the grammar allows could be sampled
+                        logger.warning("request %s: %s", req_id, e)
+                        request.status = RequestStatus.FINISHED_ABORTED
                         finished = True
-                except ValueError as e:  # GrammarError: nothing the grammar allows could be sampled
-                    logger.warning("request %s: %s", req_id, e)
-                    request.status = RequestStatus.FINISHED_ABORTED
-                    finished = True
+                if finished:  # tokens accepted after a stop are dropped
+                    break
             results.append(EngineCoreOutput(
-                req_id, [token_id], request.status.finish_reason, request.stop_reason,
+                req_id, new_token_ids, request.status.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), request.first_scheduled_time,
                 logprobs.get(req_id), prompt_logprobs.get(req_id)))
             if finished:
                 self.running.remove(request)
                 self._release(request)
         return results
+
+    def _count_accepted(self, request: Request, num_accepted: int) -> None:
+        """Roll a request back past its rejected drafts: their KV slots hold keys of tokens that
+        were not taken, and are written over when the positions are computed again (no block
+        is registered in the prefix cache before its tokens are known)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += len(drafts)
+        stats.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            stats.accepted_per_position[i] += 1
 
     def _finish_pooled(self, pooled: dict[str, bytes]) -> list[EngineCoreOutput]:
         """Pooling requests end with the step that pooled their last prompt chunk."""
@@ -331,4 +385,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens_total=self.num_scheduled_tokens_total,
             num_generation_tokens=self.num_generation_tokens,
+            spec=None if self.spec_stats is None else SpecDecodeStats(
+                self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens,
+                list(self.spec_stats.accepted_per_position)),
         )

@@ -49,7 +49,7 @@ class EngineCore:
         self.grammars = None if config.is_pooling else GrammarManager(
             config.source, config.source.arch.vocab_size, args.structured_outputs_compile_timeout, args.reasoning_parser)
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
-                                   grammars=self.grammars)
+                                   grammars=self.grammars, speculative=config.speculative)
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being

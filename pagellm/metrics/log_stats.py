@@ -36,6 +36,8 @@ class _Interval:
     num_generation_tokens: int = 0
     num_prefix_queries: int = 0
     num_prefix_hits: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class LoggingStatLogger:
@@ -59,6 +61,8 @@ class LoggingStatLogger:
         self._intervals = [_Interval(start) for _ in range(num_engines)]
         self._prefix_queries = [CumulativeDelta() for _ in range(num_engines)]
         self._prefix_hits = [CumulativeDelta() for _ in range(num_engines)]
+        self._spec_drafted = [CumulativeDelta() for _ in range(num_engines)]
+        self._spec_accepted = [CumulativeDelta() for _ in range(num_engines)]
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
         interval = self._intervals[engine_index]
@@ -68,6 +72,10 @@ class LoggingStatLogger:
         # covers exactly the queries made since the previous line.
         interval.num_prefix_queries += self._prefix_queries[engine_index].update(scheduler_stats.prefix_cache_queries)
         interval.num_prefix_hits += self._prefix_hits[engine_index].update(scheduler_stats.prefix_cache_hits)
+        spec = scheduler_stats.spec
+        if spec is not None:
+            interval.num_draft_tokens += self._spec_drafted[engine_index].update(spec.num_draft_tokens)
+            interval.num_accepted_tokens += self._spec_accepted[engine_index].update(spec.num_accepted_tokens)
 
         now = self._clock()
         elapsed = now - interval.start
@@ -83,4 +91,9 @@ class LoggingStatLogger:
             interval.num_prompt_tokens / elapsed, interval.num_generation_tokens / elapsed,
             scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
             scheduler_stats.kv_cache_usage * 100, hit_rate * 100)
+        if spec is not None:
+            self._logger.info(
+                self._prefix + "Speculative decoding: %d draft tokens, %d accepted, acceptance rate %.1f%%",
+                *prefix_args, interval.num_draft_tokens, interval.num_accepted_tokens,
+                100 * interval.num_accepted_tokens / interval.num_draft_tokens if interval.num_draft_tokens else 0.0)
         self._intervals[engine_index] = _Interval(now)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import generate_latest
 
-from pagellm.core.outputs import SchedulerStats
+from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
 from pagellm.metrics.log_stats import CumulativeDelta
 from pagellm.metrics.stats import IterationStats
 
@@ -83,6 +83,16 @@ class PrometheusStatLogger:
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("pagellm:prefix_cache_hits",
                                          "Prompt tokens found in the prefix cache.")
+        self.spec_decode_num_drafts = counter("pagellm:spec_decode_num_drafts",
+                                              "Speculative decoding: request steps that verified draft tokens.")
+        self.spec_decode_num_draft_tokens = counter("pagellm:spec_decode_num_draft_tokens",
+                                                    "Speculative decoding: draft tokens verified.")
+        self.spec_decode_num_accepted_tokens = counter("pagellm:spec_decode_num_accepted_tokens",
+                                                       "Speculative decoding: draft tokens accepted.")
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            "pagellm:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted at each position of the drafts (0-based).",
+            labels + ["position"], registry=self.registry)
         self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
                                        labels + ["finished_reason"], registry=self.registry)
 
@@ -114,10 +124,13 @@ class PrometheusStatLogger:
 
         # Totals since each engine started, turned into increments per engine.
         self._deltas = [(CumulativeDelta(), CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
+        self._spec_deltas: list[dict[str, CumulativeDelta]] = [{} for _ in range(num_engines)]
         for engine in range(num_engines):  # every series exists from the start, at zero
             for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                            self.prompt_tokens, self.generation_tokens, self.num_preemptions,
-                           self.prefix_cache_queries, self.prefix_cache_hits, self.time_to_first_token,
+                           self.prefix_cache_queries, self.prefix_cache_hits, self.spec_decode_num_drafts,
+                           self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens,
+                           self.time_to_first_token,
                            self.inter_token_latency, self.e2e_request_latency, self.request_queue_time,
                            self.request_prompt_tokens, self.request_generation_tokens):
                 family.labels(model_name, str(engine))
@@ -125,6 +138,17 @@ class PrometheusStatLogger:
                 self.request_success.labels(model_name, str(engine), reason)
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
+
+    def _record_spec(self, spec: SpecDecodeStats, labels: tuple[str, str], deltas: dict[str, CumulativeDelta]) -> None:
+        totals = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+                  "accepted": spec.num_accepted_tokens,
+                  **{f"pos{i}": n for i, n in enumerate(spec.accepted_per_position)}}
+        increments = {key: deltas.setdefault(key, CumulativeDelta()).update(total) for key, total in totals.items()}
+        self.spec_decode_num_drafts.labels(*labels).inc(increments["drafts"])
+        self.spec_decode_num_draft_tokens.labels(*labels).inc(increments["draft_tokens"])
+        self.spec_decode_num_accepted_tokens.labels(*labels).inc(increments["accepted"])
+        for i in range(len(spec.accepted_per_position)):
+            self.spec_decode_num_accepted_tokens_per_pos.labels(*labels, str(i)).inc(increments[f"pos{i}"])
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
         labels = (self.model_name, str(engine_index))
@@ -137,6 +161,8 @@ class PrometheusStatLogger:
         self.num_preemptions.labels(*labels).inc(preemptions.update(scheduler_stats.num_preemptions))
         self.prefix_cache_queries.labels(*labels).inc(prefix_queries.update(scheduler_stats.prefix_cache_queries))
         self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
+        if scheduler_stats.spec is not None:
+            self._record_spec(scheduler_stats.spec, labels, self._spec_deltas[engine_index])
 
         self.prompt_tokens.labels(*labels).inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(iteration_stats.num_generation_tokens)

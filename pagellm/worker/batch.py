@@ -43,11 +43,16 @@ class FlatBatch:
     """[num_tokens] int64."""
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    """[num_sampling] int64: rows of the hidden states whose next token is sampled."""
+    """[num_sampling_rows] int64: rows of the hidden states whose next token is sampled: one per
+    sampling request, or 1 + its number of drafts (speculative decoding)."""
     sampling_req_ids: list[str]
     """The requests behind `logits_indices`, in the same order."""
     num_generated: list[int]
-    """Per sampling row, the tokens its request generated before the one sampled now."""
+    """Per sampling row, the tokens its request generated before the one sampled there."""
+    num_drafts: list[int] | None = None
+    """Per sampling request, its draft tokens this step; None when no request has any."""
+    draft_ids: torch.Tensor | None = None
+    """[num_sampling_rows] int64: the draft each row is verified against, -1 for a request's last row."""
     prompt_logprobs: "PromptLogprobsPlan | None" = None
     placeholder_rows: np.ndarray | None = None
     """Rows of `input_ids` whose token was sampled by the step still in flight (left 0 here)..."""
@@ -114,12 +119,15 @@ class RequestStates:
         max_blocks = max(len(s.block_ids) for s in states)
         block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
         placeholder_rows, placeholder_req_ids = [], []
+        spec = so.scheduled_spec_tokens
         for i, s in enumerate(states):
             start, end = s.num_computed_tokens, s.num_computed_tokens + int(query_lens[i])
             known = min(end, len(s.token_ids))
             row = int(query_start_loc[i])
             input_ids[row:row + known - start] = s.token_ids[start:known]
-            if end > known:  # the last input is the token the previous step is still sampling
+            if s.req_id in spec:  # drafts follow the last known token
+                input_ids[row + known - start:row + end - start] = spec[s.req_id]
+            elif end > known:  # the last input is the token the previous step is still sampling
                 placeholder_rows.append(row + known - start)
                 placeholder_req_ids.append(s.req_id)
             block_table[i, :len(s.block_ids)] = s.block_ids
@@ -131,6 +139,14 @@ class RequestStates:
         token_counts = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
         sampling_rows = np.flatnonzero(seq_lens >= token_counts)
         logits_indices = query_start_loc[sampling_rows + 1] - 1
+        num_generated = [int(seq_lens[i]) - states[i].num_prompt_tokens for i in sampling_rows]
+        num_drafts = draft_ids = None
+        if spec:
+            # A request with k drafts samples at its last k + 1 rows: row j verifies draft j.
+            num_drafts = [len(spec.get(req_ids[i], ())) for i in sampling_rows]
+            logits_indices = np.concatenate([np.arange(end - k, end + 1) for end, k in zip(logits_indices, num_drafts)])
+            num_generated = [n - k + j for n, k in zip(num_generated, num_drafts) for j in range(k + 1)]
+            draft_ids = np.concatenate([[*spec.get(req_ids[i], ()), -1] for i in sampling_rows])
 
         dev = self.device
         attn_metadata = AttentionMetadata(
@@ -150,7 +166,9 @@ class RequestStates:
             attn_metadata=attn_metadata,
             logits_indices=_to_device(logits_indices, torch.int64, dev),
             sampling_req_ids=[req_ids[i] for i in sampling_rows],
-            num_generated=[int(seq_lens[i]) - states[i].num_prompt_tokens for i in sampling_rows],
+            num_generated=num_generated,
+            num_drafts=num_drafts,
+            draft_ids=None if draft_ids is None else _to_device(draft_ids, torch.int64, dev),
             prompt_logprobs=self._plan_prompt_logprobs(states, query_start_loc, query_lens),
             placeholder_rows=np.asarray(placeholder_rows, dtype=np.int64) if placeholder_rows else None,
             placeholder_req_ids=placeholder_req_ids or None,
@@ -179,11 +197,11 @@ class RequestStates:
             _to_device(np.concatenate([np.asarray(t, dtype=np.int64) for t in targets]), torch.int64, self.device),
             counts, max_logprobs)
 
-    def append_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
-        for req_id, token_id in zip(req_ids, token_ids):
+    def append_sampled(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
+        for req_id, new in zip(req_ids, token_ids):
             state = self.states.get(req_id)
             if state is not None:  # None: freed (finished, aborted, preempted) while in flight
-                state.token_ids.append(token_id)
+                state.token_ids.extend(new)
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

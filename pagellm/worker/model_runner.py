@@ -23,6 +23,7 @@ from pagellm.quantization.base import process_weights_after_loading
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.rejection import verify
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates
@@ -184,7 +185,9 @@ class ModelRunner:
                 to_host += scored
             else:
                 plan = None
-        if states:
+        if states and batch.num_drafts is not None:
+            to_host += self._verify(hidden[batch.logits_indices], states, batch, so.grammar_bitmask)
+        elif states:
             sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated, so.grammar_bitmask)
             if sampled:
                 self._last_sampled = sampled[0]
@@ -192,7 +195,7 @@ class ModelRunner:
             to_host += sampled
         if not to_host:
             return StepInFlight.done(ModelRunnerOutput([], []))
-        return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states)
+        return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states, num_drafts=batch.num_drafts)
 
     def _pool(self, so: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor) -> "StepInFlight":
         """Fold this step's final hidden states into each pooling request's result, incrementally
@@ -285,6 +288,35 @@ class ModelRunner:
         rows = torch.tensor(logprob_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         return [sampled, *gather_logprobs(raw_logprobs, sampled[rows], k)]
 
+    def _verify(self, hidden: torch.Tensor, states: list[CachedRequestState], batch: FlatBatch,
+                grammar: GrammarBitmask | None) -> list[torch.Tensor]:
+        """A step with draft tokens (one rank: speculative decoding runs without TP or PP): every
+        sampling row verified (`pagellm.sample.rejection`). Returns the tokens and acceptance
+        per row, then (ids, logprobs, ranks) of the rows of requests that asked for logprobs."""
+        logits = self.model.compute_logits(hidden)
+        rows = [s for s, k in zip(states, batch.num_drafts) for _ in range(k + 1)]
+        params = [s.sampling_params for s in rows]
+        processors = LogitsProcessors.build(
+            params, [s.token_ids for s in rows], [s.num_prompt_tokens for s in rows],
+            [s.eos_token_ids for s in rows], self.arch.vocab_size, self.device)
+        md = SamplingMetadata.build(params, batch.num_generated, self.arch.vocab_size,
+                                    self.device, self._default_generator, processors)
+        if grammar is not None:  # requests under a grammar have no drafts: one row each
+            first_row = np.cumsum([0, *[k + 1 for k in batch.num_drafts[:-1]]])
+            row_of = {s.req_id: int(r) for s, r in zip(states, first_row)}
+            md.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], dtype=torch.int64).to(
+                self.device, non_blocking=True)
+            md.grammar_bitmask = torch.from_numpy(grammar.bits).to(self.device, non_blocking=True)
+        tokens, accepted = verify(logits, md, batch.draft_ids)
+        out = [tokens, accepted.to(torch.int64)]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if logprob_rows:
+            index = torch.tensor(logprob_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            raw_logprobs = logits[index].float().log_softmax(dim=-1)
+            k = max(params[i].logprobs for i in logprob_rows)
+            out += gather_logprobs(raw_logprobs, tokens[index], k)
+        return out
+
     def stash_prompt_logprobs(self, plan: PromptLogprobsPlan, arrays: list[np.ndarray]) -> None:
         ids, values, ranks = arrays
         start = 0
@@ -356,10 +388,13 @@ class StepInFlight:
 
     def __init__(self, runner: ModelRunner | None, copy: _HostCopy | None, plan: PromptLogprobsPlan | None,
                  req_ids: list[str], states: list[CachedRequestState],
-                 output: ModelRunnerOutput | None = None, pooled: bool = False) -> None:
-        """`pooled`: the copy holds one pooled vector per request of `req_ids` (pooling runner)."""
+                 output: ModelRunnerOutput | None = None, pooled: bool = False,
+                 num_drafts: list[int] | None = None) -> None:
+        """`pooled`: the copy holds one pooled vector per request of `req_ids` (pooling runner).
+        `num_drafts`: per request, its draft tokens (the copy holds verified rows, `_verify`)."""
         self._runner, self._copy, self._plan = runner, copy, plan
         self._req_ids, self._states = req_ids, states
+        self._num_drafts = num_drafts
         self._output = output
         self._pooled = pooled
         self._send: _StageSend | None = None
@@ -395,13 +430,17 @@ class StepInFlight:
             host = host[3:]
         if not self._states:
             return ModelRunnerOutput([], [])
-        token_ids = host[0].tolist()
+        if self._num_drafts is None:
+            token_ids = [[t] for t in host[0].tolist()]
+        else:
+            token_ids = _accepted(host[0], host[1], self._num_drafts)
+            host = host[1:]
         ps = self._runner.ps
         if ps.pp_size == 1:  # with several stages, the next scheduler output brings them
             self._runner.requests.append_sampled(self._req_ids, token_ids)
         if not ps.is_driver:
             return ModelRunnerOutput([], [])
-        return ModelRunnerOutput(self._req_ids, token_ids, _sampled_logprobs(self._states, host[1:]) or None,
+        return ModelRunnerOutput(self._req_ids, token_ids, _sampled_logprobs(self._states, token_ids, self._num_drafts, host[1:]) or None,
                                  _finished_prompt_logprobs(self._states) or None)
 
 
@@ -411,10 +450,29 @@ def _rows(arrays: list[np.ndarray], rows: list[int] | slice, k: int) -> TokenLog
     return TokenLogprobs(ids[rows, :k + 1].tolist(), values[rows, :k + 1].tolist(), ranks[rows].tolist())
 
 
-def _sampled_logprobs(states: list[CachedRequestState], arrays: list[np.ndarray]) -> dict[str, TokenLogprobs]:
-    """`arrays` hold one row per state that asked for logprobs, in order."""
-    wanting = [s for s in states if s.sampling_params.logprobs is not None]
-    return {s.req_id: _rows(arrays, [r], s.sampling_params.logprobs) for r, s in enumerate(wanting)}
+def _accepted(tokens: np.ndarray, accepted: np.ndarray, num_drafts: list[int]) -> list[list[int]]:
+    """Per request (verified rows, k + 1 each): its accepted drafts and the token after them."""
+    token_ids, start = [], 0
+    for k in num_drafts:
+        taken = 0
+        while taken < k and accepted[start + taken]:
+            taken += 1
+        token_ids.append(tokens[start:start + taken + 1].tolist())
+        start += k + 1
+    return token_ids
+
+
+def _sampled_logprobs(states: list[CachedRequestState], token_ids: list[list[int]], num_drafts: list[int] | None,
+                      arrays: list[np.ndarray]) -> dict[str, TokenLogprobs]:
+    """`arrays` hold the sampling rows (1 + its drafts) of each state that asked for logprobs, back
+    to back; each keeps the rows of the tokens it emits."""
+    result, start = {}, 0
+    for i, (s, emitted) in enumerate(zip(states, token_ids)):
+        if s.sampling_params.logprobs is None:
+            continue
+        result[s.req_id] = _rows(arrays, list(range(start, start + len(emitted))), s.sampling_params.logprobs)
+        start += 1 + (num_drafts[i] if num_drafts is not None else 0)
+    return result
 
 
 def _finished_prompt_logprobs(states: list[CachedRequestState]) -> dict[str, TokenLogprobs]:

@@ -1,0 +1,64 @@
+"""`speculative_config` as vLLM takes it: a dict in `LLM(...)`, JSON with `--speculative-config`."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+_FLAG = "speculative_config (--speculative-config)"
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup (n-gram) speculation: the tokens that followed the latest earlier occurrence
+    of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+    """No proposals while this many requests or more run: big batches are bound by compute, where
+    verifying rejected tokens costs more than it saves."""
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """JSON text, a dict or a config -> the config (None: no speculation). Fails naming the flag."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{_FLAG} is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{_FLAG} must be a JSON object, got {value!r}")
+        if "model" in value:
+            raise ValueError(f"{_FLAG}: draft-model speculation ('model') is not supported yet; use "
+                             '{"method": "ngram", "num_speculative_tokens": k}')
+        unknown = set(value) - set(_KEYS)
+        if unknown:
+            raise ValueError(f"{_FLAG} has unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(_KEYS)}")
+        method = value.get("method", "ngram")
+        if method not in ("ngram", "[ngram]"):
+            raise ValueError(f"{_FLAG} method must be 'ngram', got {method!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError(f"{_FLAG} needs num_speculative_tokens")
+        k = _integer(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        low = _integer(value, "prompt_lookup_min", 1, None, default=1)
+        high = _integer(value, "prompt_lookup_max", 1, None, default=max(low, 4))
+        if high < low:
+            raise ValueError(f"{_FLAG} prompt_lookup_max ({high}) must be >= prompt_lookup_min ({low})")
+        disable = value.get("disable_by_batch_size")
+        if disable is not None:
+            disable = _integer(value, "disable_by_batch_size", 1, None)
+        return cls(k, low, high, disable)
+
+
+def _integer(value: dict, key: str, low: int, high: int | None, default: int | None = None) -> int:
+    number = value.get(key, default)
+    if isinstance(number, bool) or not isinstance(number, int) or number < low or (high is not None and number > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ValueError(f"{_FLAG} {key} must be an integer {bound}, got {number!r}")
+    return number

@@ -1,0 +1,207 @@
+"""Speculative decoding (prompt lookup): its config, the proposer, lossless verification, and
+several tokens per request per step through the engine."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineArgs
+from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
+from pagellm.metrics.prometheus import PrometheusStatLogger
+from pagellm.metrics.stats import IterationStats
+from pagellm.sample.metadata import SamplingMetadata
+from pagellm.sample.rejection import verify
+from pagellm.spec_decode import NgramProposer, SpeculativeConfig
+
+from engine_utils import assert_no_leak
+
+
+@pytest.mark.parametrize("value, match", [
+    ("{not json", "not valid JSON"),
+    ([3], "must be a JSON object"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "between 1 and 16"),
+    ({"num_speculative_tokens": True}, "between 1 and 16"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be 'ngram'"),
+    ({"num_speculative_tokens": 2, "model": "draft.gguf"}, "draft-model speculation"),
+    ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must be >= prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+])
+def test_config_errors_name_the_flag(value, match):
+    with pytest.raises(ValueError, match=r"speculative_config \(--speculative-config\)") as e:
+        SpeculativeConfig.parse(value)
+    assert match in str(e.value)
+
+
+def test_config_parses_vllms_shape():
+    config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
+    assert config == SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=5)
+    with pytest.raises(ValueError, match="one rank only"):
+        EngineArgs(speculative_config={"num_speculative_tokens": 2}, tensor_parallel_size=2).validate()
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence():
+    propose = NgramProposer(SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=3)).propose
+    assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3], 10) == [4, 5, 9]        # suffix [1, 2, 3] seen at 0
+    assert propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], 10) == [7, 1, 2]  # latest of two occurrences
+    assert propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]      # capped by what may still be generated
+    assert propose([8, 5, 6, 9, 5, 6], 10) == [9, 5, 6]                  # shorter n-grams when longer ones miss
+    assert propose([5, 6, 7], 10) == [] and propose([5, 6, 5], 0) == []
+
+
+def metadata(params: list[SamplingParams], vocab: int) -> SamplingMetadata:
+    params = [p.apply_model_defaults({}) for p in params]
+    return SamplingMetadata.build(params, [0] * len(params), vocab, torch.device("cpu"),
+                                  torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("draft", [1, 4, 3], ids=["likely draft", "less likely draft", "draft cut by top_k"])
+def test_verification_emits_exactly_the_target_distribution(draft):
+    """50,000 rows verify the same draft: the first token emitted (the draft if accepted, else the
+    replacement) must follow p, and the draft must be accepted with probability p(draft)."""
+    rows, logits = 50_000, torch.tensor([0.3, 2.0, 1.1, -0.5, 0.9, 1.4])
+    params = SamplingParams(temperature=0.7, top_k=5)
+    md = metadata([params] * rows, len(logits))
+    p = torch.softmax(logits / 0.7, dim=-1)
+    p[3] = 0.0  # top_k=5 drops the smallest logit's token
+    p /= p.sum()
+    tokens, accepted = verify(logits.expand(rows, -1).clone(), md, torch.full((rows,), draft))
+    freq = torch.bincount(tokens, minlength=len(logits)).double() / rows
+    sigma = (p.double() * (1 - p.double()) / rows).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * sigma + 1e-12).all(), (freq, p)
+    rate = accepted.double().mean().item()
+    assert abs(rate - p[draft].item()) <= 5 * (p[draft].item() * (1 - p[draft].item()) / rows) ** 0.5 + 1e-12
+
+
+def test_greedy_verification_accepts_exactly_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]])
+    md = metadata([SamplingParams(temperature=0)] * 3, 3)
+    tokens, accepted = verify(logits, md, torch.tensor([1, 2, -1]))
+    assert tokens.tolist() == [1, 0, 2] and accepted.tolist() == [True, False, False]
+
+
+# -- through the engine (SmolLM2, CPU) ------------------------------------------------------------
+
+REWRITE = ("Rewrite this paragraph with its spelling fixed and nothing else changed: The quick brown fox jumpd "
+           "over the lazy dog. It was a sunny day and the fox was very hapy. The dog did not care, becuase it "
+           "was sleeping under a big tree near the river.")
+CONVERSATIONS = [
+    [{"role": "user", "content": REWRITE}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "List three prime numbers larger than 50."}],
+    [{"role": "user", "content": "Repeat after me: one two three four, one two three four, one two three four."}],
+]
+ENGINE = dict(dtype="float32", device="cpu", max_model_len=200, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: str):
+    return LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=16 << 20).get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+            for c in CONVERSATIONS]
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []])
+            for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_path: str, prompts):
+    llm = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20)
+    return run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, logprobs=2))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_greedy_output_is_token_identical(smollm2_path, prompts, plain, k):
+    """Chunked prefill (a 24-token budget) and preemption (a cache of 14 blocks for 4 requests)."""
+    llm = LLM(smollm2_path, **ENGINE, max_num_batched_tokens=24, num_gpu_blocks_override=14,
+              enable_prefix_caching=k % 2 == 0,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    got = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, logprobs=2))
+    stats = llm.llm_engine.engine_core.scheduler.make_stats()
+    assert [ids for ids, _ in got] == [ids for ids, _ in plain]
+    for (_, spec_lps), (_, plain_lps) in zip(got, plain):  # logprobs of the accepted tokens too
+        assert len(spec_lps) == len(plain_lps)
+        for a, b in zip(spec_lps, plain_lps):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert stats.num_preemptions > 0 or stats.prefix_cache_hits > 0  # shared prefixes fit the cache
+    assert 0 < stats.spec.num_accepted_tokens <= stats.spec.num_draft_tokens <= k * stats.spec.num_drafts
+    assert stats.spec.accepted_per_position[0] >= stats.spec.accepted_per_position[-1]
+    # More than one token per step on average: the run took fewer steps than tokens.
+    assert stats.spec.num_accepted_tokens > 10
+    assert_no_leak(llm.llm_engine)
+
+
+def test_max_tokens_and_stops_are_never_overshot(smollm2_path, prompts):
+    llm = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    rewrite = prompts[0]
+    full = llm.generate([rewrite], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    for n in (1, 2, 7, 13):
+        out = llm.generate([rewrite], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full.token_ids[:n] and out.finish_reason == "length"
+    # A stop token inside a run of accepted drafts ends the output there.
+    stop_at = full.token_ids[20]
+    out = llm.generate([rewrite], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    first = full.token_ids.index(stop_at)
+    assert out.token_ids == full.token_ids[:first + 1] and out.stop_reason == stop_at
+    word = full.text.split()[8]
+    out = llm.generate([rewrite], SamplingParams(temperature=0, max_tokens=40, stop=[word]), use_tqdm=False)[0]
+    assert out.outputs[0].text == full.text[:full.text.index(word)]
+    assert llm.llm_engine.engine_core.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_no_leak(llm.llm_engine)
+
+
+def test_sampled_tokens_keep_their_distribution(smollm2_path, tokenizer):
+    """Seeded requests at temperature 1 continuing a repeated phrase, so that drafts are proposed
+    from the second token on (about half accepted): the distribution of the 2nd to 4th tokens with
+    speculation matches the one without (chi-square over the tokens both runs saw 10+ times)."""
+    prompt = tokenizer.encode("red green blue, red green blue, red green blue, red green blue, red",
+                              add_special_tokens=False)
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True) for s in range(300)]
+    runs = {}
+    for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": 3})):
+        llm = LLM(smollm2_path, **{**ENGINE, "max_num_seqs": 64}, kv_cache_memory_bytes=64 << 20,
+                  speculative_config=spec)
+        outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+        runs[name] = [o.outputs[0].token_ids for o in outs]
+        if spec is not None:
+            stats = llm.llm_engine.engine_core.scheduler.spec_stats
+            assert stats.num_drafts > 200
+            assert 0.2 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.95
+    for position in (1, 2, 3):
+        a = np.bincount([ids[position] for ids in runs["plain"]], minlength=49152)
+        b = np.bincount([ids[position] for ids in runs["spec"]], minlength=49152)
+        common = (a >= 10) & (b >= 10)
+        table = np.stack([np.append(a[common], a[~common].sum()), np.append(b[common], b[~common].sum())]).astype(float)
+        table = table[:, table.sum(0) > 0]
+        expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+        chi2 = ((table - expected) ** 2 / expected).sum()
+        dof = table.shape[1] - 1
+        assert dof >= 1, "the pattern left no choice to sample"
+        assert chi2 < dof + 5 * (2 * dof) ** 0.5, (position, chi2, dof)  # far above would mean bias
+
+
+def test_metrics_count_drafts_and_acceptances():
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", registry=registry, max_model_len=64)
+    for drafts, accepted, per_pos in ((4, 3, [2, 1]), (10, 6, [4, 2])):
+        logger.record(SchedulerStats(spec=SpecDecodeStats(drafts // 2, drafts, accepted, per_pos)), IterationStats())
+    value = registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value("pagellm:spec_decode_num_draft_tokens_total", labels) == 10
+    assert value("pagellm:spec_decode_num_accepted_tokens_total", labels) == 6
+    assert value("pagellm:spec_decode_num_drafts_total", labels) == 5
+    assert value("pagellm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "1"}) == 2
