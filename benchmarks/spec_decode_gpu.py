@@ -94,7 +94,17 @@ def main() -> None:
                      result["step_cost_ratio"], f"{same}/{batch * args.output_len}"])
     print(format_table(["batch", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "tokens/step",
                         "plain step ms", "spec step ms", "step ratio", "greedy equal"], rows))
-    payload = {**run_metadata(), "benchmark": "spec_decode_gpu", "parameters": vars(args), "results": results}
+    # Sampling through the verification path on the device (seeded rows, top-p): it runs, and
+    # every request gets its max_tokens.
+    spec = llm.llm_engine.engine_core.scheduler.spec_stats
+    accepted_before = spec.num_accepted_tokens
+    sampled = llm.generate(prompts(8, 64), [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=32,
+                                                           ignore_eos=True) for i in range(8)], use_tqdm=False)
+    smoke = {"lengths": [len(o.outputs[0].token_ids) for o in sampled],
+             "accepted_tokens": spec.num_accepted_tokens - accepted_before}
+    print("sampled:", smoke)
+    payload = {**run_metadata(), "benchmark": "spec_decode_gpu", "parameters": vars(args), "results": results,
+               "sampled_smoke": smoke}
     if args.out_dir:
         print(f"wrote {write_json(payload, Path(args.out_dir) / 'spec_decode_gpu.json')}")
 
