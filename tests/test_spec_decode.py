@@ -44,13 +44,15 @@ def test_config_parses_vllms_shape():
         EngineArgs(speculative_config={"num_speculative_tokens": 2}, tensor_parallel_size=2).validate()
 
 
-def test_ngram_proposes_what_followed_the_latest_occurrence():
+def test_ngram_proposes_what_followed_the_latest_full_occurrence():
     propose = NgramProposer(SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=3)).propose
     assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3], 10) == [4, 5, 9]        # suffix [1, 2, 3] seen at 0
     assert propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], 10) == [7, 1, 2]  # latest of two occurrences
     assert propose([1, 2, 3, 4, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]      # capped by what may still be generated
     assert propose([8, 5, 6, 9, 5, 6], 10) == [9, 5, 6]                  # shorter n-grams when longer ones miss
     assert propose([5, 6, 7], 10) == [] and propose([5, 6, 5], 0) == []
+    assert propose([7] * 10, 10) == [7, 7, 7]  # a loop: an occurrence with a full proposal after it
+    assert propose([4, 7, 7, 7, 7], 10) == [7]  # none has: the latest
 
 
 def metadata(params: list[SamplingParams], vocab: int) -> SamplingMetadata:

@@ -14,9 +14,9 @@ class NgramProposer:
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """Up to min(k, max_tokens) tokens that followed the latest earlier occurrence of the
-        longest suffix of `token_ids` (between prompt_lookup_min and _max tokens long); [] if the
-        suffix never occurred before."""
+        """Up to min(k, max_tokens) tokens that followed an earlier occurrence of the longest
+        suffix of `token_ids` (between prompt_lookup_min and _max tokens long): the latest one
+        with that many tokens after it, else the latest; [] if the suffix never occurred before."""
         limit = min(self.k, max_tokens)
         if limit <= 0 or len(token_ids) <= self.low:
             return []
@@ -26,6 +26,9 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                # In a loop (an output repeating itself) the latest occurrence is just behind the
+                # suffix, with a token or two after it; one a full proposal further back is as good.
+                full = hits[hits + n + limit <= len(tokens)]
+                start = int(full[-1] if full.size else hits[-1]) + n
                 return tokens[start:start + limit].tolist()
         return []
