@@ -112,32 +112,52 @@ static inline __attribute__((always_inline)) void on_the_fly_rows(int qtype, int
     }
 }
 
-/* R <= 4 activation rows x C <= 3 expanded weight rows (float32, K apart): the register tile (12
- * sums, 3 weight vectors, one activation vector: the 16 AVX2 registers; 4 x 2 was load-bound). */
+/* R activation rows x C expanded weight rows (float32, K apart), R * C <= 12: the register tile.
+ * Four rows take three weight rows (12 sums, 3 weight vectors, one activation vector: the 16
+ * AVX2 registers; 4 x 2 was load-bound); fewer rows take more weight rows, so that there are
+ * always about 12 independent FMA chains (1 x 3 was bound by the FMA latency). */
 static inline __attribute__((always_inline)) void tile(int R, int C, const float *x, int64_t K, const float *w,
                                                       float *y, int64_t N) {
-    __m256 acc[4][3];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    __m256 acc[12];
+    for (int i = 0; i < R * C; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
-        __m256 wv[3];
-        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
-        for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+        if (R == 4) {
+            __m256 wv[3];
+            for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + c * K + k);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+                for (int c = 0; c < C; c++) acc[r * C + c] = _mm256_fmadd_ps(wv[c], xv, acc[r * C + c]);
+            }
+        } else {  /* the activation vectors in registers, the weights straight from L1 */
+            __m256 xv[3];
+            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * K + k);
+            for (int c = 0; c < C; c++) {
+                const __m256 wv = _mm256_loadu_ps(w + c * K + k);
+                for (int r = 0; r < R; r++) acc[r * C + c] = _mm256_fmadd_ps(wv, xv[r], acc[r * C + c]);
+            }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[r * N + c] = hsum(acc[r][c]);
+        for (int c = 0; c < C; c++) y[r * N + c] = hsum(acc[r * C + c]);
 }
 
-static void tiles(int C, const float *x, int64_t M, int64_t K, const float *w, float *y, int64_t N) {
+/* Weight rows c0 .. height-1 of the panel, C at a time (then fewer), for R activation rows. */
+static inline __attribute__((always_inline)) void tile_row(int R, int C, const float *x, int64_t K,
+                                                          const float *panel, int64_t height, float *y, int64_t N) {
+    int64_t c = 0;
+    for (; c + C <= height; c += C) tile(R, C, x, K, panel + c * K, y + c, N);
+    for (; c < height; c++) tile(R, 1, x, K, panel + c * K, y + c, N);
+}
+
+/* y rows of x [M, K] times the `height` expanded weight rows of the panel. */
+static void panel_product(const float *x, int64_t M, int64_t K, const float *panel, int64_t height, float *y,
+                          int64_t N) {
     int64_t r = 0;
-    for (; r + 4 <= M; r += 4) tile(4, C, x + r * K, K, w, y + r * N, N);
-    switch (M - r) {  /* constant R per call: the accumulators stay in registers */
-    case 3: tile(3, C, x + r * K, K, w, y + r * N, N); break;
-    case 2: tile(2, C, x + r * K, K, w, y + r * N, N); break;
-    case 1: tile(1, C, x + r * K, K, w, y + r * N, N); break;
+    for (; r + 4 <= M; r += 4) tile_row(4, 3, x + r * K, K, panel, height, y + r * N, N);
+    switch (M - r) {  /* constant R and C per call: the accumulators stay in registers */
+    case 3: tile_row(3, 4, x + r * K, K, panel, height, y + r * N, N); break;
+    case 2: tile_row(2, 6, x + r * K, K, panel, height, y + r * N, N); break;
+    case 1: tile_row(1, 12, x + r * K, K, panel, height, y + r * N, N); break;
     }
 }
 
@@ -177,10 +197,7 @@ int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
                         expand(qtype, w + (n0 + c) * row_bytes + g * bb, v);
                         for (int i = 0; i < 4; i++) _mm256_store_ps(panel + c * K + g * 32 + 8 * i, v[i]);
                     }
-                int64_t c = 0;
-                for (; c + 3 <= height; c += 3) tiles(3, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
-                if (c + 2 <= height) { tiles(2, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N); c += 2; }
-                if (c < height) tiles(1, x + m0 * K, rows, K, panel + c * K, y + m0 * N + n0 + c, N);
+                panel_product(x + m0 * K, rows, K, panel, height, y + m0 * N + n0, N);
             }
         }
         free(panel);
