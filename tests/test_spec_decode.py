@@ -39,7 +39,8 @@ def test_config_errors_name_the_flag(value, match):
 
 def test_config_parses_vllms_shape():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
-    assert config == SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=5)
+    assert config == SpeculativeConfig(3, prompt_lookup_min=2, prompt_lookup_max=5)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 1, "prompt_lookup_max": 1}).prompt_lookup_min == 1
     with pytest.raises(ValueError, match="one rank only"):
         EngineArgs(speculative_config={"num_speculative_tokens": 2}, tensor_parallel_size=2).validate()
 

@@ -15,7 +15,10 @@ class SpeculativeConfig:
     of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)."""
 
     num_speculative_tokens: int
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
+    """Single-token matches are mostly chance: on SmolLM2 they made a code-editing task 0.7x as
+    fast (acceptance 5%) where a minimum of 2 kept it at 1.0x and sped the others up as much
+    (benchmarks/spec_decode_cpu.py)."""
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
     """No proposals while this many requests or more run: big batches are bound by compute, where
@@ -46,7 +49,9 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in value:
             raise ValueError(f"{_FLAG} needs num_speculative_tokens")
         k = _integer(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
-        low = _integer(value, "prompt_lookup_min", 1, None, default=1)
+        given_high = value.get("prompt_lookup_max")
+        low = _integer(value, "prompt_lookup_min", 1, None,
+                       default=min(2, given_high) if isinstance(given_high, int) and given_high >= 1 else 2)
         high = _integer(value, "prompt_lookup_max", 1, None, default=max(low, 4))
         if high < low:
             raise ValueError(f"{_FLAG} prompt_lookup_max ({high}) must be >= prompt_lookup_min ({low})")
