@@ -16,9 +16,9 @@ class SpeculativeConfig:
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
-    """Single-token matches are mostly chance: on SmolLM2 they made a code-editing task 0.7x as
-    fast (acceptance 5%) where a minimum of 2 kept it at 1.0x and sped the others up as much
-    (benchmarks/spec_decode_cpu.py)."""
+    """Single-token matches are mostly chance: on SmolLM2 they made a code-editing task 0.73x as
+    fast (acceptance 5%, benchmarks/results/spec_decode_cpu_20261201T224339Z.json), where a
+    minimum of 2 kept it near 1x and sped the other tasks up as much."""
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
     """No proposals while this many requests or more run: big batches are bound by compute, where
