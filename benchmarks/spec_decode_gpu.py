@@ -63,6 +63,40 @@ def timed(llm: LLM, batch: int, input_len: int, output_len: int, speculate: bool
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
+def graphs_check(model: str, k: int, max_tokens: int = 96) -> dict[str, Any]:
+    """Real weights: greedy tokens of the input-grounded tasks with verification steps replayed
+    from CUDA graphs, run eagerly, and without speculation (decode graphs), in one engine."""
+    from benchmarks.spec_decode_cpu import TASKS  # noqa: PLC0415
+
+    llm = LLM(model, max_model_len=1024, gpu_memory_utilization=0.3,
+              speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    scheduler = llm.llm_engine.engine_core.scheduler
+    conversations = [[{"role": "user", "content": text}] for text in TASKS.values()]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    def tokens() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.chat(conversations, params, use_tqdm=False)]
+
+    with_graphs = tokens()
+    graphs, runner.graphs = runner.graphs, None
+    eager = tokens()
+    runner.graphs = graphs
+    proposer, scheduler.proposer = scheduler.proposer, None
+    plain = tokens()
+    scheduler.proposer = proposer
+
+    def equal(a: list[list[int]], b: list[list[int]]) -> int:
+        return sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
+
+    result = {"model": model, "tokens_total": sum(len(t) for t in plain),
+              "graphs_vs_eager_equal": equal(with_graphs, eager), "graphs_vs_plain_equal": equal(with_graphs, plain),
+              "eager_vs_plain_equal": equal(eager, plain), "accepted_tokens": scheduler.spec_stats.num_accepted_tokens,
+              "draft_tokens": scheduler.spec_stats.num_draft_tokens}
+    llm.llm_engine.shutdown()
+    return result
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -77,7 +111,15 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--out-dir", default=None)
+    p.add_argument("--check-model", default=None, help="real weights (a .gguf): graphs vs eager vs plain, greedy")
     args = p.parse_args()
+    if args.check_model:
+        check = graphs_check(args.check_model, args.k)
+        print("real weights:", check)
+        if args.out_dir:
+            write_json({**run_metadata(), "benchmark": "spec_decode_gpu_check", "parameters": vars(args),
+                        "check": check}, Path(args.out_dir) / "spec_decode_gpu_check.json")
+        return
     llm = LLM(args.model, load_format=args.load_format, max_model_len=2048,
               speculative_config={"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4})
     results, rows = [], []

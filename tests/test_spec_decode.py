@@ -208,3 +208,25 @@ def test_metrics_count_drafts_and_acceptances():
     assert value("pagellm:spec_decode_num_accepted_tokens_total", labels) == 6
     assert value("pagellm:spec_decode_num_drafts_total", labels) == 5
     assert value("pagellm:spec_decode_num_accepted_tokens_per_pos_total", {**labels, "position": "1"}) == 2
+
+
+def test_verification_graphs_pad_each_query_to_the_captured_length():
+    """CPU-side layout of `DecodeGraphs` for verification steps (the replay itself needs CUDA)."""
+    from pagellm.attention.backend import AttentionMetadata  # noqa: PLC0415
+    from pagellm.worker.cuda_graphs import DecodeGraphs, padded_rows  # noqa: PLC0415
+
+    assert padded_rows(np.array([0, 1, 4, 6]), 3).tolist() == [0, 3, 4, 5, 6, 7]
+    graphs = DecodeGraphs(lambda *a: None, max_num_seqs=600, max_blocks_per_seq=4, device=torch.device("cpu"),
+                          verify_len=5)
+    assert graphs.verify_sizes[-1] * 5 <= 2048 < graphs.sizes[-1] * 5
+
+    def md(query_lens: list[int]) -> AttentionMetadata:
+        qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+        return AttentionMetadata(int(qsl[-1]), None, None, None, None, max(query_lens), 0, qsl,
+                                 np.array(query_lens, dtype=np.int32))
+
+    assert graphs.fits(md([1] * 512)) and not graphs.fits(md([1] * 513))
+    assert graphs.fits(md([5, 1, 3])) and not graphs.fits(md([6, 1]))
+    assert not graphs.fits(md([2] * (graphs.verify_sizes[-1] + 1)))
+    decode_only = DecodeGraphs(lambda *a: None, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    assert decode_only.fits(md([1, 1])) and not decode_only.fits(md([2, 1]))

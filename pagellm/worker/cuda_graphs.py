@@ -1,10 +1,13 @@
-"""CUDA graphs for decode-only steps: the model's forward captured once per batch size of a ladder.
+"""CUDA graphs for decode steps: the model's forward captured once per batch size of a ladder, and
+per query length: 1, and 1 + k for verification steps of speculative decoding.
 
 A decode step of a large model is hundreds of small kernel launches; replaying a captured graph
 launches them all at once, so the GPU no longer waits on Python. A graph replays fixed tensors, so
 each step's inputs are copied into persistent buffers first; a batch is padded up to the next
 captured size with rows that are one-token sequences over block 0 whose KV writes are skipped
-(slot -1), so they read valid memory, write nothing, and their outputs are ignored.
+(slot -1), so they read valid memory, write nothing, and their outputs are ignored. A graph of
+query length q takes any step whose queries are all at most q long: each is padded at its end to
+q rows (slot -1, its sequence length grown to match), which the real rows never attend to.
 """
 from __future__ import annotations
 
@@ -23,6 +26,16 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
 """Largest batch captured: beyond it a step's GPU work dwarfs its launches, and every captured size
 costs start-up time and memory."""
+MAX_CAPTURE_TOKENS = 2048
+"""Largest step of query length > 1 captured (batch size x query length)."""
+
+
+def padded_rows(query_start_loc: np.ndarray, q: int) -> np.ndarray:
+    """Row of each flat token in a batch whose sequence i owns rows i*q .. i*q+q-1 (its tokens
+    first), for queries of at most q tokens."""
+    lens = np.diff(query_start_loc)
+    starts = np.repeat(query_start_loc[:-1], lens)
+    return np.repeat(np.arange(len(lens), dtype=np.int64) * q, lens) + np.arange(int(query_start_loc[-1])) - starts
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -37,53 +50,74 @@ class DecodeGraphs:
     """Captured decode graphs of `forward(input_ids, positions, metadata) -> hidden`, one per size."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+                 max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, verify_len: int = 1) -> None:
+        """`verify_len`: 1 + the drafts of a verification step (speculative decoding), also captured
+        for the sizes whose steps stay within MAX_CAPTURE_TOKENS; 1: decode only."""
         self.forward = forward
         self.sizes = capture_sizes(max_num_seqs)
+        self.verify_len = verify_len
+        self.verify_sizes = [s for s in self.sizes if s * verify_len <= MAX_CAPTURE_TOKENS] if verify_len > 1 else []
         size = self.sizes[-1]
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
+        tokens = max(size, max(self.verify_sizes, default=0) * verify_len)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
         self.block_table = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self._arange = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def _metadata(self, size: int) -> AttentionMetadata:
-        """Metadata over the buffers' first `size` rows; host copies describe the padded shape only
-        (the kernels take every length from the device tensors)."""
+    def _metadata(self, size: int, q: int = 1) -> AttentionMetadata:
+        """Metadata over the buffers' first `size` sequences of `q` rows; host copies describe the
+        padded shape only (the kernels take every length from the device tensors)."""
         return AttentionMetadata(
-            num_tokens=size, query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size], max_query_len=1,
-            max_seq_len=1, query_start_loc_cpu=np.arange(size + 1, dtype=np.int32),
-            seq_lens_cpu=np.ones(size, dtype=np.int32))
+            num_tokens=size * q, query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
+            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size * q], max_query_len=q,
+            max_seq_len=q, query_start_loc_cpu=np.arange(size + 1, dtype=np.int32) * q,
+            seq_lens_cpu=np.full(size, q, dtype=np.int32))
+
+    def fits(self, md: AttentionMetadata) -> bool:
+        """Whether a captured graph takes this step."""
+        if md.max_query_len == 1:
+            return md.num_seqs <= self.max_size
+        return md.max_query_len <= self.verify_len and md.num_seqs <= max(self.verify_sizes, default=0)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first so that the smaller graphs reuse its memory pool."""
+        """Capture every size and query length, largest first so that the smaller graphs reuse
+        its memory pool."""
         start = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes):
-            md = self._metadata(size)
-            args = (self.input_ids[:size], self.positions[:size], md)
+        shapes = sorted([(s * self.verify_len, s, self.verify_len) for s in self.verify_sizes]
+                        + [(s, s, 1) for s in self.sizes], reverse=True)
+        for _, size, q in shapes:
+            self.query_start_loc[:size + 1].copy_(self._arange[:size + 1] * q)
+            self.seq_lens[:size].fill_(q)
+            md = self._metadata(size, q)
+            args = (self.input_ids[:size * q], self.positions[:size * q], md)
             self.forward(*args)  # compiles the kernels and settles the allocator before capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.forward(*args)
             pool = graph.pool()
-            self._graphs[size] = (graph, out)
+            self._graphs[size, q] = (graph, out)
+        self.query_start_loc.copy_(self._arange)
+        self.seq_lens.fill_(1)
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d) in %.1f s", len(self.sizes),
-                    self.max_size, time.perf_counter() - start)
+        logger.info("captured CUDA graphs for %d decode batch sizes (1..%d)%s in %.1f s", len(self.sizes),
+                    self.max_size, f" and {len(self.verify_sizes)} of {self.verify_len}-token verification steps"
+                    if self.verify_sizes else "", time.perf_counter() - start)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        """Replay the smallest graph that holds this decode-only batch; returns its hidden rows."""
+        """Replay the smallest graph that holds this batch (see `fits`); returns its hidden rows."""
+        if md.max_query_len > 1:
+            return self._run_padded(input_ids, positions, md)
         n = md.num_seqs
         size = next(s for s in self.sizes if s >= n)
         width = md.block_table.shape[1]
@@ -97,6 +131,32 @@ class DecodeGraphs:
             self.query_start_loc[n + 1:size + 1].copy_(self._arange[n + 1:size + 1])
             self.seq_lens[n:size].fill_(1)
             self.slot_mapping[n:size].fill_(-1)
-        graph, out = self._graphs[size]
+        graph, out = self._graphs[size, 1]
         graph.replay()
         return out[:n]
+
+    def _run_padded(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """A step of queries up to `verify_len` long, each padded to it (module docstring)."""
+        n, q = md.num_seqs, self.verify_len
+        size = next(s for s in self.verify_sizes if s >= n)
+        rows = torch.from_numpy(padded_rows(md.query_start_loc_cpu.astype(np.int64), q)).to(
+            input_ids.device, non_blocking=True)
+        lens = np.diff(md.query_start_loc_cpu)
+        grow = torch.from_numpy((q - lens).astype(np.int32)).to(input_ids.device, non_blocking=True)
+        tokens = size * q
+        self.input_ids[:tokens].zero_()
+        self.positions[:tokens].zero_()
+        self.slot_mapping[:tokens].fill_(-1)
+        self.input_ids[rows] = input_ids
+        self.positions[rows] = positions
+        self.slot_mapping[rows] = md.slot_mapping
+        self.query_start_loc[:size + 1].copy_(self._arange[:size + 1] * q)
+        self.seq_lens[:n].copy_(md.seq_lens + grow)
+        self.seq_lens[n:size].fill_(q)
+        width = md.block_table.shape[1]
+        self.block_table[:n, :width].copy_(md.block_table)
+        graph, out = self._graphs[size, q]
+        graph.replay()
+        # The next decode graph expects its own layout of these buffers.
+        self.query_start_loc.copy_(self._arange)
+        return out[rows]

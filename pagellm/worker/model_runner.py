@@ -147,7 +147,9 @@ class ModelRunner:
                 or self.config.attention_backend != "triton" or self.ps.pp_size > 1):
             return
         max_blocks = -(-self.config.max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.config.args.max_num_seqs, max_blocks, self.device)
+        spec = self.config.speculative
+        self.graphs = DecodeGraphs(self.model, self.config.args.max_num_seqs, max_blocks, self.device,
+                                   verify_len=1 + spec.num_speculative_tokens if spec is not None else 1)
         self.graphs.capture()
 
     # -- one step ------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class ModelRunner:
         """This pipeline stage's part of the forward: the final hidden states on the last stage,
         else the send of its intermediate tensors to the next stage (started, not waited for)."""
         if self.ps.pp_size == 1:
-            if self.graphs is not None and md.max_query_len == 1 and md.num_seqs <= self.graphs.max_size:
+            if self.graphs is not None and self.graphs.fits(md):
                 return self.graphs.run(input_ids, positions, md)
             return self.model(input_ids, positions, md)
         intermediate = None
