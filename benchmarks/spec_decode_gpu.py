@@ -97,6 +97,20 @@ def graphs_check(model: str, k: int, max_tokens: int = 96) -> dict[str, Any]:
     return result
 
 
+def replay_ms(runner: Any, size: int, q: int, iters: int = 50) -> float:
+    """GPU time of one replay of the captured graph of `size` sequences of `q` tokens."""
+    graph, _ = runner.graphs._graphs[size, q]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -136,6 +150,9 @@ def main() -> None:
                      result["step_cost_ratio"], f"{same}/{batch * args.output_len}"])
     print(format_table(["batch", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "tokens/step",
                         "plain step ms", "spec step ms", "step ratio", "greedy equal"], rows))
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    replays = {f"{size}x{q}": replay_ms(runner, size, q) for size in args.batch_sizes for q in (1, 1 + args.k)}
+    print("graph replay ms:", replays, "verification replays:", runner.graphs.num_verify_replays)
     # Sampling through the verification path on the device (seeded rows, top-p): it runs, and
     # every request gets its max_tokens.
     spec = llm.llm_engine.engine_core.scheduler.spec_stats
@@ -146,7 +163,8 @@ def main() -> None:
              "accepted_tokens": spec.num_accepted_tokens - accepted_before}
     print("sampled:", smoke)
     payload = {**run_metadata(), "benchmark": "spec_decode_gpu", "parameters": vars(args), "results": results,
-               "sampled_smoke": smoke}
+               "sampled_smoke": smoke,
+               "graph_replay_ms": replays, "verification_replays": runner.graphs.num_verify_replays}
     if args.out_dir:
         print(f"wrote {write_json(payload, Path(args.out_dir) / 'spec_decode_gpu.json')}")
 

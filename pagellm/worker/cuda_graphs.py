@@ -67,6 +67,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self._arange = torch.arange(size + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_verify_replays = 0
 
     @property
     def max_size(self) -> int:
@@ -157,6 +158,7 @@ class DecodeGraphs:
         self.block_table[:n, :width].copy_(md.block_table)
         graph, out = self._graphs[size, q]
         graph.replay()
+        self.num_verify_replays += 1
         # The next decode graph expects its own layout of these buffers.
         self.query_start_loc.copy_(self._arange)
         return out[rows]
