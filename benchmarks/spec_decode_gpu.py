@@ -63,12 +63,12 @@ def timed(llm: LLM, batch: int, input_len: int, output_len: int, speculate: bool
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
-def graphs_check(model: str, k: int, max_tokens: int = 96) -> dict[str, Any]:
+def graphs_check(model: str, k: int, dtype: str, max_tokens: int = 96) -> dict[str, Any]:
     """Real weights: greedy tokens of the input-grounded tasks with verification steps replayed
     from CUDA graphs, run eagerly, and without speculation (decode graphs), in one engine."""
     from benchmarks.spec_decode_cpu import TASKS  # noqa: PLC0415
 
-    llm = LLM(model, max_model_len=1024, gpu_memory_utilization=0.3,
+    llm = LLM(model, max_model_len=1024, gpu_memory_utilization=0.3, dtype=dtype,
               speculative_config={"method": "ngram", "num_speculative_tokens": k})
     runner = llm.llm_engine.engine_core.executor.worker.runner
     scheduler = llm.llm_engine.engine_core.scheduler
@@ -89,7 +89,7 @@ def graphs_check(model: str, k: int, max_tokens: int = 96) -> dict[str, Any]:
     def equal(a: list[list[int]], b: list[list[int]]) -> int:
         return sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))
 
-    result = {"model": model, "tokens_total": sum(len(t) for t in plain),
+    result = {"model": model, "dtype": dtype, "tokens_total": sum(len(t) for t in plain),
               "graphs_vs_eager_equal": equal(with_graphs, eager), "graphs_vs_plain_equal": equal(with_graphs, plain),
               "eager_vs_plain_equal": equal(eager, plain), "accepted_tokens": scheduler.spec_stats.num_accepted_tokens,
               "draft_tokens": scheduler.spec_stats.num_draft_tokens}
@@ -126,9 +126,10 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--check-model", default=None, help="real weights (a .gguf): graphs vs eager vs plain, greedy")
+    p.add_argument("--check-dtypes", nargs="+", default=["float32", "bfloat16"])
     args = p.parse_args()
     if args.check_model:
-        check = graphs_check(args.check_model, args.k)
+        check = [graphs_check(args.check_model, args.k, dtype) for dtype in args.check_dtypes]
         print("real weights:", check)
         if args.out_dir:
             write_json({**run_metadata(), "benchmark": "spec_decode_gpu_check", "parameters": vars(args),
