@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = _parse_args(argv)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     engines = {"plain": None, **{f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k,
-                                                  "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
-                                   for k in args.ks}}
+                                                  "prompt_lookup_min": args.lookup_min,
+                                                  "prompt_lookup_max": args.lookup_max} for k in args.ks}}
     llms = {name: LLM(args.model, max_model_len=2048, speculative_config=spec) for name, spec in engines.items()}
     results: dict[str, dict[str, Any]] = {}
     for task, text in TASKS.items():

@@ -114,8 +114,8 @@ def prompts(tokenizer) -> list[list[int]]:
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams):
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []])
-            for o in outputs]
+    return [(o.outputs[0].token_ids,
+             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []]) for o in outputs]
 
 
 @pytest.fixture(scope="module")

@@ -442,7 +442,8 @@ class StepInFlight:
             self._runner.requests.append_sampled(self._req_ids, token_ids)
         if not ps.is_driver:
             return ModelRunnerOutput([], [])
-        return ModelRunnerOutput(self._req_ids, token_ids, _sampled_logprobs(self._states, token_ids, self._num_drafts, host[1:]) or None,
+        logprobs = _sampled_logprobs(self._states, token_ids, self._num_drafts, host[1:])
+        return ModelRunnerOutput(self._req_ids, token_ids, logprobs or None,
                                  _finished_prompt_logprobs(self._states) or None)
 
 
