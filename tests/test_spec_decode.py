@@ -56,6 +56,33 @@ def test_ngram_proposes_what_followed_the_latest_full_occurrence():
     assert propose([4, 7, 7, 7, 7], 10) == [7]  # none has: the latest
 
 
+def brute_force_proposal(tokens: list[int], k: int, low: int, high: int, max_tokens: int) -> list[int]:
+    """The proposer's rule, written plainly: the longest n (high down to low) whose last-n suffix
+    occurred earlier; of its occurrences, the latest with min(k, max_tokens) tokens after it, else
+    the latest."""
+    limit = min(k, max_tokens)
+    if limit <= 0:
+        return []
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            full = [s for s in starts if s + n + limit <= len(tokens)]
+            start = (full or starts)[-1] + n
+            return tokens[start:start + limit]
+    return []
+
+
+def test_ngram_matches_the_plain_rule_on_random_histories():
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        low = int(rng.integers(1, 4))
+        high, k = int(rng.integers(low, 6)), int(rng.integers(1, 6))
+        tokens = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(1, 40))).tolist()
+        max_tokens = int(rng.integers(0, 7))
+        got = NgramProposer(SpeculativeConfig(k, low, high)).propose(tokens, max_tokens)
+        assert got == brute_force_proposal(tokens, k, low, high, max_tokens), (tokens, k, low, high, max_tokens)
+
+
 def metadata(params: list[SamplingParams], vocab: int) -> SamplingMetadata:
     params = [p.apply_model_defaults({}) for p in params]
     return SamplingMetadata.build(params, [0] * len(params), vocab, torch.device("cpu"),
