@@ -13,6 +13,7 @@ On the GPU machine, from the repository root:
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,16 +40,19 @@ def timed(llm: LLM, batch: int, input_len: int, output_len: int, speculate: bool
     scheduler.proposer = proposer if speculate else None
     try:
         spec = scheduler.spec_stats
-        before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts)
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         batch_prompts = prompts(batch, input_len)
         # Warm-up past the first proposals, so that the verification path has run once.
         llm.generate(batch_prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-        _sync()
-        start = time.perf_counter()
-        outs = llm.generate(batch_prompts, params, use_tqdm=False)
-        _sync()
-        elapsed = time.perf_counter() - start
+        elapsed_runs = []
+        for _ in range(3):  # the median of three: single runs varied by a third on a warm machine
+            before = (spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_drafts)
+            _sync()
+            start = time.perf_counter()
+            outs = llm.generate(batch_prompts, params, use_tqdm=False)
+            _sync()
+            elapsed_runs.append(time.perf_counter() - start)
+        elapsed = statistics.median(elapsed_runs)
     finally:
         scheduler.proposer = proposer
     drafted, accepted, drafts = (spec.num_draft_tokens - before[0], spec.num_accepted_tokens - before[1],
@@ -57,8 +61,8 @@ def timed(llm: LLM, batch: int, input_len: int, output_len: int, speculate: bool
     # Steps: every request's sampling step gives one token plus its accepted drafts; a step serves
     # the whole batch, so steps = (tokens - accepted) / batch (the prefill step included).
     steps = (tokens - accepted) / batch
-    return {"tok_s": tokens / elapsed, "elapsed_s": elapsed, "tokens": tokens, "steps": steps,
-            "step_ms": elapsed / steps * 1e3, "draft_tokens": drafted, "accepted_tokens": accepted,
+    return {"tok_s": tokens / elapsed, "elapsed_s": elapsed, "elapsed_s_runs": elapsed_runs, "tokens": tokens,
+            "steps": steps, "step_ms": elapsed / steps * 1e3, "draft_tokens": drafted, "accepted_tokens": accepted,
             "verify_steps": drafts, "acceptance": accepted / drafted if drafted else None,
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
