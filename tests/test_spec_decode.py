@@ -257,3 +257,35 @@ def test_verification_graphs_pad_each_query_to_the_captured_length():
     assert not graphs.fits(md([2] * (graphs.verify_sizes[-1] + 1)))
     decode_only = DecodeGraphs(lambda *a: None, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
     assert decode_only.fits(md([1, 1])) and not decode_only.fits(md([2, 1]))
+
+
+def test_engine_core_process_streams_several_tokens_a_step(smollm2_path, prompts):
+    """Through AsyncLLM (the server's engine, core in its own process): the same greedy text as
+    offline speculation, streamed in deltas, and the speculation counters in its stats."""
+    import asyncio  # noqa: PLC0415
+
+    from pagellm import EngineArgs  # noqa: PLC0415
+    from pagellm.engine.async_llm import AsyncLLM  # noqa: PLC0415
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    params = SamplingParams(temperature=0, max_tokens=40)
+    offline = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20, speculative_config=spec)
+    expected = offline.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    llm = AsyncLLM.from_engine_args(EngineArgs(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20,
+                                               speculative_config=spec))
+    try:
+        async def run():
+            return [out async for out in llm.generate({"prompt_token_ids": prompts[0]}, params, "spec")]
+
+        stream = asyncio.run(run())
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+    assert stream[-1].outputs[0].token_ids == expected.token_ids
+    assert len(stream) < len(expected.token_ids)  # some outputs brought several tokens
+    assert stats.spec is not None and stats.spec.num_accepted_tokens > 0
+
+
+def test_spec_stats_of_several_engines_add_up():
+    total = SpecDecodeStats.total([SpecDecodeStats(1, 4, 3, [2, 1]), SpecDecodeStats(2, 6, 1, [1, 0])])
+    assert total == SpecDecodeStats(3, 10, 4, [3, 1]) and SpecDecodeStats.total([]) is None

@@ -149,3 +149,12 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     """[k]: how often the draft at position i (0-based) was accepted."""
+
+    @classmethod
+    def total(cls, parts: list["SpecDecodeStats"]) -> "SpecDecodeStats | None":
+        """The sum of several engines' counters (None when none speculates)."""
+        if not parts:
+            return None
+        return cls(sum(p.num_drafts for p in parts), sum(p.num_draft_tokens for p in parts),
+                   sum(p.num_accepted_tokens for p in parts),
+                   [sum(counts) for counts in zip(*(p.accepted_per_position for p in parts))])

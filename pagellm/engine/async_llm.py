@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.core.outputs import SchedulerStats
+from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
 from pagellm.engine.core_client import CoreClient
 from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S
 from pagellm.engine.dp_router import DataParallelRouter
@@ -261,8 +261,10 @@ class AsyncLLM:
         """The replicas' latest scheduler stats, summed (KV usage: their mean)."""
         total = SchedulerStats()
         for field in dataclasses.fields(SchedulerStats):
-            setattr(total, field.name, sum(getattr(core.stats, field.name) for core in self._cores))
+            if field.name != "spec":
+                setattr(total, field.name, sum(getattr(core.stats, field.name) for core in self._cores))
         total.kv_cache_usage /= len(self._cores)
+        total.spec = SpecDecodeStats.total([core.stats.spec for core in self._cores if core.stats.spec is not None])
         return total
 
     @property
