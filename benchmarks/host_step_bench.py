@@ -58,7 +58,7 @@ def host_step_ms(batch: int, context_len: int, steps: int, device: torch.device)
         processors = LogitsProcessors.build(row_params, [s.token_ids for s in rows], [s.num_prompt_tokens for s in rows],
                                             [s.eos_token_ids for s in rows], VOCAB, device)
         SamplingMetadata.build(row_params, flat.num_generated, VOCAB, device, None, processors)
-        sampled = [1] * len(flat.sampling_req_ids)
+        sampled = [[1] for _ in flat.sampling_req_ids]
         states.append_sampled(flat.sampling_req_ids, sampled)
         scheduler.update_from_output(ModelRunnerOutput(flat.sampling_req_ids, sampled))
         return so.total_num_scheduled_tokens
