@@ -28,8 +28,9 @@ from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.results import format_table, run_metadata, write_json
 
 
-def graph_replay_ms(runner: Any, size: int, iters: int = 50) -> float:
-    graph, _ = runner.graphs._graphs[size]
+def graph_replay_ms(runner: Any, size: int, q: int = 1, iters: int = 50) -> float:
+    """GPU time of one replay of the captured graph of `size` sequences of `q` tokens."""
+    graph = runner.graphs.graph(size, q)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -44,7 +45,7 @@ def graph_replay_ms(runner: Any, size: int, iters: int = 50) -> float:
 def kernel_breakdown(runner: Any, size: int, iters: int = 10) -> dict[str, Any]:
     """GPU time per decode step by kernel name, for the graph replay of `size` rows and for the same
     forward run eagerly (launch gaps show as the difference between the sum and the step time)."""
-    graph, _ = runner.graphs._graphs[size]
+    graph = runner.graphs.graph(size)
     md = runner.graphs._metadata(size)
     ids, positions = runner.graphs.input_ids[:size], runner.graphs.positions[:size]
     found = {}

@@ -25,6 +25,7 @@ if __package__ in (None, ""):
 import torch
 
 from pagellm import LLM, SamplingParams
+from benchmarks.gpu_step_profile import graph_replay_ms
 from pagellm.benchmarks.results import format_table, run_metadata, write_json
 
 
@@ -101,20 +102,6 @@ def graphs_check(model: str, k: int, dtype: str, max_tokens: int = 96) -> dict[s
     return result
 
 
-def replay_ms(runner: Any, size: int, q: int, iters: int = 50) -> float:
-    """GPU time of one replay of the captured graph of `size` sequences of `q` tokens."""
-    graph, _ = runner.graphs._graphs[size, q]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -156,7 +143,7 @@ def main() -> None:
     print(format_table(["batch", "plain tok/s", "spec tok/s", "speed-up", "acceptance", "tokens/step",
                         "plain step ms", "spec step ms", "step ratio", "greedy equal"], rows))
     runner = llm.llm_engine.engine_core.executor.worker.runner
-    replays = {f"{size}x{q}": replay_ms(runner, size, q) for size in args.batch_sizes for q in (1, 1 + args.k)}
+    replays = {f"{size}x{q}": graph_replay_ms(runner, size, q) for size in args.batch_sizes for q in (1, 1 + args.k)}
     print("graph replay ms:", replays, "verification replays:", runner.graphs.num_verify_replays)
     # Sampling through the verification path on the device (seeded rows, top-p): it runs, and
     # every request gets its max_tokens.

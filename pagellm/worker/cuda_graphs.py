@@ -82,6 +82,10 @@ class DecodeGraphs:
             max_seq_len=q, query_start_loc_cpu=np.arange(size + 1, dtype=np.int32) * q,
             seq_lens_cpu=np.full(size, q, dtype=np.int32))
 
+    def graph(self, size: int, q: int = 1) -> torch.cuda.CUDAGraph:
+        """The captured graph of `size` sequences of `q` tokens (benchmarks time its replay)."""
+        return self._graphs[size, q][0]
+
     def fits(self, md: AttentionMetadata) -> bool:
         """Whether a captured graph takes this step."""
         if md.max_query_len == 1:
