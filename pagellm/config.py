@@ -53,7 +53,7 @@ class EngineArgs:
     reasoning_parser: str | None = _arg(None, "How the model marks its reasoning: qwen3 | deepseek_r1 (<think>...</think>). Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
     structured_outputs_compile_timeout: float = _arg(10.0, "Seconds a request's JSON schema, regex or grammar may take to compile (off the step loop, in a thread pool) before the request is refused (HTTP 400).")
     structured_outputs_max_bytes: int = _arg(65536, "Largest JSON schema, regex, grammar or choice list a request may send, in bytes of its JSON text; larger ones are refused (HTTP 400).")
-    speculative_config: str | dict | None = _arg(None, 'Speculative decoding, as vLLM: JSON like \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (the defaults of both; prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens, verified in one step; greedy output is unchanged, sampled output keeps its distribution); optional "disable_by_batch_size": N (no speculation while N or more requests run). One rank only; steps then run without async scheduling. None: off.')
+    speculative_config: str | dict | None = _arg(None, 'Speculative decoding, as vLLM: JSON like \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (the defaults of both; prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a smaller model with the same vocabulary proposes greedily, with its own KV cache in the same blocks; optional "quantization" for its weights). The drafts are verified in one step: greedy output is unchanged, sampled output keeps its distribution. Optional "disable_by_batch_size": N (no speculation while N or more requests run). One rank only; steps then run without async scheduling. None: off.')
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
@@ -96,7 +96,11 @@ class EngineArgs:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         PoolerConfig.parse(self.pooler_config, self.runner)
-        if SpeculativeConfig.parse(self.speculative_config) is not None:
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None:
+            if speculative.quantization not in (None, *QUANTIZATION_METHODS):
+                raise ValueError(f"speculative_config (--speculative-config) quantization must be one of "
+                                 f"{', '.join(QUANTIZATION_METHODS)}, got {speculative.quantization!r}")
             if self.runner != "generate":
                 raise ValueError("speculative_config (--speculative-config) applies only to the generate runner")
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
@@ -136,6 +140,7 @@ class EngineArgs:
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
                              f"{device.type}: use torch")
+        speculative = SpeculativeConfig.parse(self.speculative_config)
         return EngineConfig(
             quantization=resolve_quantization(self.quantization, source.load_format, source.path, device),
             args=self,
@@ -148,7 +153,8 @@ class EngineArgs:
             attention_backend=attention_backend,
             parallel=parallel,
             pooler=PoolerConfig.parse(self.pooler_config, self.runner),
-            speculative=SpeculativeConfig.parse(self.speculative_config),
+            speculative=speculative,
+            draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device),
         )
 
 
@@ -255,6 +261,8 @@ class EngineConfig:
     """The weights' quantization method (see `pagellm.quantization`); None: dense in `dtype`."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (None: off)."""
+    draft: "DraftModelConfig | None" = None
+    """The draft model of draft_model speculation."""
 
     @property
     def is_pooling(self) -> bool:
@@ -265,6 +273,37 @@ class EngineConfig:
         """The CPU's KV-cache budget when none is given: min(4 GiB, a quarter of RAM)."""
         total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return min(4 * _GiB, total_ram // 4)
+
+
+@dataclass(slots=True, frozen=True)
+class DraftModelConfig:
+    """The draft model of draft_model speculation, resolved as the target is (same dtype, device
+    and attention backend)."""
+
+    source: ModelSource
+    quantization: str | None
+
+
+def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, target: ModelArchConfig,
+                   max_model_len: int, device: torch.device) -> DraftModelConfig | None:
+    """Find the draft model and check that it can propose for the target: the same vocabulary (the
+    drafts are the target's token ids) and positions up to max_model_len. With dummy target weights
+    the draft is a dummy too (a preset name works), for speed measurements."""
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    flag = "speculative_config (--speculative-config) model"
+    try:
+        source = resolve_model(speculative.model, "dummy" if load_format == "dummy" else "auto")
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    if source.arch.vocab_size != target.vocab_size:
+        raise ValueError(f"{flag} {speculative.model!r} has a vocabulary of {source.arch.vocab_size} tokens and the "
+                         f"target {target.vocab_size}: a draft model must share the target's tokenizer")
+    if source.arch.max_position_embeddings < max_model_len:
+        raise ValueError(f"{flag} {speculative.model!r} takes at most {source.arch.max_position_embeddings} "
+                         f"positions, fewer than max_model_len ({max_model_len}): lower --max-model-len")
+    return DraftModelConfig(source, resolve_quantization(speculative.quantization, source.load_format,
+                                                         source.path, device))
 
 
 def _flag(name: str) -> str:

@@ -7,7 +7,7 @@ import pytest
 from pagellm import LLM, SamplingParams
 from pagellm.models import cpu_layer
 from pagellm.ops import native
-from pagellm.worker import model_runner
+from pagellm.worker import loading
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None, reason=str(native.unavailable_reason()))
 
@@ -36,7 +36,7 @@ def test_fused_layers_give_the_modules_results_bit_for_bit(smollm2_path, monkeyp
     got = results(fused)
     fused.llm_engine.shutdown()
 
-    monkeypatch.setattr(model_runner, "fuse_decoder_layers", lambda layers: False)
+    monkeypatch.setattr(loading, "fuse_decoder_layers", lambda layers: False)
     modules = LLM(smollm2_path, **ENGINE)
     layers = decoder_layers(modules)
     assert all(layer.fused is None and cpu_layer.why_not_fused(layer) is None for layer in layers)

@@ -1,6 +1,8 @@
-"""Speculative decoding (prompt lookup): its config, the proposer, lossless verification, and
-several tokens per request per step through the engine."""
+"""Speculative decoding (prompt lookup and a draft model): its config, the proposers, lossless
+verification, and several tokens per request per step through the engine."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -25,8 +27,10 @@ from engine_utils import assert_no_leak
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "between 1 and 16"),
     ({"num_speculative_tokens": True}, "between 1 and 16"),
-    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be 'ngram'"),
-    ({"num_speculative_tokens": 2, "model": "draft.gguf"}, "draft-model speculation"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of ngram, draft_model"),
+    ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs model"),
+    ({"num_speculative_tokens": 2, "model": "draft.gguf", "prompt_lookup_max": 3}, "do not apply to method 'draft_model'"),
+    ({"num_speculative_tokens": 2, "quantization": "gguf"}, "do not apply to method 'ngram'"),
     ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must be >= prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
@@ -40,6 +44,8 @@ def test_config_errors_name_the_flag(value, match):
 def test_config_parses_vllms_shape():
     config = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}')
     assert config == SpeculativeConfig(3, prompt_lookup_min=2, prompt_lookup_max=5)
+    draft = SpeculativeConfig.parse({"model": "draft.gguf", "num_speculative_tokens": 2})
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "draft.gguf", 2)
     assert SpeculativeConfig.parse({"num_speculative_tokens": 1, "prompt_lookup_max": 1}).prompt_lookup_min == 1
     with pytest.raises(ValueError, match="one rank only"):
         EngineArgs(speculative_config={"num_speculative_tokens": 2}, tensor_parallel_size=2).validate()
@@ -284,6 +290,94 @@ def test_engine_core_process_streams_several_tokens_a_step(smollm2_path, prompts
     assert stream[-1].outputs[0].token_ids == expected.token_ids
     assert len(stream) < len(expected.token_ids)  # some outputs brought several tokens
     assert stats.spec is not None and stats.spec.num_accepted_tokens > 0
+
+
+# -- draft model ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def noisy_draft(hf_smollm2_model, tmp_path_factory) -> str:
+    """SmolLM2 with Gaussian noise (0.15 of each matrix's std) in its layers' matrices, in bfloat16
+    safetensors: a draft model that agrees with the target on about half of its drafts, so that
+    both acceptance and rejection happen, at every draft position."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("noisy-smollm2")
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, tensor in hf_smollm2_model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embeddings
+            continue
+        if tensor.dim() == 2 and "embed" not in name:
+            tensor = tensor + 0.15 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+        weights[name] = tensor.to(torch.bfloat16).contiguous()
+    save_file(weights, str(folder / "model.safetensors"))
+    config = hf_smollm2_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = ["LlamaForCausalLM"]  # (unset in a config read from GGUF)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_draft_model_greedy_output_is_token_identical(smollm2_path, noisy_draft, prompts, plain, k):
+    """As with prompt lookup: chunked prefill (a 24-token budget, which also splits the draft's
+    catch-up on the prompts), preemption (14 blocks, each holding both models' KV) and prefix
+    caching; drafts accepted and rejected at every position."""
+    llm = LLM(smollm2_path, **ENGINE, max_num_batched_tokens=24, num_gpu_blocks_override=14,
+              enable_prefix_caching=k % 2 == 1, speculative_config={"model": noisy_draft, "num_speculative_tokens": k})
+    got = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, logprobs=2))
+    stats = llm.llm_engine.engine_core.scheduler.make_stats()
+    assert [ids for ids, _ in got] == [ids for ids, _ in plain]
+    for (_, spec_lps), (_, plain_lps) in zip(got, plain):
+        assert len(spec_lps) == len(plain_lps)
+        for a, b in zip(spec_lps, plain_lps):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+    assert stats.num_preemptions > 0 or stats.prefix_cache_hits > 0
+    spec = stats.spec
+    assert 10 < spec.num_accepted_tokens < spec.num_draft_tokens  # both verdicts happen
+    assert spec.accepted_per_position[-1] > 0
+    assert_no_leak(llm.llm_engine)
+
+
+def test_draft_model_proposing_for_itself_is_always_accepted(smollm2_path, prompts, plain):
+    """SmolLM2 drafting for itself (the same GGUF): its drafts are exactly the target's greedy
+    tokens (the CPU kernels give the same results whatever the batch), so every draft is accepted,
+    which fails if the draft's KV or positions are off by one anywhere; max_tokens is never
+    overshot."""
+    llm = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20,
+              speculative_config={"model": smollm2_path, "num_speculative_tokens": 4})
+    got = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40))
+    spec = llm.llm_engine.engine_core.scheduler.spec_stats
+    assert [ids for ids, _ in got] == [ids for ids, _ in plain]
+    assert spec.num_draft_tokens > 40 and spec.num_accepted_tokens == spec.num_draft_tokens
+    for n in (1, 2, 7):
+        out = llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == plain[0][0][:n] and out.finish_reason == "length"
+    assert_no_leak(llm.llm_engine)
+
+
+def test_draft_model_config_errors_name_the_flag(tmp_path):
+    def tiny(name: str, vocab: int, positions: int = 256) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": positions}))
+        return str(folder)
+
+    target = tiny("target", 256)
+    for spec, match in (({"model": tiny("other-vocab", 300)}, "share the target's tokenizer"),
+                        ({"model": tiny("short", 256, positions=64)}, "lower --max-model-len"),
+                        ({"model": str(tmp_path / "missing")}, "missing")):
+        args = EngineArgs(target, load_format="dummy", device="cpu", max_model_len=128,
+                          speculative_config={**spec, "num_speculative_tokens": 2})
+        with pytest.raises(ValueError, match=r"speculative_config \(--speculative-config\) model") as e:
+            args.create_engine_config()
+        assert match in str(e.value)
+    config = EngineArgs(target, load_format="dummy", device="cpu", max_model_len=128,
+                        speculative_config={"model": tiny("draft", 256), "num_speculative_tokens": 2}).create_engine_config()
+    assert config.draft.source.load_format == "dummy" and config.draft.source.arch.vocab_size == 256
 
 
 def test_spec_stats_of_several_engines_add_up():

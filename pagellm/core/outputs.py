@@ -101,6 +101,8 @@ class ModelRunnerOutput:
     pooler_output: dict[str, bytes] | None = None
     """Pooling runner: per request whose prompt finished this step, its pooled vector as
     little-endian float32 bytes."""
+    draft_token_ids: dict[str, list[int]] | None = None
+    """draft_model speculation: per request, the draft model's proposal for its next step."""
 
 
 @dataclass(slots=True)

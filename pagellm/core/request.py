@@ -79,6 +79,8 @@ class Request:
     """The matcher of a request with structured output, set by the scheduler when it arrives."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens scheduled after its last token by the step in flight (speculative decoding)."""
+    proposed_token_ids: list[int] = field(default_factory=list)
+    """The draft model's proposal for its next step (draft_model speculation), until scheduled."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

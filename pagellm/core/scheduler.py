@@ -85,7 +85,10 @@ class Scheduler:
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
         self.speculative = speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.ngram = NgramProposer(speculative) if speculative is not None and speculative.method == "ngram" else None
+        self.lookahead = speculative.num_speculative_tokens if speculative is not None and self.ngram is None else 0
+        """Slots kept free after a request's scheduled tokens for the draft model's own guesses
+        (`DraftModelProposer`): it runs k - 1 positions past the tokens it proposes from."""
         self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
                            if speculative is not None else None)
 
@@ -143,7 +146,7 @@ class Scheduler:
         exact unless sampling reads the output history on the host (penalties, bad words,
         min_tokens): while such a request exists, steps run one at a time. So do they with
         speculative decoding, whose proposals read each request's latest tokens."""
-        return self._num_history_requests == 0 and self.proposer is None
+        return self._num_history_requests == 0 and self.speculative is None
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -164,7 +167,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._propose(request, budget) if num_new == 1 else []
-            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts))
+            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + self._lookahead(request, request.num_computed_tokens + num_new))
             if new_blocks is None and drafts:  # no room to speculate: decode plainly
                 drafts = []
                 new_blocks = self.kv.allocate_slots(request, num_new)
@@ -201,7 +204,8 @@ class Scheduler:
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
+            new_blocks = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_hit_tokens + num_new),
+                                                hit_blocks)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -249,21 +253,33 @@ class Scheduler:
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
 
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Room to allocate past a step's tokens (up to position `end`) for the draft model's
+        guesses, when the step ends the request's known tokens (without it the draft proposes
+        less, never wrongly)."""
+        if not self.lookahead or end < request.num_tokens or request.sampling_params.reads_output_history:
+            return 0
+        return max(0, min(self.lookahead, self.limits.max_model_len - end))
+
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Draft tokens for a request about to decode its last token, within its max_tokens, the
         model's length and the step's budget; none for requests whose sampling reads the output
-        history (penalties, min_tokens...) or follows a grammar, which decode one token a step."""
-        if (self.proposer is None or request.num_output_placeholders
+        history (penalties, min_tokens, a grammar...), which decode one token a step."""
+        if self.speculative is None:
+            return []
+        proposal, request.proposed_token_ids = request.proposed_token_ids, []
+        if (request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
-                or request.grammar is not None or request.pooling_params is not None
-                or request.sampling_params.reads_output_history
+                or request.pooling_params is not None or request.sampling_params.reads_output_history
                 or (self.speculative.disable_by_batch_size is not None
                     and len(self.running) >= self.speculative.disable_by_batch_size)):
             return []
         # The step yields the accepted drafts and one token more: all must fit.
         room = min(request.max_tokens - request.num_output_tokens,
                    self.limits.max_model_len - request.num_tokens, budget) - 1
-        return self.proposer.propose(request.all_token_ids, room)
+        if self.ngram is None:  # the draft model proposed when this request's last token came back
+            return proposal[:max(room, 0)]
+        return self.ngram.propose(request.all_token_ids, room)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed or ran out of time is
@@ -299,7 +315,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         # A token in flight is dropped: recomputation samples it again (same seed, same position).
         request.num_output_placeholders = 0
-        request.spec_token_ids = []
+        request.spec_token_ids = request.proposed_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -337,6 +353,8 @@ class Scheduler:
                         finished = True
                 if finished:  # tokens accepted after a stop are dropped
                     break
+            if not finished and output.draft_token_ids:
+                request.proposed_token_ids = output.draft_token_ids.get(req_id, [])
             results.append(EngineCoreOutput(
                 req_id, new_token_ids, request.status.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), request.first_scheduled_time,

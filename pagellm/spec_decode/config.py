@@ -5,14 +5,19 @@ import json
 from dataclasses import dataclass
 
 _FLAG = "speculative_config (--speculative-config)"
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+_MODEL_KEYS = ("model", "quantization")
+_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", *_NGRAM_KEYS, *_MODEL_KEYS)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """Prompt-lookup (n-gram) speculation: the tokens that followed the latest earlier occurrence
-    of the request's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`)."""
+    """Where the draft tokens come from: prompt lookup ("ngram": the tokens that followed the
+    latest earlier occurrence of the request's last n tokens, n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) or a smaller model of the same vocabulary ("draft_model": `model`,
+    decoding greedily with its own KV cache)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
@@ -24,6 +29,10 @@ class SpeculativeConfig:
     """No proposals while this many requests or more run: big batches are bound by compute, where
     verifying rejected tokens costs more than it saves."""
     method: str = "ngram"
+    model: str | None = None
+    """The draft model (draft_model): a GGUF file or Hugging Face directory, as the target's."""
+    quantization: str | None = None
+    """The draft's weights (draft_model), as the target's --quantization; None: its default."""
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -37,27 +46,36 @@ class SpeculativeConfig:
                 raise ValueError(f"{_FLAG} is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"{_FLAG} must be a JSON object, got {value!r}")
-        if "model" in value:
-            raise ValueError(f"{_FLAG}: draft-model speculation ('model') is not supported yet; use "
-                             '{"method": "ngram", "num_speculative_tokens": k}')
         unknown = set(value) - set(_KEYS)
         if unknown:
             raise ValueError(f"{_FLAG} has unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(_KEYS)}")
-        method = value.get("method", "ngram")
-        if method not in ("ngram", "[ngram]"):
-            raise ValueError(f"{_FLAG} method must be 'ngram', got {method!r}")
+        method = value.get("method", "draft_model" if "model" in value else "ngram")
+        method = {"[ngram]": "ngram", "draft": "draft_model"}.get(method, method)
+        if method not in METHODS:
+            raise ValueError(f"{_FLAG} method must be one of {', '.join(METHODS)}, got {method!r}")
+        foreign = [key for key in (_MODEL_KEYS if method == "ngram" else _NGRAM_KEYS) if key in value]
+        if foreign:
+            raise ValueError(f"{_FLAG} key(s) {', '.join(foreign)} do not apply to method {method!r}")
         if "num_speculative_tokens" not in value:
             raise ValueError(f"{_FLAG} needs num_speculative_tokens")
         k = _integer(value, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+        disable = value.get("disable_by_batch_size")
+        if disable is not None:
+            disable = _integer(value, "disable_by_batch_size", 1, None)
+        if method == "draft_model":
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"{_FLAG} method 'draft_model' needs model: the draft model's path, got {model!r}")
+            quantization = value.get("quantization")
+            if quantization is not None and not isinstance(quantization, str):
+                raise ValueError(f"{_FLAG} quantization must be a method name, got {quantization!r}")
+            return cls(k, disable_by_batch_size=disable, method=method, model=model, quantization=quantization)
         given_high = value.get("prompt_lookup_max")
         low = _integer(value, "prompt_lookup_min", 1, None,
                        default=min(2, given_high) if isinstance(given_high, int) and given_high >= 1 else 2)
         high = _integer(value, "prompt_lookup_max", 1, None, default=max(low, 4))
         if high < low:
             raise ValueError(f"{_FLAG} prompt_lookup_max ({high}) must be >= prompt_lookup_min ({low})")
-        disable = value.get("disable_by_batch_size")
-        if disable is not None:
-            disable = _integer(value, "disable_by_batch_size", 1, None)
         return cls(k, low, high, disable)
 
 

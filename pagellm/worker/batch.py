@@ -31,6 +31,8 @@ class CachedRequestState:
     pooled: torch.Tensor | None = None
     """A pooling request's partial result over the chunks computed so far ([hidden_size] float32):
     the sum of the hidden states (MEAN) or the first token's (CLS)."""
+    num_draft_computed: int = 0
+    """Tokens whose KV the draft model holds (draft_model speculation, `DraftModelProposer`)."""
 
 
 @dataclass(slots=True)
@@ -106,18 +108,10 @@ class RequestStates:
         num_reqs = len(states)
         query_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_lens = num_computed + query_lens
+        grid = attention_layout([s.block_ids for s in states], num_computed, query_lens, self.block_size, self.device)
+        query_start_loc, seq_lens = grid.query_start_loc, grid.seq_lens
 
-        # Positions without a per-token loop: each token's offset inside its request's chunk.
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
-
-        input_ids = np.zeros(num_tokens, dtype=np.int64)
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        input_ids = np.zeros(grid.num_tokens, dtype=np.int64)
         placeholder_rows, placeholder_req_ids = [], []
         spec = so.scheduled_spec_tokens
         for i, s in enumerate(states):
@@ -130,9 +124,6 @@ class RequestStates:
             elif end > known:  # the last input is the token the previous step is still sampling
                 placeholder_rows.append(row + known - start)
                 placeholder_req_ids.append(s.req_id)
-            block_table[i, :len(s.block_ids)] = s.block_ids
-        slot_mapping = (block_table[req_of_token, positions // self.block_size].astype(np.int64)
-                        * self.block_size + positions % self.block_size)
 
         # A request samples when this step reaches the end of its tokens, known or in flight (a
         # finished prefill or a decode); a mid-prompt chunk does not.
@@ -149,21 +140,10 @@ class RequestStates:
             draft_ids = np.concatenate([[*spec.get(req_ids[i], ()), -1] for i in sampling_rows])
 
         dev = self.device
-        attn_metadata = AttentionMetadata(
-            num_tokens=num_tokens,
-            query_start_loc=_to_device(query_start_loc, torch.int32, dev),
-            seq_lens=_to_device(seq_lens, torch.int32, dev),
-            block_table=_to_device(block_table, torch.int32, dev),
-            slot_mapping=_to_device(slot_mapping, torch.int64, dev),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.astype(np.int32),
-            seq_lens_cpu=seq_lens.astype(np.int32),
-        )
         return FlatBatch(
             input_ids=_to_device(input_ids, torch.int64, dev),
-            positions=_to_device(positions, torch.int64, dev),
-            attn_metadata=attn_metadata,
+            positions=grid.positions,
+            attn_metadata=grid.attn_metadata,
             logits_indices=_to_device(logits_indices, torch.int64, dev),
             sampling_req_ids=[req_ids[i] for i in sampling_rows],
             num_generated=num_generated,
@@ -202,6 +182,54 @@ class RequestStates:
             state = self.states.get(req_id)
             if state is not None:  # None: freed (finished, aborted, preempted) while in flight
                 state.token_ids.extend(new)
+
+
+@dataclass(slots=True)
+class AttentionLayout:
+    """Where each token of a flat batch sits: its position, its KV slot, its request's blocks."""
+
+    query_start_loc: np.ndarray
+    """[num_reqs + 1] int64: each request's first row."""
+    seq_lens: np.ndarray
+    """[num_reqs] int64: each request's length once the batch is computed."""
+    positions: torch.Tensor
+    """[num_tokens] int64, on the device."""
+    attn_metadata: AttentionMetadata
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+def attention_layout(block_ids: list[list[int]], num_computed: np.ndarray, query_lens: np.ndarray,
+                     block_size: int, device: torch.device) -> AttentionLayout:
+    """The layout of a batch in which request i computes `query_lens[i]` tokens after its first
+    `num_computed[i]`, its KV going to the blocks `block_ids[i]` (which must cover them)."""
+    num_reqs = len(block_ids)
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    seq_lens = num_computed + query_lens
+    # Positions without a per-token loop: each token's offset inside its request's chunk.
+    req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+    positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
+    block_table = np.zeros((num_reqs, max(len(b) for b in block_ids)), dtype=np.int32)
+    for i, blocks in enumerate(block_ids):
+        block_table[i, :len(blocks)] = blocks
+    slot_mapping = (block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)
+    attn_metadata = AttentionMetadata(
+        num_tokens=num_tokens,
+        query_start_loc=_to_device(query_start_loc, torch.int32, device),
+        seq_lens=_to_device(seq_lens, torch.int32, device),
+        block_table=_to_device(block_table, torch.int32, device),
+        slot_mapping=_to_device(slot_mapping, torch.int64, device),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=query_start_loc.astype(np.int32),
+        seq_lens_cpu=seq_lens.astype(np.int32),
+    )
+    return AttentionLayout(query_start_loc, seq_lens, _to_device(positions, torch.int64, device), attn_metadata)
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -2,32 +2,25 @@
 from __future__ import annotations
 
 import logging
-import math
-import mmap
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagellm.attention import get_attn_backend
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
-from pagellm.loader import initialize_dummy_weights, iter_weights
-from pagellm.models import get_model_class
-from pagellm.models.cpu_layer import fuse_decoder_layers
-from pagellm.quantization import build_quant_config
-from pagellm.quantization.base import process_weights_after_loading
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection import verify
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates
 from pagellm.worker.cuda_graphs import DecodeGraphs
+from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -52,39 +45,25 @@ class ModelRunner:
         self._default_generator.manual_seed(config.args.seed)
         self.pooler = config.pooler
         """The pooling runner's pooler (embeddings instead of sampling); None: generate."""
+        self.drafter = DraftModelProposer(config) if config.draft is not None else None
+        """Proposes draft tokens after each step (draft_model speculation); None otherwise."""
 
     # -- start-up ------------------------------------------------------------------------------
 
     def load_model(self) -> None:
-        start = time.perf_counter()
-        backend = get_attn_backend(self.config.attention_backend)
-        model_cls = get_model_class(self.arch.architecture)
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        quant = build_quant_config(self.config.quantization, self.config.source.path)
-        try:
-            with torch.device(self.device):
-                model = model_cls(self.arch, backend)
-                keep_quantized = quant.apply(model) if quant is not None else set()
-        finally:
-            torch.set_default_dtype(previous_dtype)
-        if self.config.source.load_format == "dummy":
-            initialize_dummy_weights(model, self.config.args.seed)
-        else:
-            loaded = model.load_weights(iter_weights(self.config.source, keep_quantized))
-            missing = {name for name, _ in model.named_parameters()} - loaded
-            if missing:
-                raise ValueError(f"checkpoint {self.config.source.path} lacks weights: {sorted(missing)[:8]}")
-        process_weights_after_loading(model.modules())
-        self.model = model.eval()
-        logger.info("loaded %s (%s%s) in %.2f s", self.config.source.path, self.dtype,
-                    f", {quant.name} weights" if quant is not None else "", time.perf_counter() - start)
+        config = self.config
+        self.model = build_model(config.source, config.quantization, self.dtype, self.device,
+                                 config.attention_backend, config.args.seed)
+        if self.drafter is not None:
+            self.drafter.load()
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads."""
-        layers = self.model.attention_layers()
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(layers) * self.block_size * layers[0].num_kv_heads * layers[0].head_dim * elem
+        """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads,
+        and the draft model's layers (draft_model speculation: a block holds both)."""
+        size = kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        if self.drafter is not None:
+            size += kv_bytes_per_block(self.drafter.model, self.block_size, self.dtype)
+        return size
 
     def profile_peak_memory(self) -> int:
         """Peak bytes allocated on the GPU during the largest possible step, weights included."""
@@ -131,14 +110,9 @@ class ModelRunner:
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        layers = self.model.attention_layers()
-        shape = (num_blocks, self.block_size, layers[0].num_kv_heads, layers[0].head_dim)
-        self.kv_caches = [(_zeros(shape, self.dtype, self.device), _zeros(shape, self.dtype, self.device))
-                          for _ in layers]
-        for layer, cache in zip(layers, self.kv_caches):
-            layer.kv_cache = cache
-        if self.device.type == "cpu" and fuse_decoder_layers(self.model.decoder_layers()):
-            logger.info("decoder layers run as one C call each (CPU, GGUF blocks)")
+        self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
@@ -332,15 +306,6 @@ class ModelRunner:
             start = end
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled cache tensor. On the CPU it is anonymous memory, which the OS hands out
-    zeroed and commits page by page on first write: a cache sized for the worst case costs
-    neither start-up time nor resident memory until its blocks are used."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=dtype).view(shape)
-
-
 class _HostCopy:
     """One device-to-host copy for the whole step, started now and read later: the tensors travel
     flattened in one float64 buffer (exact for token ids and ranks) and come back in their own
@@ -437,14 +402,18 @@ class StepInFlight:
         else:
             token_ids = _accepted(host[0], host[1], self._num_drafts)
             host = host[1:]
-        ps = self._runner.ps
-        if ps.pp_size == 1:  # with several stages, the next scheduler output brings them
-            self._runner.requests.append_sampled(self._req_ids, token_ids)
-        if not ps.is_driver:
+        runner = self._runner
+        if runner.ps.pp_size == 1:  # with several stages, the next scheduler output brings them
+            runner.requests.append_sampled(self._req_ids, token_ids)
+        if not runner.ps.is_driver:
             return ModelRunnerOutput([], [])
         logprobs = _sampled_logprobs(self._states, token_ids, self._num_drafts, host[1:])
+        drafts = None
+        if runner.drafter is not None:
+            live = runner.requests.states  # (a request freed since the launch gave its blocks back)
+            drafts = runner.drafter.propose([s for s in self._states if live.get(s.req_id) is s], len(live))
         return ModelRunnerOutput(self._req_ids, token_ids, logprobs or None,
-                                 _finished_prompt_logprobs(self._states) or None)
+                                 _finished_prompt_logprobs(self._states) or None, draft_token_ids=drafts or None)
 
 
 def _rows(arrays: list[np.ndarray], rows: list[int] | slice, k: int) -> TokenLogprobs:

@@ -1,0 +1,76 @@
+"""Builds a model on its device, fills in its weights and gives it a KV cache: the target's, and a
+draft model's."""
+from __future__ import annotations
+
+import logging
+import math
+import mmap
+import time
+
+import torch
+
+from pagellm.attention import get_attn_backend
+from pagellm.loader import ModelSource, initialize_dummy_weights, iter_weights
+from pagellm.models import get_model_class
+from pagellm.models.cpu_layer import fuse_decoder_layers
+from pagellm.quantization import build_quant_config
+from pagellm.quantization.base import process_weights_after_loading
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtype, device: torch.device,
+                attention_backend: str, seed: int) -> torch.nn.Module:
+    """The model of `source` in eval mode, its weights loaded (random ones for load_format dummy,
+    from `seed`) and kept in the `quantization` method's form where it applies."""
+    start = time.perf_counter()
+    model_cls = get_model_class(source.arch.architecture)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    quant = build_quant_config(quantization, source.path)
+    try:
+        with torch.device(device):
+            model = model_cls(source.arch, get_attn_backend(attention_backend))
+            keep_quantized = quant.apply(model) if quant is not None else set()
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    if source.load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+    else:
+        loaded = model.load_weights(iter_weights(source, keep_quantized))
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
+    process_weights_after_loading(model.modules())
+    logger.info("loaded %s (%s%s) in %.2f s", source.path, dtype,
+                f", {quant.name} weights" if quant is not None else "", time.perf_counter() - start)
+    return model.eval()
+
+
+def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of `model`'s KV cache on this rank: its layers, its share of the KV heads."""
+    layers = model.attention_layers()
+    return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
+
+
+def bind_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate `model`'s KV cache (keys and values per layer) and hand each layer its own; on the
+    CPU, fuse the decoder layers that can run as one C call each."""
+    layers = model.attention_layers()
+    shape = (num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in layers]
+    for layer, cache in zip(layers, caches):
+        layer.kv_cache = cache
+    if device.type == "cpu" and fuse_decoder_layers(model.decoder_layers()):
+        logger.info("decoder layers run as one C call each (CPU, GGUF blocks)")
+    return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. On the CPU it is anonymous memory, which the OS hands out
+    zeroed and commits page by page on first write: a cache sized for the worst case costs
+    neither start-up time nor resident memory until its blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, math.prod(shape) * dtype.itemsize), dtype=dtype).view(shape)
