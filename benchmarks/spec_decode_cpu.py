@@ -1,9 +1,11 @@
-"""Prompt-lookup speculative decoding on the CPU: batch-1 output tokens/s with and without it, in
-one run, on input-grounded tasks (rewrite, extract, edit code), where the answer repeats its input.
+"""Speculative decoding on the CPU: batch-1 output tokens/s with and without it, in one run, on
+input-grounded tasks (rewrite, extract, edit code), where the answer repeats its input.
 
-Each task is one chat request, greedy, run alone (batch 1) by an engine without speculation and by
-one with `{"method": "ngram", "num_speculative_tokens": k}` for each k of --ks, alternating, median
-of --repeats. Reported: decode tok/s (output tokens after the first, over the time after the first
+Each task is one chat request, greedy, run alone (batch 1) by an engine without speculation, by one
+with `{"method": "ngram", "num_speculative_tokens": k}` for each k of --ks, and by one with
+`{"model": DRAFT, "num_speculative_tokens": k}` for each k of --draft-ks (DRAFT: --draft-model,
+by default the target itself, whose acceptance is the upper bound), alternating, median of
+--repeats. Reported: decode tok/s (output tokens after the first, over the time after the first
 token: what speculation speeds up) and end-to-end tok/s (all output tokens over the whole request,
 prompt included), the speed-ups, the acceptance rate (accepted / proposed draft tokens), mean
 tokens per step, and whether the greedy text is identical (it must be).
@@ -26,6 +28,7 @@ if __package__ in (None, ""):
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json  # noqa: E402
+from pagellm.loader import default_model_path  # noqa: E402
 
 PARAGRAPH = ("Our team met on Tuesday to discuss the new release. We agreed that the login page needs a "
              "clearer error message, that the export button should also offer CSV files, and that the "
@@ -61,7 +64,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     engines = {"plain": None, **{f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k,
                                                   "prompt_lookup_min": args.lookup_min,
-                                                  "prompt_lookup_max": args.lookup_max} for k in args.ks}}
+                                                  "prompt_lookup_max": args.lookup_max} for k in args.ks},
+               **{f"draft k={k}": {"model": args.draft_model or args.model or default_model_path(),
+                                   "num_speculative_tokens": k} for k in args.draft_ks}}
     llms = {name: LLM(args.model, max_model_len=2048, speculative_config=spec) for name, spec in engines.items()}
     results: dict[str, dict[str, Any]] = {}
     for task, text in TASKS.items():
@@ -129,6 +134,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--ks", type=lambda s: [int(k) for k in s.split(",")], default=[3, 5],
                         help="comma-separated num_speculative_tokens values")
+    parser.add_argument("--draft-ks", type=lambda s: [int(k) for k in s.split(",") if k], default=[3],
+                        help="comma-separated num_speculative_tokens values of draft-model engines ('' for none)")
+    parser.add_argument("--draft-model", default=None, help="the draft model; default: the target model itself")
     parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     parser.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -137,7 +145,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        args.max_tokens, args.repeats, args.ks = 16, 1, args.ks[:1]
+        args.max_tokens, args.repeats, args.ks, args.draft_ks = 16, 1, args.ks[:1], args.draft_ks[:1]
     return args
 
 

@@ -37,6 +37,19 @@ _LLAMA_3_1_8B: dict[str, Any] = {
     "eos_token_id": [128001, 128008, 128009],
 }
 
+_LLAMA_3_2_1B: dict[str, Any] = {
+    **_LLAMA_3_1_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rope_scaling": {**_LLAMA_3_1_8B["rope_scaling"], "factor": 32.0},
+    "tie_word_embeddings": True,
+}
+"""Llama-3.1-8B's tokenizer and vocabulary: its natural draft model (speculative decoding)."""
+
 _QWEN2_5_7B: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
@@ -85,6 +98,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
     "meta-llama/Llama-3.1-8B": {**_LLAMA_3_1_8B, "eos_token_id": 128001},
     "llama-3.1-8b": _LLAMA_3_1_8B,
+    "meta-llama/Llama-3.2-1B-Instruct": _LLAMA_3_2_1B,
+    "llama-3.2-1b": _LLAMA_3_2_1B,
     "Qwen/Qwen2.5-7B-Instruct": _QWEN2_5_7B,
     "Qwen/Qwen2.5-7B": {**_QWEN2_5_7B, "eos_token_id": 151643},
     "qwen2.5-7b": _QWEN2_5_7B,
@@ -97,6 +112,8 @@ _GENERATION_EOS: dict[str, list[int]] = {
     "meta-llama/Llama-3.1-8B-Instruct": [128001, 128008, 128009],
     "llama-3.1-8b": [128001, 128008, 128009],
     "meta-llama/Llama-3.1-8B": [128001],
+    "meta-llama/Llama-3.2-1B-Instruct": [128001, 128008, 128009],
+    "llama-3.2-1b": [128001, 128008, 128009],
     "Qwen/Qwen2.5-7B-Instruct": [151645, 151643],
     "qwen2.5-7b": [151645, 151643],
     "Qwen/Qwen2.5-7B": [151643],

@@ -6,7 +6,9 @@ import numpy as np
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.attention.backend import AttentionMetadata
 from pagellm.worker.batch import CachedRequestState, attention_layout
+from pagellm.worker.cuda_graphs import DecodeGraphs
 from pagellm.worker.loading import bind_kv_cache, build_model
 
 
@@ -26,6 +28,7 @@ class DraftModelProposer:
         self.k = config.speculative.num_speculative_tokens
         self.block_size = config.args.block_size
         self.model: torch.nn.Module | None = None
+        self.graphs: DecodeGraphs | None = None
 
     def load(self) -> None:
         config = self.config
@@ -34,6 +37,18 @@ class DraftModelProposer:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         bind_kv_cache(self.model, num_blocks, self.block_size, self.config.dtype, self.config.device)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        """Graphs of the draft's passes of one token per request (its greedy decode) and of up to
+        1 + k (its catch-up after a verification step); a prompt's catch-up runs eagerly."""
+        self.graphs = DecodeGraphs(self.model, max_num_seqs, max_blocks_per_seq, self.config.device,
+                                   verify_len=1 + self.k)
+        self.graphs.capture()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(md):
+            return self.graphs.run(input_ids, positions, md)
+        return self.model(input_ids, positions, md)
 
     @torch.inference_mode()
     def propose(self, states: list[CachedRequestState], num_running: int) -> dict[str, list[int]]:
@@ -57,7 +72,7 @@ class DraftModelProposer:
             grid = attention_layout([todo[i][0].block_ids for i in rows], lengths[rows] + j - 1,
                                     np.ones(len(rows), dtype=np.int64), self.block_size, self.config.device)
             index = torch.from_numpy(rows).to(self.config.device, non_blocking=True)
-            hidden = self.model(drafts[index, j - 1], grid.positions, grid.attn_metadata)
+            hidden = self._forward(drafts[index, j - 1], grid.positions, grid.attn_metadata)
             drafts[index, j] = self.model.compute_logits(hidden).argmax(dim=-1)
         host = drafts.cpu().numpy()
         return {s.req_id: host[i, :n].tolist() for i, (s, n) in enumerate(todo)}
@@ -97,8 +112,8 @@ class DraftModelProposer:
                                     self.block_size, self.config.device)
             input_ids = np.concatenate([states[i].token_ids[start:start + n]
                                         for i, start, n in zip(chosen, starts, lens)])
-            hidden = self.model(torch.from_numpy(input_ids).to(self.config.device, non_blocking=True),
-                                grid.positions, grid.attn_metadata)
+            hidden = self._forward(torch.from_numpy(input_ids).to(self.config.device, non_blocking=True),
+                                   grid.positions, grid.attn_metadata)
             done = [c for c, i in enumerate(chosen) if starts[c] + lens[c] == len(states[i].token_ids)]
             if done:
                 rows = torch.from_numpy(grid.query_start_loc[np.array(done) + 1] - 1).to(self.config.device)

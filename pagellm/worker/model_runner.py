@@ -125,6 +125,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.config.args.max_num_seqs, max_blocks, self.device,
                                    verify_len=1 + spec.num_speculative_tokens if spec is not None else 1)
         self.graphs.capture()
+        if self.drafter is not None:
+            self.drafter.capture_cuda_graphs(self.config.args.max_num_seqs, max_blocks)
 
     # -- one step ------------------------------------------------------------------------------
 
