@@ -44,7 +44,7 @@ def test_dequantize_gives_the_files_exact_values(qtype):
     assert torch.equal(ggml_cpu.dequantize(int(qtype), raw, 96), values)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 7, 70])
+@pytest.mark.parametrize("rows", [2, 3, 5, 8, 9, 70])
 def test_a_rows_result_does_not_depend_on_its_batch(rows):
     """Bit for bit: a row is summed in the same order whatever the batch (tiles of 4, 2 and 1 rows,
     chunks of 64)."""

@@ -74,13 +74,21 @@ static inline float hsum(__m256 v) {
 /* Every output y[r, n] is one 8-lane FMA chain over k = 0, 8, 16, ... (w * x, lane by lane),
  * then hsum: the same operations whatever the batch, so a row's result never depends on it. */
 
-/* R <= 3 activation rows (small decode batches, where expanding the blocks is the cost): C <= 4
- * weight rows expanded block by block straight into registers, R x C independent chains. */
+/* R <= 8 activation rows (decode batches and verification steps of speculative decoding, where
+ * expanding the blocks is the cost): C <= 4 weight rows expanded block by block straight into
+ * registers, R x C independent chains. */
+enum { ON_THE_FLY_ROWS = 8 };
+
+/* Weight rows per on-the-fly call for R activation rows. From 3 rows one at a time: its R chains
+ * hide the FMA latency, and more weight rows' accumulators would spill (a 1 + 5-token step of
+ * SmolLM2 ran 20% faster than with the panel below, 3 rows 10% faster than with 2 weight rows). */
+static inline int on_the_fly_width(int64_t R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
+
 static inline __attribute__((always_inline)) void on_the_fly(int qtype, int R, int C, const float *x, int64_t K,
                                                             const uint8_t *w, int64_t row_bytes, float *y,
                                                             int64_t N) {
     const int bb = block_bytes(qtype);
-    __m256 acc[3][4];
+    __m256 acc[ON_THE_FLY_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < K / 32; g++) {
@@ -170,13 +178,20 @@ int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
     const int bb = block_bytes(qtype);
     if (bb == 0 || K % 32) return -1;
     const int64_t row_bytes = K / 32 * bb;
-    if (M < 4) {
-        const int width = M == 3 ? 2 : 4;
+    if (M <= ON_THE_FLY_ROWS) {
+        const int width = on_the_fly_width(M);
 #pragma omp parallel for schedule(static)
         for (int64_t n = 0; n < N; n += width) {
-            if (M == 1) on_the_fly_rows(qtype, 1, 4, x, K, w, row_bytes, y, N, n);
-            else if (M == 2) on_the_fly_rows(qtype, 2, 4, x, K, w, row_bytes, y, N, n);
-            else on_the_fly_rows(qtype, 3, 2, x, K, w, row_bytes, y, N, n);
+            switch (M) {  /* constant R and C per call: the accumulators stay in registers */
+            case 1: on_the_fly_rows(qtype, 1, on_the_fly_width(1), x, K, w, row_bytes, y, N, n); break;
+            case 2: on_the_fly_rows(qtype, 2, on_the_fly_width(2), x, K, w, row_bytes, y, N, n); break;
+            case 3: on_the_fly_rows(qtype, 3, on_the_fly_width(3), x, K, w, row_bytes, y, N, n); break;
+            case 4: on_the_fly_rows(qtype, 4, on_the_fly_width(4), x, K, w, row_bytes, y, N, n); break;
+            case 5: on_the_fly_rows(qtype, 5, on_the_fly_width(5), x, K, w, row_bytes, y, N, n); break;
+            case 6: on_the_fly_rows(qtype, 6, on_the_fly_width(6), x, K, w, row_bytes, y, N, n); break;
+            case 7: on_the_fly_rows(qtype, 7, on_the_fly_width(7), x, K, w, row_bytes, y, N, n); break;
+            default: on_the_fly_rows(qtype, 8, on_the_fly_width(8), x, K, w, row_bytes, y, N, n); break;
+            }
         }
         return 0;
     }
