@@ -7,9 +7,11 @@ from pagellm.engine.llm_engine import LLMEngine
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
-    """Nothing left to run and every KV block back in the pool."""
+    """Nothing left to run, every KV block back in the pool, no n-gram history left behind."""
     core = engine.engine_core
     assert not core.has_unfinished_requests()
+    if core.scheduler.ngram is not None:
+        assert not core.scheduler.ngram._arrays
     assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
     assert core.stats().kv_cache_usage == 0.0
 

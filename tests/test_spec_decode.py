@@ -89,6 +89,20 @@ def test_ngram_matches_the_plain_rule_on_random_histories():
         assert got == brute_force_proposal(tokens, k, low, high, max_tokens), (tokens, k, low, high, max_tokens)
 
 
+def test_ngram_keeps_a_growing_history_per_request():
+    """With a request id the proposer converts only the new tokens of each call: the same proposals
+    as from the whole history, for histories growing past the array's first capacity."""
+    rng = np.random.default_rng(1)
+    proposer = NgramProposer(SpeculativeConfig(3, 1, 3))
+    histories = {"a": [], "b": []}
+    for _ in range(400):
+        for req_id, tokens in histories.items():
+            tokens += rng.integers(0, 6, size=int(rng.integers(1, 4))).tolist()
+            assert proposer.propose(tokens, 5, req_id) == proposer.propose(tokens, 5)
+    proposer.forget("a")
+    assert "a" not in proposer._arrays and len(histories["a"]) > 256
+
+
 def metadata(params: list[SamplingParams], vocab: int) -> SamplingMetadata:
     params = [p.apply_model_defaults({}) for p in params]
     return SamplingMetadata.build(params, [0] * len(params), vocab, torch.device("cpu"),

@@ -127,6 +127,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
+        if self.ngram is not None:
+            self.ngram.forget(request.request_id)
         self._num_history_requests -= request.sampling_params.reads_output_history
         if request.grammar is not None:
             self._num_grammar_requests -= 1
@@ -279,7 +281,7 @@ class Scheduler:
                    self.limits.max_model_len - request.num_tokens, budget) - 1
         if self.ngram is None:  # the draft model proposed when this request's last token came back
             return proposal[:max(room, 0)]
-        return self.ngram.propose(request.all_token_ids, room)
+        return self.ngram.propose(request.all_token_ids, room, request.request_id)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed or ran out of time is
