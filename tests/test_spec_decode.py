@@ -193,6 +193,28 @@ def test_greedy_output_is_token_identical(smollm2_path, prompts, plain, k):
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_steps_overlap_while_speculation_is_paused_by_batch_size(smollm2_path, prompts, plain, method):
+    """disable_by_batch_size 3 with async scheduling: the four requests overlap their steps (no
+    proposals), then, once fewer than three run, speculate one step at a time; greedy output
+    stays that of plain decoding, and both kinds of steps happened."""
+    spec = ({"method": "ngram", "num_speculative_tokens": 3} if method == "ngram"
+            else {"model": smollm2_path, "num_speculative_tokens": 3})
+    llm = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20, async_scheduling=True,
+              speculative_config={**spec, "disable_by_batch_size": 3})
+    core = llm.llm_engine.engine_core
+    depths = []
+    execute = core.executor.execute_model
+    core.executor.execute_model = lambda so: (depths.append((len(core._in_flight), bool(so.scheduled_spec_tokens))),
+                                              execute(so))[1]
+    got = run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, logprobs=2))
+    assert [ids for ids, _ in got] == [ids for ids, _ in plain]
+    assert any(in_flight == 1 for in_flight, _ in depths)  # launched while a step ran
+    assert any(drafts for _, drafts in depths) and not any(drafts for in_flight, drafts in depths if in_flight)
+    assert core.scheduler.spec_stats.num_accepted_tokens > 0
+    assert_no_leak(llm.llm_engine)
+
+
 def test_max_tokens_and_stops_are_never_overshot(smollm2_path, prompts):
     llm = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 5})

@@ -146,9 +146,17 @@ class Scheduler:
 
         Requests then decode from placeholders (their last token stays on the device), which is
         exact unless sampling reads the output history on the host (penalties, bad words,
-        min_tokens): while such a request exists, steps run one at a time. So do they with
-        speculative decoding, whose proposals read each request's latest tokens."""
-        return self._num_history_requests == 0 and self.speculative is None
+        min_tokens): while such a request exists, steps run one at a time. So do they while
+        speculative decoding proposes, which reads each request's latest tokens; not while it is
+        paused by disable_by_batch_size."""
+        return self._num_history_requests == 0 and not self._speculating
+
+    @property
+    def _speculating(self) -> bool:
+        """Whether draft tokens may be proposed now: speculation is on, below disable_by_batch_size."""
+        spec = self.speculative
+        return spec is not None and (spec.disable_by_batch_size is None
+                                     or len(self.running) < spec.disable_by_batch_size)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -159,6 +167,9 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
+        # Decided once, before preemptions shrink the batch: a step scheduled while another is in
+        # flight (can_overlap) must not carry drafts.
+        speculate = self._speculating
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -168,7 +179,7 @@ class Scheduler:
                     or (request.num_output_placeholders and not self.workers_see_samples)):
                 i += 1
                 continue
-            drafts = self._propose(request, budget) if num_new == 1 else []
+            drafts = self._propose(request, budget, speculate) if num_new == 1 else []
             new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + self._lookahead(request, request.num_computed_tokens + num_new))
             if new_blocks is None and drafts:  # no room to speculate: decode plainly
                 drafts = []
@@ -263,18 +274,14 @@ class Scheduler:
             return 0
         return max(0, min(self.lookahead, self.limits.max_model_len - end))
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
+    def _propose(self, request: Request, budget: int, speculate: bool) -> list[int]:
         """Draft tokens for a request about to decode its last token, within its max_tokens, the
         model's length and the step's budget; none for requests whose sampling reads the output
         history (penalties, min_tokens, a grammar...), which decode one token a step."""
-        if self.speculative is None:
-            return []
         proposal, request.proposed_token_ids = request.proposed_token_ids, []
-        if (request.num_output_placeholders
+        if (not speculate or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
-                or request.pooling_params is not None or request.sampling_params.reads_output_history
-                or (self.speculative.disable_by_batch_size is not None
-                    and len(self.running) >= self.speculative.disable_by_batch_size)):
+                or request.pooling_params is not None or request.sampling_params.reads_output_history):
             return []
         # The step yields the accepted drafts and one token more: all must fit.
         room = min(request.max_tokens - request.num_output_tokens,
@@ -355,8 +362,8 @@ class Scheduler:
                         finished = True
                 if finished:  # tokens accepted after a stop are dropped
                     break
-            if not finished and output.draft_token_ids:
-                request.proposed_token_ids = output.draft_token_ids.get(req_id, [])
+            if self.lookahead:  # the draft model's proposal from this step's tokens, if any
+                request.proposed_token_ids = [] if finished else (output.draft_token_ids or {}).get(req_id, [])
             results.append(EngineCoreOutput(
                 req_id, new_token_ids, request.status.finish_reason, request.stop_reason,
                 max(request.num_cached_tokens, 0), request.first_scheduled_time,

@@ -164,7 +164,13 @@ class ModelRunner:
             else:
                 plan = None
         if states and batch.num_drafts is not None:
-            to_host += self._verify(hidden[batch.logits_indices], states, batch, so.grammar_bitmask)
+            verified = self._verify(hidden[batch.logits_indices], states, batch, so.grammar_bitmask)
+            # A request without drafts may decode from a placeholder in the next step (speculation
+            # paused by batch size): its token is its only row. One with drafts is not scheduled
+            # again before its tokens are known.
+            self._last_sampled = verified[0]
+            self._last_sampled_rows = dict(zip(req_ids, (np.cumsum(batch.num_drafts) + np.arange(len(req_ids))).tolist()))
+            to_host += verified
         elif states:
             sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated, so.grammar_bitmask)
             if sampled:
