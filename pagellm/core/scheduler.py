@@ -180,7 +180,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._propose(request, budget, speculate) if num_new == 1 else []
-            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + self._lookahead(request, request.num_computed_tokens + num_new))
+            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
             if new_blocks is None and drafts:  # no room to speculate: decode plainly
                 drafts = []
                 new_blocks = self.kv.allocate_slots(request, num_new)

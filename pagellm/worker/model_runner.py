@@ -169,7 +169,8 @@ class ModelRunner:
             # paused by batch size): its token is its only row. One with drafts is not scheduled
             # again before its tokens are known.
             self._last_sampled = verified[0]
-            self._last_sampled_rows = dict(zip(req_ids, (np.cumsum(batch.num_drafts) + np.arange(len(req_ids))).tolist()))
+            last_rows = np.cumsum(batch.num_drafts) + np.arange(len(req_ids))
+            self._last_sampled_rows = dict(zip(req_ids, last_rows.tolist()))
             to_host += verified
         elif states:
             sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated, so.grammar_bitmask)
