@@ -66,6 +66,11 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
+        # Most decode steps fit the blocks held and fill none: nothing to allocate or register.
+        if (not new_computed_blocks and num_total <= len(req_blocks) * self.block_size
+                and (not self.enable_caching
+                     or num_total // self.block_size <= self._num_cached_blocks.get(request.request_id, 0))):
+            return []
         num_needed = -(-num_total // self.block_size) - len(req_blocks) - len(new_computed_blocks)
         # Hit blocks sitting in the free queue stop being allocatable once we take them.
         num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
