@@ -56,7 +56,10 @@ TASKS = {
                      .replace("documentation", "documantation").replace("customers", "custommers")),
     "extract": f"Copy every sentence of this text that mentions a person, word for word, one per line:\n\n{PARAGRAPH}",
     "code edit": f"Rename the function total_price to order_total in this code and return the whole code:\n\n{CODE}",
+    "code edit (type hints)": f"Add type hints to every function in this Python code and return the whole code:\n\n{CODE}",
 }
+"""SmolLM2-135M does not do the rename (it comments on the code instead); asked for type hints, it
+rewrites the first function and copies the second."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
