@@ -1,7 +1,9 @@
 """The engine end to end on SmolLM2: validation, aborts, streaming, stop conditions, seeds, leaks."""
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -181,3 +183,21 @@ def test_cli_generate(capsys):
     assert ">>> What is 2+2?" in printed and "tokens]" in printed
     assert cli_main(["generate", "--block-size", "7", "--device", "cpu"]) == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_the_engine_is_frozen_out_of_the_garbage_collector_and_still_freed(smollm2_path):
+    """gc.freeze() after start-up (full collections skip the engine's objects), and an engine
+    dropped without shutdown is still freed by reference counting alone."""
+    gc.unfreeze()
+    engine = LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=SMALL_KV, max_model_len=256)
+    engine.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert gc.get_freeze_count() > 0
+    model = weakref.ref(engine.llm_engine.engine_core.executor.worker.runner.model)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del engine
+        assert model() is None
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -233,6 +234,10 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
                                                 timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
         watcher = asyncio.create_task(_stop_when_engine_dies(engine, server))
+        # The app and its libraries live as long as the process: out of the garbage collector's
+        # reach, as in the engine core (pagellm/engine/core.py).
+        gc.collect()
+        gc.freeze()
         try:
             await server.serve(sockets=[sock])
         finally:
