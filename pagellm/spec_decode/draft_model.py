@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagellm.config import EngineConfig
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.config import EngineConfig
 from pagellm.worker.batch import CachedRequestState, attention_layout
 from pagellm.worker.cuda_graphs import DecodeGraphs
 from pagellm.worker.loading import bind_kv_cache, build_model
