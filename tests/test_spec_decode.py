@@ -392,6 +392,36 @@ def test_draft_model_proposing_for_itself_is_always_accepted(smollm2_path, promp
     assert_no_leak(llm.llm_engine)
 
 
+def test_draft_lookahead_never_takes_a_request_past_max_model_len():
+    """The scheduler with draft-model speculation (k = 3) and a worker that accepts every draft
+    and proposes k more each step: a request decoding to max_model_len (32 = 2 blocks of 16) never
+    holds a third block (a wider block table than the CUDA graphs' would not fit them), every
+    step's tokens fit, and the output stops exactly at the length."""
+    from pagellm.core.outputs import ModelRunnerOutput  # noqa: PLC0415
+    from pagellm.core.request import Request  # noqa: PLC0415
+    from pagellm.core.scheduler import Scheduler, SchedulerLimits  # noqa: PLC0415
+
+    limits = SchedulerLimits(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32, block_size=16,
+                             num_blocks=8, enable_prefix_caching=True)
+    scheduler = Scheduler(limits, speculative=SpeculativeConfig(3, method="draft_model", model="draft"))
+    request = Request("r", list(range(1, 21)), SamplingParams(max_tokens=100, ignore_eos=True), frozenset(),
+                      max_tokens=12)
+    scheduler.add_request(request)
+    next_token = 100
+    while scheduler.has_unfinished_requests():
+        so = scheduler.schedule()
+        assert len(scheduler.kv.get_block_ids("r")) <= 2
+        assert request.num_computed_tokens <= limits.max_model_len
+        drafts = so.scheduled_spec_tokens.get("r", [])
+        sampled = [*drafts, next_token]  # every draft accepted, then one token of its own
+        next_token += 1
+        scheduler.update_from_output(ModelRunnerOutput(
+            ["r"], [sampled], draft_token_ids={"r": list(range(next_token, next_token + 3))}))
+        next_token += 3
+    assert request.num_tokens == limits.max_model_len and request.status.finish_reason == "length"
+    assert scheduler.spec_stats.num_accepted_tokens > 0
+
+
 def test_draft_model_config_errors_name_the_flag(tmp_path):
     def tiny(name: str, vocab: int, positions: int = 256) -> str:
         folder = tmp_path / name

@@ -57,6 +57,9 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens per request (speculative decoding): its last scheduled tokens, after its last
     known one; each is verified against the model's own choice at the position before it."""
+    propose_drafts: bool = False
+    """Whether the worker's draft model proposes once this step's tokens are known (draft_model
+    speculation, unless paused by disable_by_batch_size: then steps overlap instead)."""
 
     @property
     def is_empty(self) -> bool:

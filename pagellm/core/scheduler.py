@@ -180,9 +180,10 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._propose(request, budget, speculate) if num_new == 1 else []
-            lookahead = self._lookahead(request, request.num_computed_tokens + num_new)
-            new_blocks = self.kv.allocate_slots(request, num_new + len(drafts) + lookahead)
-            if new_blocks is None and drafts:  # no room to speculate: decode plainly
+            extra = len(drafts) + self._lookahead(request, request.num_computed_tokens + num_new + len(drafts),
+                                                  speculate)
+            new_blocks = self.kv.allocate_slots(request, num_new + extra)
+            if new_blocks is None and extra:  # no room to speculate: decode plainly
                 drafts = []
                 new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
@@ -218,8 +219,10 @@ class Scheduler:
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new + self._lookahead(request, num_hit_tokens + num_new),
-                                                hit_blocks)
+            lookahead = self._lookahead(request, num_hit_tokens + num_new, speculate)
+            new_blocks = self.kv.allocate_slots(request, num_new + lookahead, hit_blocks)
+            if new_blocks is None and lookahead:  # the prompt alone may still fit
+                new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -254,6 +257,7 @@ class Scheduler:
             freed_req_ids=self._freed_req_ids,
             grammar_bitmask=self._grammar_bitmask(num_scheduled),
             scheduled_spec_tokens=spec_tokens,
+            propose_drafts=speculate and self.lookahead > 0,
         )
         self._freed_req_ids = set()
         # The tokens handed out are counted as computed once scheduled: the step that computes
@@ -267,11 +271,12 @@ class Scheduler:
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
 
-    def _lookahead(self, request: Request, end: int) -> int:
-        """Room to allocate past a step's tokens (up to position `end`) for the draft model's
-        guesses, when the step ends the request's known tokens (without it the draft proposes
-        less, never wrongly)."""
-        if not self.lookahead or end < request.num_tokens or request.sampling_params.reads_output_history:
+    def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
+        """Room to allocate past a step's tokens, drafts included (up to position `end`), for the
+        draft model's guesses, when the step ends the request's known tokens; never past
+        max_model_len. Without it the draft proposes less, never wrongly."""
+        if (not speculate or not self.lookahead or end < request.num_tokens
+                or request.sampling_params.reads_output_history):
             return 0
         return max(0, min(self.lookahead, self.limits.max_model_len - end))
 

@@ -178,6 +178,7 @@ int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w,
     const int bb = block_bytes(qtype);
     if (bb == 0 || K % 32) return -1;
     const int64_t row_bytes = K / 32 * bb;
+    if (M <= 0) return 0;
     if (M <= ON_THE_FLY_ROWS) {
         const int width = on_the_fly_width(M);
 #pragma omp parallel for schedule(static)

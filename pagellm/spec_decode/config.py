@@ -50,7 +50,8 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"{_FLAG} has unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(_KEYS)}")
         method = value.get("method", "draft_model" if "model" in value else "ngram")
-        method = {"[ngram]": "ngram", "draft": "draft_model"}.get(method, method)
+        if isinstance(method, str):
+            method = {"[ngram]": "ngram", "draft": "draft_model"}.get(method, method)
         if method not in METHODS:
             raise ValueError(f"{_FLAG} method must be one of {', '.join(METHODS)}, got {method!r}")
         foreign = [key for key in (_MODEL_KEYS if method == "ngram" else _NGRAM_KEYS) if key in value]

@@ -51,14 +51,11 @@ class DraftModelProposer:
         return self.model(input_ids, positions, md)
 
     @torch.inference_mode()
-    def propose(self, states: list[CachedRequestState], num_running: int) -> dict[str, list[int]]:
+    def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
         """Draft tokens for the next step of each request of `states` (those that sampled in the
         step just read, their tokens appended) that will decode: within its max_tokens and the
         model's length, none for requests whose sampling reads their output (which the scheduler
-        never speculates for) or while `num_running` requests reach disable_by_batch_size."""
-        disable = self.config.speculative.disable_by_batch_size
-        if disable is not None and num_running >= disable:
-            return {}
+        never speculates for)."""
         todo = [(s, n) for s in states if (n := self._num_proposals(s)) > 0]
         if not todo:
             return {}

@@ -88,6 +88,8 @@ class DecodeGraphs:
 
     def fits(self, md: AttentionMetadata) -> bool:
         """Whether a captured graph takes this step."""
+        if md.block_table is not None and md.block_table.shape[1] > self.block_table.shape[1]:
+            return False
         if md.max_query_len == 1:
             return md.num_seqs <= self.max_size
         return md.max_query_len <= self.verify_len and md.num_seqs <= max(self.verify_sizes, default=0)

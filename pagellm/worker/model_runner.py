@@ -165,9 +165,9 @@ class ModelRunner:
                 plan = None
         if states and batch.num_drafts is not None:
             verified = self._verify(hidden[batch.logits_indices], states, batch, so.grammar_bitmask)
-            # A request without drafts may decode from a placeholder in the next step (speculation
-            # paused by batch size): its token is its only row. One with drafts is not scheduled
-            # again before its tokens are known.
+            # `_last_sampled` describes the latest step, as after plain sampling: a request's last
+            # row (its only one without drafts). The scheduler never overlaps a step carrying
+            # drafts, so no placeholder reads these rows today.
             self._last_sampled = verified[0]
             last_rows = np.cumsum(batch.num_drafts) + np.arange(len(req_ids))
             self._last_sampled_rows = dict(zip(req_ids, last_rows.tolist()))
@@ -180,7 +180,8 @@ class ModelRunner:
             to_host += sampled
         if not to_host:
             return StepInFlight.done(ModelRunnerOutput([], []))
-        return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states, num_drafts=batch.num_drafts)
+        return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states, num_drafts=batch.num_drafts,
+                            propose=so.propose_drafts)
 
     def _pool(self, so: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor) -> "StepInFlight":
         """Fold this step's final hidden states into each pooling request's result, incrementally
@@ -365,12 +366,14 @@ class StepInFlight:
     def __init__(self, runner: ModelRunner | None, copy: _HostCopy | None, plan: PromptLogprobsPlan | None,
                  req_ids: list[str], states: list[CachedRequestState],
                  output: ModelRunnerOutput | None = None, pooled: bool = False,
-                 num_drafts: list[int] | None = None) -> None:
+                 num_drafts: list[int] | None = None, propose: bool = False) -> None:
         """`pooled`: the copy holds one pooled vector per request of `req_ids` (pooling runner).
-        `num_drafts`: per request, its draft tokens (the copy holds verified rows, `_verify`)."""
+        `num_drafts`: per request, its draft tokens (the copy holds verified rows, `_verify`).
+        `propose`: the draft model proposes once the tokens are read."""
         self._runner, self._copy, self._plan = runner, copy, plan
         self._req_ids, self._states = req_ids, states
         self._num_drafts = num_drafts
+        self._propose = propose
         self._output = output
         self._pooled = pooled
         self._send: _StageSend | None = None
@@ -418,9 +421,9 @@ class StepInFlight:
             return ModelRunnerOutput([], [])
         logprobs = _sampled_logprobs(self._states, token_ids, self._num_drafts, host[1:])
         drafts = None
-        if runner.drafter is not None:
+        if runner.drafter is not None and self._propose:
             live = runner.requests.states  # (a request freed since the launch gave its blocks back)
-            drafts = runner.drafter.propose([s for s in self._states if live.get(s.req_id) is s], len(live))
+            drafts = runner.drafter.propose([s for s in self._states if live.get(s.req_id) is s])
         return ModelRunnerOutput(self._req_ids, token_ids, logprobs or None,
                                  _finished_prompt_logprobs(self._states) or None, draft_token_ids=drafts or None)
 
