@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ from fastapi.responses import Response
 
 from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.entrypoints.cli import API_KEY_ENV, engine_args_from
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
 from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, request_id_of
@@ -234,10 +234,7 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
                                                 timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
         watcher = asyncio.create_task(_stop_when_engine_dies(engine, server))
-        # The app and its libraries live as long as the process: out of the garbage collector's
-        # reach, as in the engine core (pagellm/engine/core.py).
-        gc.collect()
-        gc.freeze()
+        freeze_startup_objects()  # the app and its libraries live as long as the process
         try:
             await server.serve(sockets=[sock])
         finally:
