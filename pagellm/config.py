@@ -29,7 +29,7 @@ class EngineArgs:
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
-    quantization: str | None = _arg(None, "How weights are stored and multiplied: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are and multiplied by CPU kernels in float32, about 4x fewer bytes than float32 weights; CPU only so far) | none (every weight dequantized to --dtype at load). None: gguf for a GGUF model on the CPU when the kernels can run here (x86-64 with AVX2 and a C compiler), else none.")
+    quantization: str | None = _arg(None, "How linear layers' weights are stored and multiplied: fp8 (float8 e4m3, a scale per output channel: a dense checkpoint quantized at load, or an fp8 checkpoint; 8-bit activations per token in steps of more than 16 rows) | int8 (the same in int8, quantized at load) | compressed-tensors (llm-compressor float8/int8 checkpoints) | gptq | awq (int4 checkpoints: a scale and zero point per group, GPTQ act-order too) | rtn (int4 groups of 128 rounded to nearest at load, GPTQ/AWQ's kernels) | gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are, CPU kernels) | none (dense in --dtype). None: the checkpoint's quantization_config; gguf for a GGUF model on the CPU when the kernels can run here (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
     seed: int = _arg(0, 'Seed of the random weights (dummy) and of sampling for requests without their own seed.')
@@ -142,7 +142,8 @@ class EngineArgs:
                              f"{device.type}: use torch")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         return EngineConfig(
-            quantization=resolve_quantization(self.quantization, source.load_format, source.path, device),
+            quantization=resolve_quantization(self.quantization, source.load_format, source.path, device,
+                                              arch.hf_config),
             args=self,
             source=source,
             device=device,
@@ -303,7 +304,7 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
         raise ValueError(f"{flag} {speculative.model!r} takes at most {source.arch.max_position_embeddings} "
                          f"positions, fewer than max_model_len ({max_model_len}): lower --max-model-len")
     return DraftModelConfig(source, resolve_quantization(speculative.quantization, source.load_format,
-                                                         source.path, device))
+                                                         source.path, device, source.arch.hf_config))
 
 
 def _flag(name: str) -> str:

@@ -1,20 +1,19 @@
 """Bytes per stored element: model dtypes, weight quantization methods and KV-cache dtypes.
 
 One place for these numbers, so that capacity planning (`pagellm plan`) and the quantization
-methods, when the engine grows them, agree. The engine today stores weights and KV entries in the
-model dtype; `fp8`, `int8`, `gptq` and `awq` here are the sizes those methods will have.
+methods (`pagellm.quantization`) agree; `rtn` stores what gptq and awq do.
 """
 from __future__ import annotations
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq")
+QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "rtn")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 INT4_GROUP_SIZE = 128
 """Weights per scale (and zero point) in GPTQ and AWQ checkpoints, the common choice."""
-_INT4_GROUP_OVERHEAD_BYTES = 2 + 0.5
-"""Per group of INT4_GROUP_SIZE weights: a 16-bit scale and a packed 4-bit zero point."""
+_INT4_GROUP_OVERHEAD_BYTES = 2 + 1
+"""Per group of INT4_GROUP_SIZE weights: a 16-bit scale and a zero point (a byte, as the engine keeps it)."""
 
 
 def quantized_weight_bytes(method: str, dtype_bytes: int) -> float:
@@ -27,7 +26,7 @@ def quantized_weight_bytes(method: str, dtype_bytes: int) -> float:
         return float(dtype_bytes)
     if method in ("fp8", "int8"):
         return 1.0
-    if method in ("gptq", "awq"):
+    if method in ("gptq", "awq", "rtn"):
         return 0.5 + _INT4_GROUP_OVERHEAD_BYTES / INT4_GROUP_SIZE
     raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
 

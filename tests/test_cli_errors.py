@@ -91,9 +91,9 @@ ENGINE_COMMANDS = {
 
 COMMAND_CASES = [
     # the top level
-    ([], "{generate,serve,bench,plan}"),
-    (["translate"], "{generate,serve,bench,plan}"),
-    (["--bogus-flag"], "{generate,serve,bench,plan}"),
+    ([], "{generate,serve,bench,plan,eval}"),
+    (["translate"], "{generate,serve,bench,plan,eval}"),
+    (["--bogus-flag"], "{generate,serve,bench,plan,eval}"),
     (["bench"], "{throughput,latency,serve,sweep}"),
     (["bench", "speed"], "{throughput,latency,serve,sweep}"),
     # generate
@@ -190,6 +190,13 @@ COMMAND_CASES = [
     # (--tensor-parallel-size not dividing the heads: tests/test_plan.py, as it builds the model on the meta device)
     (["plan", "/no/such/model.gguf"], "model"),
     (["plan", "--bogus-flag"], "--bogus-flag"),
+    # eval
+    (["eval", "--quantization", "none", "fp4"], "--quantization"),
+    (["eval", "--reference", "int2"], "--reference"),
+    (["eval", "--context", "0"], "--context"),
+    (["eval", "--max-tokens", "-5"], "--max-tokens"),
+    (["eval", "--text", "/no/such/file.txt"], "--text"),
+    (["eval", "--dtype", "float64"], "--dtype"),
 ]
 
 
@@ -259,7 +266,7 @@ def _command(argv: list[str]) -> list[str]:
     """The (sub)command words that start `argv`, as far as they are real commands."""
     if argv[:1] == ["bench"]:
         return argv[:2] if argv[1:2] and argv[1] in ("throughput", "latency", "serve", "sweep") else argv[:1]
-    return argv[:1] if argv[:1] and argv[0] in ("generate", "serve", "plan") else []
+    return argv[:1] if argv[:1] and argv[0] in ("generate", "serve", "plan", "eval") else []
 
 
 @pytest.mark.parametrize("argv, flag", COMMAND_CASES, ids=_case_id)

@@ -175,9 +175,9 @@ def add_plan_parser(sub: argparse._SubParsersAction,
         description="The memory ledger of one engine rank, as the engine will size it: weights, activation peak, "
                     "CUDA context and graphs, KV bytes per token, KV capacity in tokens and blocks, the sequences "
                     "that fit at --input-len + --output-len, and what to change when they do not. Nothing is "
-                    "loaded: only the model's shape is read. --quantization and --kv-cache-dtype are planning "
-                    "estimates of the byte sizes of the engine's future methods (the engine stores weights and "
-                    "KV entries in --dtype today).")
+                    "loaded: only the model's shape is read. --quantization gives the linear layers' bytes of the "
+                    "engine's methods; --kv-cache-dtype fp8 is a planning estimate (the engine stores KV entries "
+                    "in --dtype today).")
     plan.add_argument("model", nargs="?", default=None,
                       help="model path (GGUF file, Hugging Face directory), a config.json file or a preset "
                            "name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, ...); default: the embedded SmolLM2-135M")
@@ -186,8 +186,8 @@ def add_plan_parser(sub: argparse._SubParsersAction,
     plan.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                       help="the GPU's total memory in GiB (an H200: 139.8); default: the present GPU's")
     plan.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
-                      help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq (0.5 byte + "
-                           "group-128 scales); a planning estimate, not an engine setting yet")
+                      help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq/rtn (0.5 byte + "
+                           "a scale and zero point per group of 128), as the engine's --quantization stores them")
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8); a planning "
                            "estimate, not an engine setting yet")

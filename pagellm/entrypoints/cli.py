@@ -12,6 +12,7 @@ from pagellm import __version__
 from pagellm.benchmarks.cli import add_bench_parser, add_plan_parser
 from pagellm.config import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
+from pagellm.eval.cli import add_eval_parser
 from pagellm.entrypoints.cli_args import (
     Parser,
     non_negative_float,
@@ -174,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     add_bench_parser(sub, add_engine_args)
     add_plan_parser(sub, add_engine_args)
+    add_eval_parser(sub, add_engine_args)
     return parser
 
 

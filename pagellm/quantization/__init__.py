@@ -1,7 +1,22 @@
-"""Quantized weights: the per-layer method seam (`base`) and the formats behind `--quantization`."""
+"""Quantized weights: the per-layer method seam (`base`) and the formats behind `--quantization`.
+
+| method | weights | from |
+|---|---|---|
+| fp8 | float8 e4m3, a scale per output channel | a dense checkpoint or GGUF file (quantized at load), or an `fp8` checkpoint |
+| int8 | int8, a scale per output channel | a dense checkpoint or GGUF file, quantized at load |
+| compressed-tensors | float8 or int8 as above | llm-compressor checkpoints (W8A8 / W8A16, channel or tensor scales) |
+| gptq, awq | int4, a scale and zero point per group (GPTQ act-order too) | GPTQ / AutoAWQ checkpoints |
+| rtn | int4 as gptq/awq, rounded to nearest per group of 128 | a dense checkpoint, quantized at load |
+| gguf | a GGUF file's Q4_0/Q4_1/Q8_0 blocks | a .gguf file (CPU kernels) |
+
+The 8-bit methods multiply activations quantized per token (W8A8) in steps of more than
+`SMALL_BATCH_ROWS` rows and the 16-bit activations directly against the 8-bit weights below it
+(reading the weights is what small steps cost); int4 always multiplies 16-bit activations.
+"""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -9,47 +24,98 @@ from pagellm.quantization.base import LinearMethod, QuantizationConfig, Unquanti
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("gguf", "none")
+QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "gptq", "awq", "rtn", "gguf", "none")
 """What `--quantization` accepts (vLLM's names); None (the default) picks per model and device."""
 
+_FROM_CHECKPOINT_ONLY = ("compressed-tensors", "gptq", "awq")
+"""Methods whose weights a checkpoint must already hold (the others quantize a dense model at load)."""
+
+_FLAG = "quantization (--quantization)"
+
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod",
-           "build_quant_config", "resolve_quantization"]
+           "build_quant_config", "checkpoint_quantization", "resolve_quantization"]
 
 
-def resolve_quantization(requested: str | None, load_format: str, model_path: str, device: torch.device) -> str | None:
-    """The method the engine will use ("gguf"), or None for dense weights in the model's dtype.
+def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
+    """The method a Hugging Face config's `quantization_config` names (None: a dense checkpoint)."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in ("fp8", "compressed-tensors", "gptq", "awq"):
+        raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which pagellm cannot "
+                         "load; it loads fp8, compressed-tensors, gptq and awq checkpoints")
+    return method
 
-    Default: a GGUF file on the CPU stays quantized when the kernels can run here (else it is
-    dequantized at load, with a warning saying why); every other model is dense.
+
+def resolve_quantization(requested: str | None, load_format: str, model_path: str, device: torch.device,
+                         hf_config: dict[str, Any] | None = None) -> str | None:
+    """The method the engine will use, or None for dense weights in the model's dtype.
+
+    Default: the checkpoint's own `quantization_config`; a GGUF file on the CPU stays quantized
+    when the kernels can run here (else it is dequantized at load, with a warning saying why);
+    every other model is dense. A flag that disagrees with the checkpoint is an error.
     """
-    from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
-
+    stored = checkpoint_quantization(hf_config or {})
+    if requested is None and stored is not None:
+        requested = stored
+    if stored is not None and requested != stored:
+        raise ValueError(f"{_FLAG} is {requested!r}, but {model_path!r} holds {stored} weights (its config.json's "
+                         f"quantization_config): pass --quantization {stored} or leave the flag out")
     if requested == "none":  # (EngineArgs.validate has checked the name)
         return None
+    if requested == "gguf" or (requested is None and load_format == "gguf" and device.type == "cpu"):
+        return _resolve_gguf(requested, load_format, model_path, device)
     if requested is None:
-        if load_format != "gguf" or device.type != "cpu":
-            return None
+        return None
+    if requested in _FROM_CHECKPOINT_ONLY and stored is None and load_format != "dummy":
+        online = "rtn" if requested in ("gptq", "awq") else "fp8 or int8"
+        raise ValueError(f"{_FLAG} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
+                         f"has no such quantization_config; to quantize a dense model at load use {online}")
+    if requested in _FROM_CHECKPOINT_ONLY and stored is None:
+        raise ValueError(f"{_FLAG} {requested!r} with --load-format dummy needs a config.json naming it in "
+                         "quantization_config; for random weights use fp8, int8 or rtn (quantized at load)")
+    if device.type == "cuda" and requested in ("fp8", "compressed-tensors") and (
+            torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"{_FLAG} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
+                         f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
+    return requested
+
+
+def _resolve_gguf(requested: str | None, load_format: str, model_path: str, device: torch.device) -> str | None:
+    from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
+
+    if requested is None:
         reason = ggml_cpu.unavailable_reason()
         if reason is not None:
             logger.warning("%s; the GGUF weights are dequantized at load instead (slower)", reason)
             return None
         return "gguf"
     if load_format != "gguf":
-        raise ValueError(f"quantization (--quantization) 'gguf' needs a .gguf model, but {model_path!r} is loaded "
-                         f"as {load_format}")
+        raise ValueError(f"{_FLAG} 'gguf' needs a .gguf model, but {model_path!r} is loaded as {load_format}")
     if device.type != "cpu":
-        raise ValueError(f"quantization (--quantization) 'gguf' runs on the CPU only so far; on {device} pass "
-                         "--quantization none to dequantize the GGUF weights at load")
+        raise ValueError(f"{_FLAG} 'gguf' runs on the CPU only so far; on {device} pass --quantization none to "
+                         "dequantize the GGUF weights at load")
     reason = ggml_cpu.unavailable_reason()
     if reason is not None:
-        raise ValueError(f"quantization (--quantization) 'gguf' cannot run here: {reason}; pass --quantization none")
+        raise ValueError(f"{_FLAG} 'gguf' cannot run here: {reason}; pass --quantization none")
     return "gguf"
 
 
-def build_quant_config(method: str | None, model_path: str) -> QuantizationConfig | None:
+def build_quant_config(method: str | None, model_path: str,
+                       hf_config: dict[str, Any] | None = None) -> QuantizationConfig | None:
     """The per-layer config of a resolved `method` for the model at `model_path`."""
     if method is None:
         return None
-    from pagellm.quantization.gguf import GGUFConfig  # noqa: PLC0415
+    qc = (hf_config or {}).get("quantization_config") or {}
+    if method == "gguf":
+        from pagellm.quantization.gguf import GGUFConfig  # noqa: PLC0415
 
-    return GGUFConfig.from_file(model_path)
+        return GGUFConfig.from_file(model_path)
+    if method in ("fp8", "int8", "compressed-tensors"):
+        from pagellm.quantization.w8a8 import W8A8Config  # noqa: PLC0415
+
+        return W8A8Config.create(method, qc)
+    from pagellm.quantization.int4 import Int4Config  # noqa: PLC0415
+
+    return Int4Config.create(method, qc)

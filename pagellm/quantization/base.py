@@ -11,6 +11,7 @@ turns what was loaded into what `apply` reads.
 """
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
@@ -63,6 +64,75 @@ class QuantizationConfig(ABC):
     def apply(self, model: nn.Module) -> set[str]:
         """Give the layers this config quantizes their methods (before loading); returns the
         checkpoint tensor names whose weights the loader must hand over as stored."""
+
+
+class LinearLayersConfig(QuantizationConfig):
+    """A config that gives every linear layer (not the embedding or LM head) the same kind of
+    method, except the layers the checkpoint lists as left dense."""
+
+    def __init__(self, ignored: Iterable[str] = ()) -> None:
+        self.ignored = tuple(ignored)
+        """Checkpoint module names (or "re:" patterns, as llm-compressor writes them) kept dense."""
+
+    @abstractmethod
+    def method(self) -> LinearMethod:
+        """A new method for one layer."""
+
+    def apply(self, model: nn.Module) -> set[str]:
+        from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415 (layers import this package)
+
+        for prefix, module in model.named_modules():
+            if isinstance(module, _ParallelLinear) and not self._is_ignored(model.checkpoint_names(f"{prefix}.weight")):
+                module.set_quant_method(self.method())
+        return set()
+
+    def _is_ignored(self, names: list[str]) -> bool:
+        modules = [name.removesuffix(".weight") for name in names]
+        hits = [any(_matches(pattern, m) for pattern in self.ignored) for m in modules]
+        if any(hits) and not all(hits):
+            raise ValueError(f"the checkpoint keeps some of {modules} dense and quantizes the others; pagellm fuses "
+                             "them into one layer, which needs one format")
+        return all(hits)
+
+
+def _matches(pattern: str, module: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def per_channel_loader(layer: nn.Module):
+    """A weight loader for a per-output-channel scale [N] that also takes a checkpoint's per-tensor
+    scalar (every row of that tensor gets it: a fused layer keeps each part's own) or [N, 1]."""
+
+    from pagellm.distributed import get_tp_world_size  # noqa: PLC0415
+    from pagellm.models.layers.linear import RowParallelLinear  # noqa: PLC0415 (layers import this package)
+
+    # As long as the checkpoint's tensor would be: a row-parallel layer's outputs are whole.
+    full_rows = 1 if isinstance(layer, RowParallelLinear) else get_tp_world_size()
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        flat = loaded.reshape(-1).float()
+        if flat.numel() == 1:  # a view: the layer's loader takes whichever rows are this rank's
+            flat = flat.expand(param.shape[0] * full_rows)
+        layer.weight_loader(param, flat, shard_id)
+
+    return load
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, loader, output_dim: int | None = 0,
+              input_dim: int | None = 1) -> nn.Parameter:
+    """A parameter (frozen) that the layer's loaders slice along `output_dim` / `input_dim`."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.weight_loader, param.output_dim, param.input_dim = loader, output_dim, input_dim
+    return param
+
+
+def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Swap a loaded parameter for what `apply` reads (None: drop it)."""
+    delattr(layer, name)
+    if value is not None:
+        setattr(layer, name, nn.Parameter(value, requires_grad=False))
 
 
 def process_weights_after_loading(modules: Iterable[nn.Module]) -> None:

@@ -27,7 +27,7 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
     model_cls = get_model_class(source.arch.architecture)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
-    quant = build_quant_config(quantization, source.path)
+    quant = build_quant_config(quantization, source.path, source.arch.hf_config)
     try:
         with torch.device(device):
             model = model_cls(source.arch, get_attn_backend(attention_backend))

@@ -4,6 +4,11 @@ Column parallel: each rank owns a slice of the output features, so no communicat
 Row parallel: each rank owns a slice of the input features and the partial products are summed
 over ranks. Every parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which
 copies this rank's slice of a full (unsharded) checkpoint tensor into it.
+
+A quantization method may store a weight in another shape than [output_size, input_size] (packed
+int4, a scale per group or per channel): its parameters say which of their dims run along the
+output and input features (`output_dim`, `input_dim`; None: not split that way), and the loaders
+scale each slice by how the parameter's length along that dim relates to the layer's size.
 """
 from __future__ import annotations
 
@@ -31,6 +36,27 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     if shard_id is not None:
         raise ValueError(f"this parameter is not stacked from several checkpoint tensors (got shard_id={shard_id!r})")
     copy_weight(param.data, loaded_weight)
+
+
+def output_dim(param: nn.Parameter) -> int | None:
+    """The dim of `param` that runs along the layer's output features (default 0)."""
+    return getattr(param, "output_dim", 0)
+
+
+def input_dim(param: nn.Parameter) -> int | None:
+    """The dim of `param` that runs along the layer's input features (default 1)."""
+    return getattr(param, "input_dim", 1)
+
+
+def _along(param: nn.Parameter, dim: int, logical_size: int, *logical: int) -> list[int]:
+    """Offsets and sizes in features (`logical`) as lengths of `param` along `dim`, whose full
+    length stands for `logical_size` features (a packed or grouped dim is shorter)."""
+    scaled = [x * param.shape[dim] // logical_size for x in logical]
+    if any(x * param.shape[dim] % logical_size for x in logical):
+        raise ValueError(f"a slice of {logical} features does not fall on whole elements of a parameter of "
+                         f"shape {tuple(param.shape)} ({param.shape[dim]} elements along dim {dim} for "
+                         f"{logical_size} features): the tensor-parallel split cuts a packed element or group")
+    return scaled
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -61,7 +87,11 @@ class _ParallelLinear(nn.Module, ABC):
             self.register_parameter("bias", None)
 
     def set_quant_method(self, method: LinearMethod) -> None:
-        """Store and multiply the weight with `method` (before loading: it creates the weight)."""
+        """Store and multiply the weight with `method` (before loading: it creates the weight, in
+        place of the previous method's)."""
+        for name, _ in list(self.named_parameters(recurse=False)):
+            if name != "bias":
+                delattr(self, name)
         self.quant_method = method
         method.create_weights(self, self.input_size, self.output_size)
 
@@ -82,8 +112,12 @@ class ColumnParallelLinear(_ParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} loads one unstacked tensor (got shard_id={shard_id!r})")
-        size = param.shape[0]
-        copy_weight(param.data, loaded_weight.narrow(0, get_tp_rank() * size, size))
+        dim = output_dim(param)
+        if dim is None:
+            copy_weight(param.data, loaded_weight)
+            return
+        size = param.shape[dim]
+        copy_weight(param.data, loaded_weight.narrow(dim, get_tp_rank() * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -102,9 +136,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.shard_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.shard_sizes)}, got {shard_id!r}")
-        size = self.shard_sizes[shard_id]
-        dst = param.data.narrow(0, sum(self.shard_sizes[:shard_id]), size)
-        copy_weight(dst, loaded_weight.narrow(0, get_tp_rank() * size, size))
+        dim = output_dim(param)
+        if dim is None:  # the same for every part (GPTQ's g_idx)
+            copy_weight(param.data, loaded_weight)
+            return
+        offset, size = _along(param, dim, self.output_size, sum(self.shard_sizes[:shard_id]),
+                              self.shard_sizes[shard_id])
+        copy_weight(param.data.narrow(dim, offset, size), loaded_weight.narrow(dim, get_tp_rank() * size, size))
 
 
 class QKVParallelLinear(_ParallelLinear):
@@ -143,7 +181,12 @@ class QKVParallelLinear(_ParallelLinear):
             size, src_start = self.kv_size, (rank // self.kv_replicas) * self.kv_size
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        copy_weight(param.data.narrow(0, offset, size), loaded_weight.narrow(0, src_start, size))
+        dim = output_dim(param)
+        if dim is None:  # the same for every part (GPTQ's g_idx)
+            copy_weight(param.data, loaded_weight)
+            return
+        offset, size, src_start = _along(param, dim, self.output_size, offset, size, src_start)
+        copy_weight(param.data.narrow(dim, offset, size), loaded_weight.narrow(dim, src_start, size))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -155,11 +198,12 @@ class RowParallelLinear(_ParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} loads one unstacked tensor (got shard_id={shard_id!r})")
-        if param is self.bias:
+        dim = None if param is self.bias else input_dim(param)
+        if dim is None:
             copy_weight(param.data, loaded_weight)
             return
-        size = param.shape[1]
-        copy_weight(param.data, loaded_weight.narrow(1, get_tp_rank() * size, size))
+        size = param.shape[dim]
+        copy_weight(param.data, loaded_weight.narrow(dim, get_tp_rank() * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce sums it in exactly once.

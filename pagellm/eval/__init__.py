@@ -1,0 +1,1 @@
+"""`pagellm eval`: perplexity and distribution drift of quantized weights against a reference."""

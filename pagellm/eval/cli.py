@@ -1,0 +1,119 @@
+"""`pagellm eval`: the quality check before rolling out a quantized model (see `quality`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+import torch
+
+from pagellm.entrypoints.cli_args import existing_file, positive_int, set_handler
+from pagellm.quantization import QUANTIZATION_METHODS
+
+EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed")
+"""The engine flags that decide how a model is built (the rest is about serving)."""
+
+
+def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[..., None]) -> None:
+    ev = sub.add_parser(
+        "eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="quality of quantized weights: perplexity, top-1 agreement and KL divergence against a reference",
+        description="Loads the model once per --quantization method (all at once: memory for each), runs every "
+                    "one over the same windows of a text, and prints each one's perplexity and how far its "
+                    "next-token distributions are from the reference method's: the share of positions whose "
+                    "most likely token is the reference's, and the mean KL(reference || method).")
+    ev.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
+    ev.add_argument("--quantization", nargs="+", default=["none", "fp8", "int8"], metavar="METHOD",
+                    help=f"methods to compare, of {', '.join(QUANTIZATION_METHODS)}")
+    ev.add_argument("--reference", default="none", choices=QUANTIZATION_METHODS,
+                    help="the method the others are compared with (added to the list if missing)")
+    ev.add_argument("--text", type=existing_file, default=None,
+                    help="a UTF-8 text file; default: a built-in sample of about 1,400 tokens (English prose, "
+                         "instructions, a little about code)")
+    ev.add_argument("--context", type=positive_int, default=512, help="tokens per window")
+    ev.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate at most this many tokens")
+    ev.add_argument("--output-json", default=None, help="also write the results (with hardware, command, "
+                                                        "commit) to this JSON file")
+    add_engine_args(ev, names=EVAL_ENGINE_ARGS)
+    set_handler(ev, run_cli)
+
+
+def run_cli(ns: argparse.Namespace) -> int:
+    from tqdm import tqdm  # noqa: PLC0415
+
+    from pagellm.benchmarks.results import format_table, run_metadata, write_json  # noqa: PLC0415
+    from pagellm.config import EngineArgs  # noqa: PLC0415
+    from pagellm.eval.quality import evaluate, windows  # noqa: PLC0415
+    from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
+    from pagellm.worker.loading import build_model  # noqa: PLC0415
+
+    methods = list(dict.fromkeys([ns.reference, *ns.quantization]))
+    for method in methods:
+        if method not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization: {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
+    engine = {name: getattr(ns, name) for name in EVAL_ENGINE_ARGS}
+    configs = {m: EngineArgs(model=ns.model, quantization=m, **engine).create_engine_config() for m in methods}
+    first = configs[ns.reference]
+    tokenizer = load_tokenizer(first.source)
+    if tokenizer is None:
+        raise ValueError("eval needs the model's tokenizer, and a dummy preset has none: pass a model directory "
+                         "with tokenizer.json or a GGUF file")
+    if ns.context > first.source.arch.max_position_embeddings:
+        raise ValueError(f"--context {ns.context} exceeds the model's max_position_embeddings "
+                         f"({first.source.arch.max_position_embeddings})")
+    text = (open(ns.text, encoding="utf-8").read() if ns.text is not None
+            else resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8"))
+    token_ids = tokenizer.encode(text)[: ns.max_tokens]
+    if not windows(token_ids, ns.context):
+        raise ValueError("the text has fewer than 2 tokens: nothing to predict")
+
+    models, weight_bytes, load_s = {}, {}, {}
+    for method, config in configs.items():
+        start = time.perf_counter()
+        label = _label(method, config)
+        models[label] = build_model(config.source, config.quantization, config.dtype, config.device,
+                                    config.attention_backend, ns.seed)
+        load_s[label] = time.perf_counter() - start
+        weight_bytes[label] = _linear_weight_bytes(models[label])
+    reference = _label(ns.reference, first)
+    total = sum(len(w) - 1 for w in windows(token_ids, ns.context))
+    with tqdm(total=total, unit="tok", desc="eval", file=sys.stderr) as bar:
+        results = evaluate(models, reference, token_ids, ns.context, first.device, bar.update)
+
+    ref_ppl = results[reference].perplexity
+    rows = [[label, f"{weight_bytes[label] / 2**20:.1f}", f"{r.perplexity:.4f}",
+             f"{100 * (r.perplexity / ref_ppl - 1):+.2f}%", f"{100 * r.top1_agreement:.2f}%", f"{r.mean_kl:.5f}"]
+            for label, r in results.items()]
+    print(format_table(["method", "linear weights MiB", "perplexity", "vs reference", "top-1 agreement",
+                        "mean KL"], rows, left=[0]))
+    print(f"{total} tokens predicted in windows of {ns.context}, reference {reference}, "
+          f"{first.device}, {first.dtype}")
+    if ns.output_json:
+        payload: dict[str, Any] = {
+            "metadata": run_metadata(),
+            "model": first.source.path, "device": str(first.device), "dtype": str(first.dtype),
+            "context": ns.context, "tokens": total, "text": ns.text or "built-in sample", "reference": reference,
+            "results": {label: {"perplexity": r.perplexity, "perplexity_vs_reference": r.perplexity / ref_ppl,
+                                "top1_agreement": r.top1_agreement, "mean_kl": r.mean_kl,
+                                "linear_weight_bytes": weight_bytes[label], "load_s": load_s[label]}
+                        for label, r in results.items()},
+        }
+        print(f"wrote {write_json(payload, ns.output_json)}")
+    return 0
+
+
+def _label(method: str, config) -> str:
+    """A row's name: the method, or for none the dtype the weights are in."""
+    return str(config.dtype).removeprefix("torch.") if config.quantization is None else method
+
+
+def _linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes the linear layers' weights take (scales, zero points included; not the embedding, the
+    LM head or the norms, which every method keeps the same)."""
+    from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415
+
+    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, _ParallelLinear)
+               for name, p in m.named_parameters() if name != "bias")

@@ -1,0 +1,99 @@
+"""What a quantized model gives up: perplexity on a text, and how far its next-token distributions
+move from a reference model's (top-1 agreement, KL divergence), on the same tokens.
+
+The text is cut into windows of `context` tokens; each window is one prompt run from position 0
+(no KV cache), every model sees the same windows, and each of a window's tokens but the first is
+predicted from the ones before it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagellm.attention.backend import AttentionMetadata
+
+_LOGIT_ROWS = 256
+"""Rows of logits computed at once (a window's full-vocabulary float32 logits can be large)."""
+
+
+@dataclass(slots=True)
+class QualityResult:
+    """One model's figures over every predicted token of the text."""
+
+    tokens: int = 0
+    nll_sum: float = 0.0
+    """Sum of -log p(actual next token)."""
+    kl_sum: float = 0.0
+    """Sum of KL(reference || this model) over the predicted positions."""
+    top1_agree: int = 0
+    """Positions where this model's most likely token is the reference's."""
+    kl_per_window: list[float] = field(default_factory=list)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / max(self.tokens, 1))
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / max(self.tokens, 1)
+
+    @property
+    def top1_agreement(self) -> float:
+        return self.top1_agree / max(self.tokens, 1)
+
+
+def windows(token_ids: list[int], context: int) -> list[list[int]]:
+    """Consecutive windows of at most `context` tokens (a last one shorter than 2 is dropped: it
+    predicts nothing)."""
+    parts = [token_ids[i:i + context] for i in range(0, len(token_ids), context)]
+    return [p for p in parts if len(p) >= 2]
+
+
+@torch.inference_mode()
+def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.Tensor:
+    """float32 log-softmax of `model`'s next-token logits at every position of `ids` but the last
+    ([len(ids) - 1, vocab]): one prompt from position 0, without a KV cache."""
+    n = len(ids)
+    lens = np.array([n], dtype=np.int64)
+    qsl = np.array([0, n], dtype=np.int64)
+    md = AttentionMetadata(
+        num_tokens=n,
+        query_start_loc=torch.from_numpy(qsl).to(device, torch.int32),
+        seq_lens=torch.from_numpy(lens).to(device, torch.int32),
+        block_table=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+        max_query_len=n, max_seq_len=n,
+        query_start_loc_cpu=qsl.astype(np.int32), seq_lens_cpu=lens.astype(np.int32),
+    )
+    input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+    hidden = model(input_ids, torch.arange(n, device=device), md)[: n - 1]
+    return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]), dim=-1)
+                      for i in range(0, n - 1, _LOGIT_ROWS)])
+
+
+def evaluate(models: dict[str, nn.Module], reference: str, token_ids: list[int], context: int,
+             device: torch.device, progress: Callable[[int], None] | None = None) -> dict[str, QualityResult]:
+    """Each model's `QualityResult` on `token_ids`, distributions compared with `models[reference]`.
+    `progress(n)` is called after each window with its number of predicted tokens."""
+    results = {name: QualityResult() for name in models}
+    for window in windows(token_ids, context):
+        targets = torch.tensor(window[1:], device=device)
+        ref = log_probs(models[reference], window, device)
+        ref_top1 = ref.argmax(dim=-1)
+        for name, model in models.items():
+            lp = ref if name == reference else log_probs(model, window, device)
+            r = results[name]
+            r.tokens += len(targets)
+            r.nll_sum -= lp.gather(1, targets[:, None]).sum().item()
+            kl = (ref.exp() * (ref - lp)).sum().item()  # KL(ref || model), summed over positions
+            r.kl_sum += kl
+            r.kl_per_window.append(kl / len(targets))
+            r.top1_agree += int((lp.argmax(dim=-1) == ref_top1).sum())
+        if progress is not None:
+            progress(len(targets))
+    return results

@@ -1,0 +1,165 @@
+"""8-bit weights (float8 e4m3 or int8) with a scale per output channel, from a dense checkpoint
+(quantized at load: `--quantization fp8 | int8`) or from an `fp8` / compressed-tensors checkpoint.
+
+Steps of more than `SMALL_BATCH_ROWS` rows quantize each activation row to the same 8-bit type
+with its own scale (dynamic, per token) and multiply in 8 bits: `torch._scaled_mm` (fp8) and
+`torch._int_mm` (int8) on the GPU. Smaller steps are bound by reading the weights, and 8-bit
+activations would only cost accuracy there: they multiply their 16-bit activations with the
+8-bit weights (`triton_matmul`). The CPU computes the same two products in float32.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.quantization.base import (
+    LinearLayersConfig,
+    LinearMethod,
+    new_param,
+    per_channel_loader,
+    replace_param,
+)
+
+logger = logging.getLogger(__name__)
+
+SMALL_BATCH_ROWS = 16
+"""Steps of at most this many rows multiply 16-bit activations with the 8-bit weights."""
+
+_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Format:
+    """How one checkpoint's (or the flag's) 8-bit layers are stored and multiplied."""
+
+    weight_dtype: torch.dtype
+    online: bool
+    """Quantize a dense checkpoint's weights at load."""
+    quantize_activations: bool = True
+    """W8A8 in large steps (False: the checkpoint is weight-only, W8A16)."""
+    static_input_scale: bool = False
+    """The checkpoint stores a calibrated activation scale per layer (read, then not used: the
+    per-token scales are computed per step, which is at least as accurate)."""
+
+
+class W8A8LinearMethod(LinearMethod):
+    """weight [N, K] (8-bit), weight_scale [N] float32: W = weight * weight_scale."""
+
+    def __init__(self, fmt: W8A8Format) -> None:
+        self.fmt = fmt
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        loader = layer.weight_loader
+        if self.fmt.online:  # dense as stored; quantized once loaded
+            layer.weight = new_param((output_size, input_size), torch.get_default_dtype(), loader)
+            return
+        layer.weight = new_param((output_size, input_size), self.fmt.weight_dtype, loader)
+        layer.weight_scale = new_param((output_size,), torch.float32, per_channel_loader(layer), input_dim=None)
+        if self.fmt.static_input_scale:
+            layer.input_scale = new_param((output_size,), torch.float32, per_channel_loader(layer), input_dim=None)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.fmt.online:
+            weight, scale = quantize_per_row(layer.weight.data, self.fmt.weight_dtype)
+            replace_param(layer, "weight", weight)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        if self.fmt.static_input_scale:
+            replace_param(layer, "input_scale", None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.fmt.quantize_activations and x2.shape[0] > SMALL_BATCH_ROWS:
+            out = w8a8_matmul(x2, layer.weight, layer.weight_scale)
+        else:
+            out = w8a16_matmul(x2, layer.weight, layer.weight_scale)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("8-bit methods quantize linear layers only")
+
+
+def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, C] -> (q [R, C] in `dtype`, scale [R] float32) with q * scale ~ x, each row scaled
+    so that its largest magnitude is the type's largest value (rounded to nearest)."""
+    qmax = _QMAX[dtype]
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
+    q = (x.float() / scale).clamp(-qmax, qmax)
+    q = q.round().to(dtype) if dtype == torch.int8 else q.to(dtype)
+    return q, scale.reshape(-1)
+
+
+def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (16/32-bit) @ (weight * weight_scale)^T -> [M, N] in x's dtype."""
+    if x.is_cuda:
+        from pagellm.quantization.triton_matmul import dequant_matmul  # noqa: PLC0415
+
+        return dequant_matmul(x, weight, weight_scale)
+    return ((x.float() @ weight.float().t()) * weight_scale).to(x.dtype)
+
+
+def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x quantized per row to weight's type, multiplied in 8 bits, rescaled -> [M, N] in x's dtype."""
+    xq, x_scale = quantize_per_row(x, weight.dtype)
+    x_scale = x_scale[:, None]
+    if x.is_cuda and weight.dtype == torch.float8_e4m3fn:
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+    if x.is_cuda:  # int8: int32 sums, rescaled in float32
+        return (torch._int_mm(xq, weight.t()).float() * x_scale * weight_scale).to(x.dtype)
+    return ((xq.float() @ weight.float().t()) * x_scale * weight_scale).to(x.dtype)
+
+
+class W8A8Config(LinearLayersConfig):
+    """Every linear layer 8-bit (the embedding and LM head stay dense), but the ignored ones."""
+
+    def __init__(self, name: str, fmt: W8A8Format, ignored: list[str] | tuple[str, ...] = ()) -> None:
+        super().__init__(ignored)
+        self.name, self.fmt = name, fmt
+
+    def method(self) -> LinearMethod:
+        return W8A8LinearMethod(self.fmt)
+
+    @classmethod
+    def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":
+        """The config of `method` ("fp8", "int8", "compressed-tensors") given the checkpoint's
+        `quantization_config` `qc` ({} for a dense checkpoint, quantized at load)."""
+        if method == "compressed-tensors":
+            return cls._compressed_tensors(qc)
+        dtype = torch.float8_e4m3fn if method == "fp8" else torch.int8
+        if not qc:
+            return cls(method, W8A8Format(dtype, online=True))
+        if qc.get("weight_block_size"):
+            raise ValueError("quantization (--quantization) fp8: block-wise scales (weight_block_size "
+                             f"{qc['weight_block_size']}) are not supported; per-tensor and per-channel are")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"quantization (--quantization) fp8: activation_scheme {scheme!r} is neither dynamic "
+                             "nor static")
+        return cls(method, W8A8Format(dtype, online=False, static_input_scale=scheme == "static"),
+                   qc.get("ignored_layers") or ())
+
+    @classmethod
+    def _compressed_tensors(cls, qc: dict[str, Any]) -> "W8A8Config":
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise ValueError(f"quantization (--quantization) compressed-tensors: {len(groups)} config groups; "
+                             "pagellm loads checkpoints with one (every Linear layer the same way)")
+        weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+        kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+        if bits != 8 or kind not in ("float", "int") or strategy not in ("channel", "tensor") or (
+                weights.get("symmetric") is False):
+            raise ValueError("quantization (--quantization) compressed-tensors: pagellm loads symmetric 8-bit float "
+                             f"or int weights with channel or tensor scales, not {weights}")
+        if inputs is not None and inputs.get("num_bits") != 8:
+            raise ValueError(f"quantization (--quantization) compressed-tensors: activations {inputs} are not 8-bit")
+        fmt = W8A8Format(torch.float8_e4m3fn if kind == "float" else torch.int8, online=False,
+                         quantize_activations=inputs is not None,
+                         static_input_scale=inputs is not None and not inputs.get("dynamic", False))
+        logger.info("compressed-tensors: %s weights, %s scales, %s", kind, strategy,
+                    "weight-only" if inputs is None else "8-bit activations per token")
+        return cls("compressed-tensors", fmt, qc.get("ignore") or ())

@@ -1,0 +1,353 @@
+"""Quantized weights: the dequantizing Triton kernel against PyTorch, checkpoints written by the real
+libraries (compressed-tensors, AutoAWQ) or by a packer of GPTQ's documented layout loaded and run
+against Hugging Face on the dequantized weights, the methods that quantize at load, and the errors.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from pagellm.config import EngineArgs
+from pagellm.eval.quality import log_probs
+from pagellm.quantization import resolve_quantization
+from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
+from pagellm.quantization.w8a8 import SMALL_BATCH_ROWS, quantize_per_row
+from pagellm.worker.loading import build_model
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+CPU = torch.device("cpu")
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, architectures=["LlamaForCausalLM"])
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _tiny_hf(seed: int = 0) -> transformers.LlamaForCausalLM:
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(1.0, 0.2) if "norm" in name else p.normal_(0.0, 0.1)
+    return hf
+
+
+def _load(path: str, **kwargs) -> tuple[torch.nn.Module, str | None]:
+    config = EngineArgs(model=path, device="cpu", dtype="float32", **kwargs).create_engine_config()
+    return build_model(config.source, config.quantization, config.dtype, CPU, "torch", 0), config.quantization
+
+
+def _assert_matches_hf(model: torch.nn.Module, hf: torch.nn.Module, length: int, atol: float = 1e-4) -> None:
+    ids = torch.randint(TINY["vocab_size"], (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    torch.testing.assert_close(log_probs(model, ids, CPU), expected, atol=atol, rtol=0)
+
+
+def _write_checkpoint(path, hf: torch.nn.Module, tensors: dict[str, torch.Tensor], quantization_config: dict) -> None:
+    """hf's config (plus `quantization_config`) and tensors: hf's own, those in `tensors` replacing or
+    adding to them (a projection's dense weight is dropped when its quantized tensors are given)."""
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    for name in list(tensors):
+        state.pop(name.rsplit(".", 1)[0] + ".weight", None)
+    state.update(tensors)
+    save_file(state, str(path / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _projections(hf: torch.nn.Module):
+    for name, module in hf.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            yield name, module
+
+
+# --- the kernel ----------------------------------------------------------------------------------------
+
+triton_shapes = [(1, 4096, 4096), (16, 6144, 4096), (17, 4096, 14336), (300, 1024, 4096)] if ON_GPU else \
+    [(1, 48, 64), (5, 40, 128), (17, 16, 64), (33, 24, 96)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("rows,n,k", triton_shapes)
+def test_dequant_matmul_8bit_matches_torch(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+    pytest.importorskip("triton")
+    from pagellm.quantization.triton_matmul import dequant_matmul
+
+    gen = torch.Generator().manual_seed(rows + n + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    q, scale = quantize_per_row(w, dtype)
+    # Triton's interpreter multiplies 16-bit tiles wrongly (it has no bfloat16): float32 only there.
+    for x_dtype in (torch.float32, torch.bfloat16) if ON_GPU else (torch.float32,):
+        xd = x.to(x_dtype)
+        expected = (xd.float() @ q.float().t()) * scale
+        got = dequant_matmul(xd.to(DEVICE), q.to(DEVICE), scale.to(DEVICE)).float().cpu()
+        tol = 1e-4 if x_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, expected, atol=tol * math.sqrt(k), rtol=tol)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 0])
+@pytest.mark.parametrize("rows,n,k", triton_shapes)
+def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int) -> None:
+    pytest.importorskip("triton")
+    from pagellm.quantization.triton_matmul import dequant_matmul
+
+    group = group or k  # 0: one group per output channel
+    if k % group:
+        pytest.skip("the shape does not split into these groups")
+    gen = torch.Generator().manual_seed(rows + n + k + group)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    q, scales, zeros = quantize_rtn(w, group)
+    qweight, scales16 = pack_pairs(q), scales.half()
+    expected = x @ dequantize(qweight, scales16, zeros, group).t()
+    assert (dequantize(qweight, scales16, zeros, group) - w).abs().max() <= scales.max() * 0.51  # rounding only
+    got = dequant_matmul(x.to(DEVICE), qweight.to(DEVICE), scales16.to(DEVICE), zeros.to(DEVICE), group).cpu()
+    torch.testing.assert_close(got, expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
+
+
+# --- 8-bit -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset,fmt", [("FP8_DYNAMIC", "float-quantized"), ("W8A8", "int-quantized"),
+                                        ("int8 weight-only", "int-quantized")])
+def test_compressed_tensors_checkpoint_written_by_the_library(tmp_path, preset: str, fmt: str) -> None:
+    """llm-compressor's format, written by compressed-tensors itself: the loaded weights are the
+    library's own decompression, and the logits of a short prompt (16-bit activations) are
+    Hugging Face's on those weights."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    hf = _tiny_hf()
+    scheme = preset_name_to_scheme(preset, ["Linear"]) if preset != "int8 weight-only" else QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True))
+    apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    qmax = 448.0 if scheme.weights.type == "float" else 127.0
+    for _, m in _projections(hf):
+        m.weight_scale.data = (m.weight.abs().amax(dim=1, keepdim=True) / qmax).to(m.weight_scale.dtype)
+    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format=fmt)
+    compressor.compress_model(hf)
+    hf.save_pretrained(tmp_path)
+    compressor.update_config(str(tmp_path))
+    compressor.decompress_model(hf)  # the library's dequantized weights: the reference
+    assert ct is not None
+    dense_hf = _tiny_hf()  # those weights without the library's activation fake-quantization hooks
+    for (_, m), (_, dense) in zip(_projections(hf), _projections(dense_hf), strict=True):
+        dense.weight.data = m.weight.data.float()
+
+    model, method = _load(str(tmp_path))
+    assert method == "compressed-tensors"
+    layer = model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == (torch.float8_e4m3fn if scheme.weights.type == "float" else torch.int8)
+    attn = hf.model.layers[0].self_attn
+    dense = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    torch.testing.assert_close(layer.weight.float() * layer.weight_scale[:, None], dense.float(), atol=0, rtol=0)
+    _assert_matches_hf(model, dense_hf, SMALL_BATCH_ROWS)
+
+
+@pytest.mark.parametrize("method,dtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_online_8bit_quantizes_per_channel_and_activations_per_token(tmp_path, method: str, dtype) -> None:
+    hf = _tiny_hf()
+    hf.save_pretrained(tmp_path)
+    model, resolved = _load(str(tmp_path), quantization=method)
+    assert resolved == method
+    up = model.model.layers[1].mlp.gate_up_proj
+    dense = torch.cat([hf.model.layers[1].mlp.gate_proj.weight, hf.model.layers[1].mlp.up_proj.weight])
+    q, scale = quantize_per_row(dense, dtype)
+    assert up.weight.dtype == dtype and torch.equal(up.weight, q) and torch.equal(up.weight_scale, scale)
+    # Few rows: 16-bit activations against the 8-bit weights.
+    x = torch.randn(SMALL_BATCH_ROWS, 64)
+    torch.testing.assert_close(up(x), x @ (q.float() * scale[:, None]).t(), atol=1e-5, rtol=1e-5)
+    # More rows: each activation row quantized to the same type with its own scale.
+    x = torch.randn(SMALL_BATCH_ROWS + 1, 64) * torch.logspace(-2, 2, SMALL_BATCH_ROWS + 1)[:, None]
+    amax = x.abs().amax(dim=1, keepdim=True)
+    qmax = 448.0 if dtype == torch.float8_e4m3fn else 127.0
+    xq = (x / (amax / qmax)).to(dtype) if dtype != torch.int8 else (x / (amax / qmax)).round().to(dtype)
+    expected = (xq.float() @ q.float().t()) * (amax / qmax) * scale
+    torch.testing.assert_close(up(x), expected, atol=1e-4, rtol=1e-5)
+    assert not torch.allclose(up(x), x @ (q.float() * scale[:, None]).t(), atol=1e-5, rtol=1e-5)
+    for _, m in _projections(hf):  # Hugging Face on the dequantized weights, for a short prompt
+        q, scale = quantize_per_row(m.weight.data, dtype)
+        m.weight.data = q.float() * scale[:, None]
+    _assert_matches_hf(model, hf, SMALL_BATCH_ROWS)
+
+
+def test_fp8_checkpoint_per_tensor_scales_of_fused_layers(tmp_path) -> None:
+    """An `fp8` checkpoint (AutoFP8 / vLLM's layout) with one scale per tensor: q, k and v keep
+    their own scales inside the fused layer; static activation scales are read and not used."""
+    hf = _tiny_hf()
+    tensors = {}
+    for name, m in _projections(hf):
+        scale = m.weight.abs().amax() / 448.0
+        q = (m.weight / scale).to(torch.float8_e4m3fn)
+        tensors.update({f"{name}.weight": q, f"{name}.weight_scale": scale.reshape(()),
+                        f"{name}.input_scale": torch.tensor(0.5)})
+        m.weight.data = q.float() * scale
+    _write_checkpoint(tmp_path, hf, tensors, {"quant_method": "fp8", "activation_scheme": "static"})
+    model, method = _load(str(tmp_path))
+    assert method == "fp8" and not hasattr(model.model.layers[0].self_attn.qkv_proj, "input_scale")
+    scales = model.model.layers[0].self_attn.qkv_proj.weight_scale
+    assert len(set(scales.tolist())) == 3  # q, k, v
+    _assert_matches_hf(model, hf, 12)
+
+
+# --- int4 --------------------------------------------------------------------------------------------
+
+
+def _gptq_pack(q: np.ndarray, zeros: np.ndarray, minus_one: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's documented layout: q [K, N] -> qweight int32 [K / 8, N], value k in bits 4 (k % 8) of
+    row k // 8; zeros [G, N] -> qzeros int32 [G, N / 8] packed the same way along N (minus one in
+    the "gptq" format)."""
+    shifts = (np.arange(8) * 4).astype(np.uint64)
+    qweight = (q.reshape(-1, 8, q.shape[1]).astype(np.uint64) << shifts[None, :, None]).sum(axis=1)
+    stored = (zeros - 1) & 0xF if minus_one else zeros
+    qzeros = (stored.reshape(stored.shape[0], -1, 8).astype(np.uint64) << shifts).sum(axis=2)
+    as_int32 = lambda a: torch.from_numpy(a.astype(np.uint32).view(np.int32))  # noqa: E731
+    return as_int32(qweight), as_int32(qzeros)
+
+
+@pytest.mark.parametrize("group,act_order,fmt", [(32, False, "gptq"), (64, True, "gptq"), (32, True, "gptq_v2"),
+                                                 (-1, False, "gptq_v2")])
+def test_gptq_checkpoint(tmp_path, group: int, act_order: bool, fmt: str) -> None:
+    hf = _tiny_hf()
+    rng = np.random.default_rng(abs(group) + act_order)
+    tensors = {}
+    for name, m in _projections(hf):
+        n, k = m.weight.shape
+        g = k if group == -1 else group
+        q = rng.integers(0, 16, (k, n))
+        zeros = rng.integers(1, 16, (k // g, n))
+        scales = torch.from_numpy(rng.uniform(0.002, 0.02, (k // g, n))).half()
+        # act-order: the groups follow an order of the input features, one per input (GPTQ orders by
+        # the inputs' Hessian: q, k and v share theirs, as gate and up do)
+        order = np.random.default_rng(k + ("mlp" in name) + ("down" in name)).permutation(k)
+        g_idx = (np.argsort(order) // g) if act_order else np.arange(k) // g
+        qweight, qzeros = _gptq_pack(q, zeros, minus_one=fmt == "gptq")
+        tensors.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales,
+                        f"{name}.g_idx": torch.from_numpy(g_idx.astype(np.int32))})
+        dense = (torch.from_numpy(q - zeros[g_idx]).float() * scales.float()[torch.from_numpy(g_idx)]).t()
+        m.weight.data = dense  # what the checkpoint means: Hugging Face runs it dense
+    _write_checkpoint(tmp_path, hf, tensors, {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                              "desc_act": act_order, "sym": False, "checkpoint_format": fmt})
+    model, method = _load(str(tmp_path))
+    assert method == "gptq"
+    down = model.model.layers[0].mlp.down_proj
+    assert (down.perm is not None) == act_order
+    weight = dequantize(down.qweight, down.scales, down.zeros, down.quant_method.group)
+    if act_order:
+        weight = torch.empty_like(weight).index_copy_(1, down.perm, weight)
+    torch.testing.assert_close(weight, hf.model.layers[0].mlp.down_proj.weight, atol=0, rtol=0)
+    _assert_matches_hf(model, hf, 20)
+
+
+def test_awq_checkpoint_written_by_autoawq(tmp_path) -> None:
+    """AutoAWQ's GEMM packing (its own `WQLinear_GEMM.from_linear`), dequantized as AutoAWQ does."""
+    pytest.importorskip("awq")
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.utils.packing_utils import dequantize_gemm
+
+    hf, group = _tiny_hf(), 32
+    tensors = {}
+    for name, m in _projections(hf):
+        n, k = m.weight.shape
+        w = m.weight.data.reshape(n, k // group, group)
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).half().float()
+        zeros = (-low / scales).round().clamp(0, 15)
+        q = (w / scales[..., None] + zeros[..., None]).round().clamp(0, 15)
+        m.weight.data = ((q - zeros[..., None]) * scales[..., None]).reshape(n, k)  # what the checkpoint means
+        awq = WQLinear_GEMM.from_linear(m, 4, group, scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
+        tensors.update({f"{name}.qweight": awq.qweight, f"{name}.qzeros": awq.qzeros, f"{name}.scales": awq.scales})
+        # AutoAWQ's own unpacking (in float16) agrees
+        torch.testing.assert_close(dequantize_gemm(awq.qweight, awq.qzeros, awq.scales, 4, group).float().t(),
+                                   m.weight.data, rtol=2**-10, atol=0)
+    _write_checkpoint(tmp_path, hf, tensors, {"quant_method": "awq", "bits": 4, "group_size": group,
+                                              "zero_point": True, "version": "gemm"})
+    model, method = _load(str(tmp_path))
+    assert method == "awq"
+    gate_up = model.model.layers[1].mlp.gate_up_proj
+    mlp = hf.model.layers[1].mlp
+    torch.testing.assert_close(dequantize(gate_up.qweight, gate_up.scales, gate_up.zeros, group),
+                               torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), atol=0, rtol=0)
+    _assert_matches_hf(model, hf, 20)
+
+
+def test_rtn_quantizes_groups_at_load(tmp_path) -> None:
+    hf = _tiny_hf()
+    hf.save_pretrained(tmp_path)
+    model, method = _load(str(tmp_path), quantization="rtn")
+    o_proj = model.model.layers[0].self_attn.o_proj
+    dense = hf.model.layers[0].self_attn.o_proj.weight
+    assert method == "rtn" and o_proj.qweight.shape == (64, 32) and o_proj.quant_method.group == 64
+    error = dequantize(o_proj.qweight, o_proj.scales, o_proj.zeros, 64) - dense
+    assert error.abs().max() <= o_proj.scales.float().max() * 0.51  # rounding to nearest only
+    for _, m in _projections(hf):  # Hugging Face on the dequantized weights
+        group = 64 if m.weight.shape[1] % 128 else 128
+        q, scales, zeros = quantize_rtn(m.weight.data, group)
+        m.weight.data = dequantize(pack_pairs(q), scales.half(), zeros, group)
+    _assert_matches_hf(model, hf, 20)
+
+
+# --- errors and tensor parallelism ------------------------------------------------------------------
+
+
+def test_quantization_errors_name_the_flag(tmp_path) -> None:
+    hf = _tiny_hf()
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"--quantization\) must be one of fp8, int8, compressed-tensors"):
+        EngineArgs(quantization="fp4").validate()
+    with pytest.raises(ValueError, match=r"--quantization\) 'gptq' loads a checkpoint quantized with gptq.*use rtn"):
+        resolve_quantization("gptq", "safetensors", str(tmp_path), CPU, hf.config.to_dict())
+    awq_config = {**hf.config.to_dict(), "quantization_config": {"quant_method": "awq"}}
+    with pytest.raises(ValueError, match=r"--quantization\) is 'fp8', but .* holds awq weights"):
+        resolve_quantization("fp8", "safetensors", str(tmp_path), CPU, awq_config)
+    assert resolve_quantization(None, "safetensors", str(tmp_path), CPU, awq_config) == "awq"
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
+        resolve_quantization(None, "safetensors", str(tmp_path), CPU,
+                             {"quantization_config": {"quant_method": "bitsandbytes"}})
+    for bad, message in [({"bits": 8, "group_size": 128}, "8-bit"), ({"bits": 4, "group_size": 100}, "group_size"),
+                         ({"bits": 4, "group_size": 128, "lm_head": True}, "lm_head")]:
+        _write_checkpoint(tmp_path, hf, {}, {"quant_method": "gptq", **bad})
+        with pytest.raises(ValueError, match=message):
+            _load(str(tmp_path))
+
+
+def test_packed_parameters_shard_across_ranks() -> None:
+    """GPTQ's int32 words hold 8 values along K (qweight) or N (qzeros): rank 1 of 2 takes its half
+    of both, and of the per-group scales, for column- and row-parallel layers."""
+    from pagellm.distributed import init_tensor_parallel
+    from pagellm.models.layers import MergedColumnParallelLinear, RowParallelLinear
+    from pagellm.quantization.int4 import Int4Format, Int4LinearMethod
+
+    init_tensor_parallel(rank=1, world_size=2)
+    try:
+        gate_up = MergedColumnParallelLinear(64, [32, 32])
+        gate_up.set_quant_method(Int4LinearMethod(Int4Format("gptq", 32)))
+        row = RowParallelLinear(128, 16)
+        row.set_quant_method(Int4LinearMethod(Int4Format("gptq", 32)))
+    finally:
+        init_tensor_parallel(rank=0, world_size=1)
+    qweight = torch.arange(8 * 32, dtype=torch.int32).view(8, 32)  # K = 64, N = 32
+    qzeros = torch.arange(2 * 4, dtype=torch.int32).view(2, 4)
+    init_tensor_parallel(rank=1, world_size=2)
+    try:
+        gate_up.qweight.weight_loader(gate_up.qweight, qweight, 0)
+        gate_up.qweight.weight_loader(gate_up.qweight, qweight + 1000, 1)
+        gate_up.qzeros.weight_loader(gate_up.qzeros, qzeros, 1)
+        row_qweight = torch.arange(16 * 16, dtype=torch.int32).view(16, 16)  # K = 128 (64 a rank), N = 16
+        row_scales = torch.arange(4 * 16, dtype=torch.float32).view(4, 16)  # 4 groups of 32 (2 a rank)
+        row.qweight.weight_loader(row.qweight, row_qweight)
+        row.scales.weight_loader(row.scales, row_scales)
+    finally:
+        init_tensor_parallel(rank=0, world_size=1)
+    assert torch.equal(gate_up.qweight, torch.cat([qweight[:, 16:], qweight[:, 16:] + 1000], dim=1))
+    assert torch.equal(gate_up.qzeros[:, 2:], qzeros[:, 2:])  # gate's N/8 words first, then up's
+    assert torch.equal(row.qweight, row_qweight[8:]) and torch.equal(row.scales, row_scales[2:])
