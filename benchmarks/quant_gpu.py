@@ -1,0 +1,181 @@
+"""Quantized weights on one GPU: kernel correctness and speed per layer shape, then the engine per
+method in the same run (Llama-3.1-8B shapes, dummy weights quantized at load).
+
+Phases (each optional, `--phases`):
+  kernels   per Llama-8B projection shape and row count M: bf16 `F.linear` (cuBLAS), the dequantizing
+            Triton kernel on fp8 / int8 / int4 weights (16-bit activations), and the W8A8 paths
+            (`torch._scaled_mm` fp8, `torch._int_mm` int8, per-token activation quantization
+            included); time by CUDA-graph replay, error against float32 dequantize-then-matmul, and
+            at M = 1 the fraction of copy bandwidth the weight read reaches
+  batch1    each --methods engine: batch-1 decode tok/s (128 in / 128 out), KV blocks
+  random    each --random-methods engine: random --num-prompts x --input-len/--output-len throughput
+
+On the GPU machine, from the repository root:
+    python3 -m benchmarks.quant_gpu --out-dir "$OUT" --commit SHA
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from pagellm import LLM
+from pagellm.benchmarks.datasets import random_requests
+from pagellm.benchmarks.latency import measure_latency
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
+from pagellm.benchmarks.roofline import measure_ceilings
+from pagellm.benchmarks.runner import engine_summary
+from pagellm.benchmarks.throughput import measure_throughput
+from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
+from pagellm.quantization.triton_matmul import dequant_matmul
+from pagellm.quantization.w8a8 import quantize_per_row, w8a8_matmul
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+"""Llama-3.1-8B projections: (N, K)."""
+
+
+def _bench_us(fn) -> float:
+    import triton.testing
+
+    fn()  # compile / autotune outside the graph
+    torch.cuda.synchronize()
+    return 1000 * triton.testing.do_bench_cudagraph(fn, rep=50)
+
+
+def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
+    records = []
+    for name, (n, k) in SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(n + k)
+        w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.float32) * 0.02
+        w16 = w.bfloat16()
+        fp8, fp8_scale = quantize_per_row(w, torch.float8_e4m3fn)
+        int8, int8_scale = quantize_per_row(w, torch.int8)
+        q4, s4, z4 = quantize_rtn(w, 128)
+        q4, s4 = pack_pairs(q4), s4.half()
+        w4_ref = dequantize(q4, s4, z4, 128)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
+            xf = x.float()
+            cases = {
+                "bf16": (lambda: F.linear(x, w16), xf @ w16.float().t(), 2 * n * k),
+                "fp8_w8a16": (lambda: dequant_matmul(x, fp8, fp8_scale), (xf @ fp8.float().t()) * fp8_scale, n * k),
+                "int8_w8a16": (lambda: dequant_matmul(x, int8, int8_scale), (xf @ int8.float().t()) * int8_scale,
+                               n * k),
+                "int4_g128": (lambda: dequant_matmul(x, q4, s4, z4, 128), xf @ w4_ref.t(), n * k // 2 + n * k // 64),
+                "fp8_w8a8": (lambda: w8a8_matmul(x, fp8, fp8_scale), None, n * k),
+            }
+            if rows > 16:
+                cases["int8_w8a8"] = (lambda: w8a8_matmul(x, int8, int8_scale), None, n * k)
+            for method, (fn, ref, weight_bytes) in cases.items():
+                record = {"layer": name, "n": n, "k": k, "rows": rows, "method": method, "weight_bytes": weight_bytes}
+                try:
+                    record["us"] = _bench_us(fn)
+                    if ref is not None:
+                        out = fn().float()
+                        record["max_rel_error"] = ((out - ref).abs().max() / ref.abs().max()).item()
+                except Exception as e:  # noqa: BLE001 (recorded, the other cases still run)
+                    record["error"] = f"{type(e).__name__}: {e}"[:300]
+                records.append(record)
+            print(f"{name} M={rows}: " + ", ".join(f"{r['method']} {r.get('us', float('nan')):.1f}us"
+                                                  for r in records if r["layer"] == name and r["rows"] == rows),
+                  flush=True)
+    return records
+
+
+def engine_phase(args: argparse.Namespace, method: str, random_run: bool, deadline: float) -> dict[str, Any]:
+    start = time.perf_counter()
+    llm = LLM(args.model, load_format="dummy", quantization=method, max_num_seqs=args.max_num_seqs)
+    config = llm.llm_engine.config
+    result: dict[str, Any] = {"method": method, "startup_s": time.perf_counter() - start, **engine_summary(llm),
+                              "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30}
+    latency = measure_latency(llm, 1, 128, 128, 3, 1, 0)
+    result["batch1_tok_s"] = 1.0 / latency["time_per_output_token_s"]["mean"]
+    print(f"{method}: batch-1 {result['batch1_tok_s']:.1f} tok/s", flush=True)
+    if random_run:
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, config.source.arch.vocab_size, 0)
+        numbers, _ = measure_throughput(llm, requests, deadline)
+        result["random"] = numbers
+        print(f"{method}: random {numbers.get('output_tokens_per_s')} out tok/s", flush=True)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--phases", nargs="+", default=["kernels", "batch1", "random"])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 17, 64, 256, 1024, 4096])
+    p.add_argument("--methods", nargs="+", default=["none", "fp8", "int8", "rtn"])
+    p.add_argument("--random-methods", nargs="+", default=["none", "fp8"])
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--random-cap-s", type=float, default=170, help="seconds each random run may take")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--commit", default=None)
+    args = p.parse_args(argv)
+    payload: dict[str, Any] = {"metadata": run_metadata(args.commit), "args": vars(args)}
+    payload["ceilings"] = measure_ceilings(torch.device("cuda"), 1 << 30, 8192, torch.bfloat16)[1]
+    if "kernels" in args.phases:
+        payload["kernels"] = kernel_phase(args.rows)
+    engines = []
+    for method in args.methods if {"batch1", "random"} & set(args.phases) else []:
+        random_run = "random" in args.phases and method in args.random_methods
+        try:
+            engines.append(engine_phase(args, method, random_run, time.perf_counter() + args.random_cap_s))
+        except Exception as e:  # noqa: BLE001
+            engines.append({"method": method, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(engines[-1], flush=True)
+    payload["engines"] = engines
+    print(summary(payload))
+    out = Path(args.out_dir) / "quant_gpu.json" if args.out_dir else default_result_path("quant_gpu")
+    write_json(payload, out)
+    return payload
+
+
+def summary(payload: dict[str, Any]) -> str:
+    lines = []
+    bandwidth = (payload.get("ceilings") or {}).get("copy_bytes_per_s")
+    kernels = payload.get("kernels") or []
+    if kernels:
+        rows = []
+        for r in kernels:
+            if "us" not in r:
+                rows.append([r["layer"], r["rows"], r["method"], r.get("error", "")[:40], "", ""])
+                continue
+            base = next((b["us"] for b in kernels if b["layer"] == r["layer"] and b["rows"] == r["rows"]
+                         and b["method"] == "bf16" and "us" in b), None)
+            frac = f"{r['weight_bytes'] / (r['us'] * 1e-6) / bandwidth:.2f}" if bandwidth and r["rows"] == 1 else ""
+            rows.append([r["layer"], r["rows"], r["method"], f"{r['us']:.1f}",
+                         f"{base / r['us']:.2f}x" if base else "", frac])
+        lines.append(format_table(["layer", "M", "method", "us", "vs bf16", "of copy bw (M=1)"], rows, left=[0, 2]))
+    engines = [e for e in payload.get("engines", []) if "error" not in e]
+    if engines:
+        base = next((e for e in engines if e["method"] == "none"), None)
+        rows = []
+        for e in engines:
+            rnd = (e.get("random") or {}).get("output_tokens_per_s")
+            brnd = (base.get("random") or {}).get("output_tokens_per_s") if base else None
+            rows.append([e["method"], f"{e['batch1_tok_s']:.1f}",
+                         f"{e['batch1_tok_s'] / base['batch1_tok_s']:.2f}x" if base else "",
+                         f"{rnd:.0f}" if rnd else "", f"{rnd / brnd:.2f}x" if rnd and brnd else "",
+                         e.get("num_kv_blocks")])
+        lines.append(format_table(["method", "batch-1 tok/s", "vs bf16", "random out tok/s", "vs bf16", "KV blocks"],
+                                  rows, left=[0]))
+    return "\n\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
