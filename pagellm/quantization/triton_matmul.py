@@ -57,14 +57,81 @@ def _dequant_matmul_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _configs() -> list[triton.Config]:
-    configs = []
-    for block_n in (16, 32, 64, 128):
-        for block_k in (64, 128, 256):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                configs.append(triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=warps,
-                                             num_stages=stages))
-    return configs
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,  # one activation row x [K]; the rest as _dequant_matmul_kernel
+    N, K, stride_wn, stride_sn, stride_zn,
+    GROUP: tl.constexpr,  # as _dequant_matmul_kernel's
+    PER_GROUP: tl.constexpr,  # int4: BLOCK_K is one group (else one group spans the row: scaled at the end)
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_sum = tl.zeros((1,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if GROUP > 0:
+            # (q - zero) . x = q . x - zero * sum(x): the zero point leaves the inner loop. The low
+            # and high nibbles meet the even and odd inputs, so nothing is shuffled.
+            rj = tl.arange(0, BLOCK_K // 2)
+            rb = k0 // 2 + rj
+            b_ok = rb < K // 2
+            packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=n_ok[:, None] & b_ok[None, :],
+                             other=0)
+            x_even = tl.load(x_ptr + 2 * rb, mask=b_ok, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + 2 * rb + 1, mask=b_ok, other=0.0).to(tl.float32)
+            dot = tl.sum((packed & 0xF).to(tl.float32) * x_even[None, :]
+                         + (packed >> 4).to(tl.float32) * x_odd[None, :], axis=1)
+            part_sum = tl.sum(x_even, axis=0) + tl.sum(x_odd, axis=0)
+            if PER_GROUP:
+                zero = tl.load(zero_ptr + rn * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
+                scale = tl.load(scale_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+                acc += (dot - zero * part_sum) * scale
+            else:
+                acc += dot
+                x_sum += part_sum
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if GROUP == 0:
+        acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    elif not PER_GROUP:
+        zero = tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
+        acc = (acc - zero * x_sum) * tl.load(scale_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, QMAX: tl.constexpr, INT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Row r of x [M, K] -> q (fp8 or int8) and scale[r] = max |x_r| / QMAX: one program a row."""
+    row = tl.program_id(0)
+    rk = tl.arange(0, BLOCK)
+    ok = rk < K
+    x = tl.load(x_ptr + row * stride_x + rk, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+    if INT:
+        q = tl.extra.cuda.libdevice.rint(q)  # half to even, as torch.round
+    tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row, scale)
+
+
+def _dot_configs() -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for n, k, w, s in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3),
+                               (128, 128, 8, 3), (64, 32, 4, 4))]
+
+
+def _gemv_configs(with_block_k: bool) -> list[triton.Config]:
+    blocks = ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)) if with_block_k else \
+        ((4, None), (8, None), (16, None), (32, None))
+    return [triton.Config({"BLOCK_N": n, **({"BLOCK_K": k} if k else {})}, num_warps=w, num_stages=s)
+            for n, k in blocks for w, s in ((4, 3), (4, 5))]
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -73,8 +140,25 @@ def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> lis
     return [c for c in configs if group == 0 or group % c.kwargs["BLOCK_K"] == 0] or configs[:1]
 
 
-_tuned_kernel = triton.autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "GROUP"],
+_tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", "GROUP"],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
+_tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(True), key=["N", "K"])(_gemv_kernel)
+_tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(False), key=["N", "K", "GROUP", "BLOCK_K"])(_gemv_kernel)
+
+_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA: x [M, K] -> (q [M, K] in `dtype`, scale [M] float32), each row scaled so that its
+    largest magnitude is the type's largest value; one kernel for what takes five in PyTorch."""
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=dtype, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=_QMAX[dtype],
+                                       INT=dtype == torch.int8, BLOCK=block, num_warps=min(16, max(4, block // 1024)))
+    return q, scale
 
 
 def block_m(rows: int) -> int:
@@ -98,6 +182,9 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     if rows == 0:
         return out
     zero_arg = zero if zero is not None else scale
+    if rows == 1 and (group_size == 0 or group_size & (group_size - 1) == 0 or group_size == k):
+        _gemv(x, weight, scale, zero_arg, out, group_size)
+        return out
     bm = block_m(rows)
     args = (x, weight, scale, zero_arg, out, rows, n, k, x.stride(0), weight.stride(0), scale.stride(0),
             zero_arg.stride(0), out.stride(0))
@@ -110,3 +197,18 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
         _dequant_matmul_kernel[grid](*args, GROUP=group_size, IEEE=x.dtype == torch.float32, BLOCK_M=bm,
                                      BLOCK_N=16, BLOCK_K=block_k)
     return out
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor,
+          group_size: int) -> None:
+    n, k = weight.shape[0], x.shape[1]
+    args = (x, weight, scale, zero, out, n, k, weight.stride(0), scale.stride(0), zero.stride(0))
+    per_group = group_size != k or (k & (k - 1) == 0 and k <= 512)  # else one group a row, scaled at the end
+    block_k = {"BLOCK_K": group_size if per_group else 256} if group_size else {}
+    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        _gemv_kernel[(triton.cdiv(n, 16),)](*args, GROUP=group_size, PER_GROUP=per_group, BLOCK_N=16,
+                                             **(block_k or {"BLOCK_K": 32}))
+        return
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    tuned = _tuned_gemv_int4 if group_size else _tuned_gemv_8bit
+    tuned[grid](*args, GROUP=group_size, PER_GROUP=per_group, **block_k)

@@ -105,7 +105,12 @@ def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x quantized per row to weight's type, multiplied in 8 bits, rescaled -> [M, N] in x's dtype."""
-    xq, x_scale = quantize_per_row(x, weight.dtype)
+    if x.is_cuda:
+        from pagellm.quantization.triton_matmul import quantize_rows  # noqa: PLC0415
+
+        xq, x_scale = quantize_rows(x, weight.dtype)
+    else:
+        xq, x_scale = quantize_per_row(x, weight.dtype)
     x_scale = x_scale[:, None]
     if x.is_cuda and weight.dtype == torch.float8_e4m3fn:
         return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
