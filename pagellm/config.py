@@ -14,6 +14,7 @@ from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
 from pagellm.spec_decode import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
 _GiB = 1 << 30
 
@@ -30,6 +31,7 @@ class EngineArgs:
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
     quantization: str | None = _arg(None, "How linear layers' weights are stored and multiplied: fp8 (float8 e4m3, a scale per output channel: a dense checkpoint quantized at load, or an fp8 checkpoint; 8-bit activations per token in steps of more than 16 rows) | int8 (the same in int8, quantized at load) | compressed-tensors (llm-compressor float8/int8 checkpoints) | gptq | awq (int4 checkpoints: a scale and zero point per group, GPTQ act-order too) | rtn (int4 groups of 128 rounded to nearest at load, GPTQ/AWQ's kernels) | gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks kept as they are, CPU kernels) | none (dense in --dtype). None: the checkpoint's quantization_config; gguf for a GGUF model on the CPU when the kernels can run here (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
+    kv_cache_dtype: str = _arg("auto", "How KV-cache entries are stored: auto (the model's dtype) | fp8 (float8 e4m3, also fp8_e4m3: one byte an entry, so about twice the KV blocks of 16-bit entries; stored unscaled, as vLLM does without calibrated scales; attention computes in the model's dtype). fp8 needs a GPU of compute capability 8.9+ (Ada, Hopper), or on the CPU the torch attention backend.")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
     seed: int = _arg(0, 'Seed of the random weights (dummy) and of sampling for requests without their own seed.')
@@ -66,6 +68,9 @@ class EngineArgs:
                              f"got {self.quantization!r}")
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(f"{_flag('dtype')} must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{_flag('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"{_flag('load_format')} must be one of {', '.join(LOAD_FORMATS)}, "
                              f"got {self.load_format!r}")
@@ -135,7 +140,15 @@ class EngineArgs:
                 f"({arch.max_position_embeddings})")
         parallel = ParallelConfig.resolve(self, arch, device)
         dtype = resolve_dtype(self.dtype, device, arch.torch_dtype)
-        attention_backend = self.attention_backend or _default_attention_backend(device, dtype)
+        kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        attention_backend = self.attention_backend or _default_attention_backend(device, dtype, kv_cache_dtype)
+        if kv_cache_dtype != dtype:
+            if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+                raise ValueError(f"{_flag('kv_cache_dtype')} fp8 needs a GPU of compute capability 8.9 or newer "
+                                 f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
+            if attention_backend == "cpu":
+                raise ValueError(f"{_flag('kv_cache_dtype')} fp8: the cpu attention backend reads float32 caches; "
+                                 "use --attention-backend torch")
         # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU: the tests use it.
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
@@ -148,6 +161,7 @@ class EngineArgs:
             source=source,
             device=device,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             max_model_len=max_model_len,
             max_num_batched_tokens=self.max_num_batched_tokens or default_max_num_batched_tokens(device,
                                                                                                  self.max_num_seqs),
@@ -252,6 +266,8 @@ class EngineConfig:
     source: ModelSource
     device: torch.device
     dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    """How KV-cache entries are stored: `dtype`, or float8_e4m3fn (--kv-cache-dtype fp8)."""
     max_model_len: int
     max_num_batched_tokens: int
     attention_backend: str
@@ -335,11 +351,12 @@ def _resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _default_attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+def _default_attention_backend(device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str:
     if device.type != "cuda":
         from pagellm.ops import cpu_ops  # noqa: PLC0415 (builds the C kernels on first use)
 
-        return "cpu" if dtype == torch.float32 and cpu_ops.available() else "torch"
+        cpu = dtype == torch.float32 and kv_cache_dtype == dtype and cpu_ops.available()
+        return "cpu" if cpu else "torch"
     try:
         import triton  # noqa: F401
     except ImportError:

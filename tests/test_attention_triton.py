@@ -150,3 +150,28 @@ def test_full_size_long_contexts_on_gpu(num_heads: int, num_kv_heads: int) -> No
     md, query, key, value, cache = random_paged_batch(decodes, 16, num_heads, num_kv_heads, 128, torch.bfloat16, seed=2)
     out, ref, _, _ = run_both(md, query, key, value, cache, 128**-0.5)
     check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 2)])
+def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads) -> None:
+    """--kv-cache-dtype fp8: both backends write the step's K/V rounded to float8 and attend over
+    the float8 cache widened to the queries' type; the torch backend on such a cache is exactly
+    the torch backend on a 16/32-bit cache holding the rounded values."""
+    dtype = DTYPES[0]
+    md, query, key, value, cache = random_paged_batch(MIXED, 16, num_heads, num_kv_heads, 64, dtype, seed=num_heads)
+    fp8_cache = tuple(c.to(torch.float8_e4m3fn) for c in cache)
+    rounded = tuple(c.to(dtype) for c in fp8_cache)
+    ref = get_attn_backend("torch").forward(query, key, value, fp8_cache, md, 0.125)
+    widened = get_attn_backend("torch").forward(query, key.to(torch.float8_e4m3fn).to(dtype),
+                                                value.to(torch.float8_e4m3fn).to(dtype), rounded, md, 0.125)
+    torch.testing.assert_close(ref, widened, atol=0, rtol=0)
+    torch.testing.assert_close(fp8_cache[0].to(dtype), rounded[0], atol=0, rtol=0)  # same entries written
+    if ON_GPU:  # the write kernel rounds as PyTorch does (Triton's interpreter does not, near exponent steps)
+        tri_cache = tuple(c.to(torch.float8_e4m3fn) for c in cache)
+        out = get_attn_backend("triton").forward(query, key, value, tri_cache, md, 0.125)
+        assert torch.equal(tri_cache[0].view(torch.uint8), fp8_cache[0].view(torch.uint8))
+    else:  # the read path: attention over the cache the torch backend wrote
+        out = torch.empty_like(query)
+        paged_attention(out, query, *fp8_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                        md.max_query_len, 0.125)
+    check(out, ref, dtype)

@@ -364,3 +364,35 @@ def test_packed_parameters_shard_across_ranks() -> None:
     assert torch.equal(gate_up.qweight, torch.cat([qweight[:, 16:], qweight[:, 16:] + 1000], dim=1))
     assert torch.equal(gate_up.qzeros[:, 2:], qzeros[:, 2:])  # gate's N/8 words first, then up's
     assert torch.equal(row.qweight, row_qweight[8:]) and torch.equal(row.scales, row_scales[2:])
+
+
+# --- FP8 KV cache ------------------------------------------------------------------------------------
+
+
+def test_fp8_kv_cache_holds_more_blocks_and_keeps_the_greedy_start(smollm2_path) -> None:
+    from pagellm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=1)
+    runs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(smollm2_path, device="cpu", dtype="float32", quantization="none", kv_cache_memory_bytes=32 << 20,
+                  max_model_len=256, kv_cache_dtype=kv)
+        runs[kv] = (llm.llm_engine.engine_core.num_blocks, llm.llm_engine.config.attention_backend,
+                    llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    # float32 entries -> 1 byte: four times the blocks in the same bytes (each count rounded down)
+    assert 4 * runs["auto"][0] <= runs["fp8"][0] < 4 * (runs["auto"][0] + 1) and runs["fp8"][1] == "torch"
+    for full, fp8 in zip(runs["auto"][2], runs["fp8"][2]):
+        first_full, first_fp8 = full.outputs[0], fp8.outputs[0]
+        assert first_full.token_ids[0] == first_fp8.token_ids[0]
+        token = first_full.token_ids[0]
+        assert abs(first_full.logprobs[0][token].logprob - first_fp8.logprobs[0][token].logprob) < 0.1
+
+
+def test_kv_cache_dtype_errors_name_the_flag(smollm2_path) -> None:
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype\) must be one of auto, fp8, fp8_e4m3"):
+        EngineArgs(kv_cache_dtype="int4").validate()
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype\) fp8: the cpu attention backend"):
+        EngineArgs(smollm2_path, device="cpu", dtype="float32", attention_backend="cpu",
+                   kv_cache_dtype="fp8").create_engine_config()

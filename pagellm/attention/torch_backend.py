@@ -58,7 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
         for cache, new in ((k_cache, key), (v_cache, value)):
             # view (not reshape): a copy would silently drop the writes.
             rows = new[:metadata.num_tokens] if plan.written is None else new.index_select(0, plan.written)
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, plan.slots, rows)
+            _bytes(cache.view(-1, *cache.shape[2:])).index_copy_(0, plan.slots, _bytes(rows.to(cache.dtype)))
         if len(plan.groups) == 1 and plan.groups[0].covers_batch:
             return plan.groups[0].attend(query, k_cache, v_cache, scale)
         # Rows past num_tokens are batch padding: they stay zero.
@@ -98,9 +98,8 @@ class _Group:
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
         shape = (self.batch, -1, num_kv_heads, head_dim)
-        # index_select copies whole blocks; advanced indexing is several times slower on CPU.
-        keys = k_cache.index_select(0, self.blocks).view(shape).transpose(1, 2)  # [B, Hkv, S, D]
-        values = v_cache.index_select(0, self.blocks).view(shape).transpose(1, 2)
+        keys = _gather_blocks(k_cache, self.blocks, query.dtype).view(shape).transpose(1, 2)  # [B, Hkv, S, D]
+        values = _gather_blocks(v_cache, self.blocks, query.dtype).view(shape).transpose(1, 2)
         q = query if self.q_rows is None else query.index_select(0, self.q_rows)
         # Query heads sharing a KV head (heads kv*G .. kv*G+G-1) are folded into the query axis,
         # so each KV head is attended once and K/V are never repeated.
@@ -233,3 +232,14 @@ def _attend(
     flat_valid = np.flatnonzero(valid.ravel())
     dst_rows = torch.from_numpy(rows.ravel()[flat_valid]).to(device)
     out.index_copy_(0, dst_rows, o.index_select(0, torch.from_numpy(flat_valid).to(device)))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes: PyTorch's CPU index_copy_ / index_select take no float8."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's `blocks` in `dtype` (a float8 cache's entries widened, unscaled)."""
+    # index_select copies whole blocks; advanced indexing is several times slower on CPU.
+    return _bytes(cache).index_select(0, blocks).view(cache.dtype).to(dtype)

@@ -53,8 +53,9 @@ def _write_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    # The cache's type (a float8 cache: rounded to nearest, unscaled).
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -87,10 +88,12 @@ def _attend_tile(
     page = tl.load(block_table_ptr + seq * stride_bt + k_idx // BLOCK_SIZE, mask=k_ok, other=0)
     in_page = k_idx % BLOCK_SIZE
     key_rows = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+    # A float8 cache's entries are widened to the queries' type for the dots.
     if K_ROWS:  # keys as stored, [BLOCK_N, HEAD_DIM], transposed for the dot
         k = tl.trans(tl.load(k_cache_ptr + key_rows[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0))
     else:
         k = tl.load(k_cache_ptr + key_rows[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
+    k = k.to(q.dtype)
     s = tl.dot(q, k) * scale_log2  # log2 domain: exp2 below
     visible = k_ok[None, :] & (k_idx[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
@@ -100,7 +103,7 @@ def _attend_tile(
     p = tl.exp2(s - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
     v = tl.load(v_cache_ptr + (page * stride_vb + in_page * stride_vs + kv_head * stride_vh)[:, None]
-                + dims[None, :], mask=k_ok[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+                + dims[None, :], mask=k_ok[:, None], other=0.0).to(q.dtype)  # [BLOCK_N, HEAD_DIM]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 

@@ -36,7 +36,7 @@ class DraftModelProposer:
                                  config.attention_backend, config.args.seed)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        bind_kv_cache(self.model, num_blocks, self.block_size, self.config.dtype, self.config.device)
+        bind_kv_cache(self.model, num_blocks, self.block_size, self.config.kv_cache_dtype, self.config.device)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Graphs of the draft's passes of one token per request (its greedy decode) and of up to

@@ -60,9 +60,10 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads,
         and the draft model's layers (draft_model speculation: a block holds both)."""
-        size = kv_bytes_per_block(self.model, self.block_size, self.dtype)
+        kv_dtype = self.config.kv_cache_dtype
+        size = kv_bytes_per_block(self.model, self.block_size, kv_dtype)
         if self.drafter is not None:
-            size += kv_bytes_per_block(self.drafter.model, self.block_size, self.dtype)
+            size += kv_bytes_per_block(self.drafter.model, self.block_size, kv_dtype)
         return size
 
     def profile_peak_memory(self) -> int:
@@ -110,7 +111,8 @@ class ModelRunner:
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.config.kv_cache_dtype,
+                                       self.device)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
 
