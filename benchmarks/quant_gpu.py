@@ -9,6 +9,7 @@ Phases (each optional, `--phases`):
             at M = 1 the fraction of copy bandwidth the weight read reaches
   batch1    each --methods engine: batch-1 decode tok/s (128 in / 128 out), KV blocks
   random    each --random-methods engine: random --num-prompts x --input-len/--output-len throughput
+An engine is a --quantization method, with "+kv8" for --kv-cache-dtype fp8 (e.g. none+kv8).
 
 On the GPU machine, from the repository root:
     python3 -m benchmarks.quant_gpu --out-dir "$OUT" --commit SHA
@@ -93,13 +94,16 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
 
 def engine_phase(args: argparse.Namespace, method: str, random_run: bool, deadline: float) -> dict[str, Any]:
     start = time.perf_counter()
-    llm = LLM(args.model, load_format="dummy", quantization=method, max_num_seqs=args.max_num_seqs)
+    quantization, _, kv = method.partition("+")
+    llm = LLM(args.model, load_format="dummy", quantization=quantization, max_num_seqs=args.max_num_seqs,
+              kv_cache_dtype="fp8" if kv == "kv8" else "auto")
     config = llm.llm_engine.config
     result: dict[str, Any] = {"method": method, "startup_s": time.perf_counter() - start, **engine_summary(llm),
                               "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30}
-    latency = measure_latency(llm, 1, 128, 128, 3, 1, 0)
-    result["batch1_tok_s"] = 1.0 / latency["time_per_output_token_s"]["mean"]
-    print(f"{method}: batch-1 {result['batch1_tok_s']:.1f} tok/s", flush=True)
+    if "batch1" in args.phases:
+        latency = measure_latency(llm, 1, 128, 128, 3, 1, 0)
+        result["batch1_tok_s"] = 1.0 / latency["time_per_output_token_s"]["mean"]
+        print(f"{method}: batch-1 {result['batch1_tok_s']:.1f} tok/s", flush=True)
     if random_run:
         requests = random_requests(args.num_prompts, args.input_len, args.output_len, config.source.arch.vocab_size, 0)
         numbers, _ = measure_throughput(llm, requests, deadline)
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--phases", nargs="+", default=["kernels", "batch1", "random"])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 17, 64, 256, 1024, 4096])
     p.add_argument("--methods", nargs="+", default=["none", "fp8", "int8", "rtn"])
-    p.add_argument("--random-methods", nargs="+", default=["none", "fp8"])
+    p.add_argument("--random-methods", nargs="+", default=["none", "fp8", "none+kv8"])
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "kernels" in args.phases:
         payload["kernels"] = kernel_phase(args.rows)
     engines = []
-    for method in args.methods if {"batch1", "random"} & set(args.phases) else []:
+    batch1 = "batch1" in args.phases
+    methods = list(dict.fromkeys([*args.methods, *args.random_methods])) if batch1 else args.random_methods
+    for method in methods if {"batch1", "random"} & set(args.phases) else []:
         random_run = "random" in args.phases and method in args.random_methods
         try:
             engines.append(engine_phase(args, method, random_run, time.perf_counter() + args.random_cap_s))
@@ -168,8 +174,8 @@ def summary(payload: dict[str, Any]) -> str:
         for e in engines:
             rnd = (e.get("random") or {}).get("output_tokens_per_s")
             brnd = (base.get("random") or {}).get("output_tokens_per_s") if base else None
-            rows.append([e["method"], f"{e['batch1_tok_s']:.1f}",
-                         f"{e['batch1_tok_s'] / base['batch1_tok_s']:.2f}x" if base else "",
+            b1, base_b1 = e.get("batch1_tok_s"), base.get("batch1_tok_s") if base else None
+            rows.append([e["method"], f"{b1:.1f}" if b1 else "", f"{b1 / base_b1:.2f}x" if b1 and base_b1 else "",
                          f"{rnd:.0f}" if rnd else "", f"{rnd / brnd:.2f}x" if rnd and brnd else "",
                          e.get("num_kv_blocks")])
         lines.append(format_table(["method", "batch-1 tok/s", "vs bf16", "random out tok/s", "vs bf16", "KV blocks"],

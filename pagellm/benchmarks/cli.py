@@ -176,8 +176,7 @@ def add_plan_parser(sub: argparse._SubParsersAction,
                     "CUDA context and graphs, KV bytes per token, KV capacity in tokens and blocks, the sequences "
                     "that fit at --input-len + --output-len, and what to change when they do not. Nothing is "
                     "loaded: only the model's shape is read. --quantization gives the linear layers' bytes of the "
-                    "engine's methods; --kv-cache-dtype fp8 is a planning estimate (the engine stores KV entries "
-                    "in --dtype today).")
+                    "engine's methods, --kv-cache-dtype fp8 one byte a KV entry (the engine's flags of those names).")
     plan.add_argument("model", nargs="?", default=None,
                       help="model path (GGUF file, Hugging Face directory), a config.json file or a preset "
                            "name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, ...); default: the embedded SmolLM2-135M")
@@ -189,8 +188,8 @@ def add_plan_parser(sub: argparse._SubParsersAction,
                       help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq/rtn (0.5 byte + "
                            "a scale and zero point per group of 128), as the engine's --quantization stores them")
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                      help="what-if: KV entries in the model dtype (auto) or one byte (fp8); a planning "
-                           "estimate, not an engine setting yet")
+                      help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
+                           "--kv-cache-dtype stores them")
     add_engine_args(plan, names=PLAN_ENGINE_ARGS)
     plan.add_argument("--input-len", type=positive_int, default=1024, help="typical prompt tokens per request")
     plan.add_argument("--output-len", type=positive_int, default=128, help="typical output tokens per request")

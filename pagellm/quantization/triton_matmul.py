@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -116,7 +117,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, QMAX: 
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
     if INT:
-        q = tl.extra.cuda.libdevice.rint(q)  # half to even, as torch.round
+        q = libdevice.rint(q)  # half to even, as torch.round
     tl.store(q_ptr + row * stride_q + rk, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(scale_ptr + row, scale)
 
