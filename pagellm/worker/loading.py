@@ -42,6 +42,11 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
         if missing:
             raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
     process_weights_after_loading(model.modules())
+    for param in model.parameters():
+        # The loaders are bound to their layers (param -> loader -> layer -> param): without them
+        # the model holds no reference cycle, so a dropped engine's weights are freed at once, even
+        # after gc.freeze() (which keeps frozen cycles until exit).
+        param.__dict__.pop("weight_loader", None)
     logger.info("loaded %s (%s%s) in %.2f s", source.path, dtype,
                 f", {quant.name} weights" if quant is not None else "", time.perf_counter() - start)
     return model.eval()
