@@ -63,7 +63,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,  # one activation row x [K]; the rest as _dequant_matmul_kernel
     N, K, stride_wn, stride_sn, stride_zn,
     GROUP: tl.constexpr,  # as _dequant_matmul_kernel's
-    PER_GROUP: tl.constexpr,  # int4: BLOCK_K is one group (else one group spans the row: scaled at the end)
+    PER_GROUP: tl.constexpr,  # int4: BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
@@ -74,24 +74,27 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         if GROUP > 0:
             # (q - zero) . x = q . x - zero * sum(x): the zero point leaves the inner loop. The low
-            # and high nibbles meet the even and odd inputs, so nothing is shuffled.
-            rj = tl.arange(0, BLOCK_K // 2)
-            rb = k0 // 2 + rj
+            # and high nibbles meet the even and odd inputs, so nothing is shuffled. A tile holds
+            # BLOCK_K / GROUP whole groups (PER_GROUP), reduced one group per column.
+            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             b_ok = rb < K // 2
             packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=n_ok[:, None] & b_ok[None, :],
                              other=0)
             x_even = tl.load(x_ptr + 2 * rb, mask=b_ok, other=0.0).to(tl.float32)
             x_odd = tl.load(x_ptr + 2 * rb + 1, mask=b_ok, other=0.0).to(tl.float32)
-            dot = tl.sum((packed & 0xF).to(tl.float32) * x_even[None, :]
-                         + (packed >> 4).to(tl.float32) * x_odd[None, :], axis=1)
-            part_sum = tl.sum(x_even, axis=0) + tl.sum(x_odd, axis=0)
+            prod = (packed & 0xF).to(tl.float32) * x_even[None, :] + (packed >> 4).to(tl.float32) * x_odd[None, :]
             if PER_GROUP:
-                zero = tl.load(zero_ptr + rn * stride_zn + k0 // GROUP, mask=n_ok, other=0).to(tl.float32)
-                scale = tl.load(scale_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-                acc += (dot - zero * part_sum) * scale
+                NUM_G: tl.constexpr = BLOCK_K // GROUP
+                dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, GROUP // 2)), axis=2)  # [BLOCK_N, NUM_G]
+                group_sum = tl.sum(tl.reshape(x_even + x_odd, (NUM_G, GROUP // 2)), axis=1)
+                rg = k0 // GROUP + tl.arange(0, NUM_G)
+                g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
+                zero = tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_mask, other=0).to(tl.float32)
+                scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
+                acc += tl.sum((dot - zero * group_sum[None, :]) * scale.to(tl.float32), axis=1)
             else:
-                acc += dot
-                x_sum += part_sum
+                acc += tl.sum(prod, axis=1)
+                x_sum += tl.sum(x_even + x_odd, axis=0)
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -128,11 +131,18 @@ def _dot_configs() -> list[triton.Config]:
                                (128, 128, 8, 3), (64, 32, 4, 4))]
 
 
-def _gemv_configs(with_block_k: bool) -> list[triton.Config]:
-    blocks = ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)) if with_block_k else \
-        ((4, None), (8, None), (16, None), (32, None))
-    return [triton.Config({"BLOCK_N": n, **({"BLOCK_K": k} if k else {})}, num_warps=w, num_stages=s)
+def _gemv_configs(int4: bool) -> list[triton.Config]:
+    blocks = ((8, 256), (8, 512), (16, 256), (16, 512), (32, 256), (8, 1024)) if int4 else \
+        ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256))
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for n, k in blocks for w, s in ((4, 3), (4, 5))]
+
+
+def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """A one-row int4 tile holds whole groups."""
+    group = named_args.get("GROUP", kwargs.get("GROUP", 0))
+    per_group = named_args.get("PER_GROUP", kwargs.get("PER_GROUP", False))
+    return [c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0] or configs[:1]
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -143,8 +153,9 @@ def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> lis
 
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", "GROUP"],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
-_tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(True), key=["N", "K"])(_gemv_kernel)
-_tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(False), key=["N", "K", "GROUP", "BLOCK_K"])(_gemv_kernel)
+_tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K"])(_gemv_kernel)
+_tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", "GROUP", "PER_GROUP"],
+                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
 _QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 
@@ -183,7 +194,8 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     if rows == 0:
         return out
     zero_arg = zero if zero is not None else scale
-    if rows == 1 and (group_size == 0 or group_size & (group_size - 1) == 0 or group_size == k):
+    if rows == 1 and (group_size == 0 or group_size <= 256 and group_size & (group_size - 1) == 0
+                      or group_size == k):
         _gemv(x, weight, scale, zero_arg, out, group_size)
         return out
     bm = block_m(rows)
@@ -204,12 +216,13 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torc
           group_size: int) -> None:
     n, k = weight.shape[0], x.shape[1]
     args = (x, weight, scale, zero, out, n, k, weight.stride(0), scale.stride(0), zero.stride(0))
-    per_group = group_size != k or (k & (k - 1) == 0 and k <= 512)  # else one group a row, scaled at the end
-    block_k = {"BLOCK_K": group_size if per_group else 256} if group_size else {}
+    # Tiles of whole groups; else (one group a row, not a power of two) scaled once at the end.
+    per_group = group_size > 0 and group_size <= 256 and group_size & (group_size - 1) == 0
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        block_k = max(64, group_size) if per_group else 64
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, GROUP=group_size, PER_GROUP=per_group, BLOCK_N=16,
-                                             **(block_k or {"BLOCK_K": 32}))
+                                             BLOCK_K=block_k)
         return
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     tuned = _tuned_gemv_int4 if group_size else _tuned_gemv_8bit
-    tuned[grid](*args, GROUP=group_size, PER_GROUP=per_group, **block_k)
+    tuned[grid](*args, GROUP=group_size, PER_GROUP=per_group)
