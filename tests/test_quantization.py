@@ -326,9 +326,18 @@ def test_quantization_errors_name_the_flag(tmp_path) -> None:
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
         resolve_quantization(None, "safetensors", str(tmp_path), CPU,
                              {"quantization_config": {"quant_method": "bitsandbytes"}})
-    for bad, message in [({"bits": 8, "group_size": 128}, "8-bit"), ({"bits": 4, "group_size": 100}, "group_size"),
-                         ({"bits": 4, "group_size": 128, "lm_head": True}, "lm_head")]:
-        _write_checkpoint(tmp_path, hf, {}, {"quant_method": "gptq", **bad})
+    int4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}
+    for bad, message in [({"quant_method": "gptq", "bits": 8, "group_size": 128}, "8-bit"),
+                         ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size"),
+                         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "lm_head"),
+                         ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "config_groups": {"g": {"weights": {**int4, "num_bits": 2}}}}, "2-bit"),
+                         ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "config_groups": {"g": {"weights": {**int4, "actorder": "group"}}}}, "weight_g_idx"),
+                         ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "config_groups": {"g": {"weights": int4, "input_activations": {"num_bits": 8}}}},
+                          "quantized activations")]:
+        _write_checkpoint(tmp_path, hf, {}, bad)
         with pytest.raises(ValueError, match=message):
             _load(str(tmp_path))
 
@@ -396,3 +405,49 @@ def test_kv_cache_dtype_errors_name_the_flag(smollm2_path) -> None:
     with pytest.raises(ValueError, match=r"--kv-cache-dtype\) fp8: the cpu attention backend"):
         EngineArgs(smollm2_path, device="cpu", dtype="float32", attention_backend="cpu",
                    kv_cache_dtype="fp8").create_engine_config()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_int4_written_by_the_library(tmp_path, symmetric: bool) -> None:
+    """llm-compressor's W4A16 (pack-quantized), written by compressed-tensors: the loaded weights are
+    the library's own decompression, and the logits Hugging Face's on those weights."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    group = 32
+    hf = _tiny_hf()
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=symmetric)
+    apply_quantization_config(hf, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    for _, m in _projections(hf):
+        n, k = m.weight.shape
+        w = m.weight.data.reshape(n, k // group, group)
+        low, high = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
+        if symmetric:
+            m.weight_scale.data = (torch.maximum(-low, high) / 7.5).to(m.weight_scale.dtype)
+        else:
+            m.weight_scale.data = ((high - low) / 15).to(m.weight_scale.dtype)
+            m.weight_zero_point.data = ((-low / m.weight_scale.float()).round() - 8).clamp(-8, 7).to(
+                m.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format="pack-quantized")
+    compressor.compress_model(hf)
+    hf.save_pretrained(tmp_path)
+    compressor.update_config(str(tmp_path))
+    compressor.decompress_model(hf)  # the library's dequantized weights: the reference
+    dense_hf = _tiny_hf()
+    for (_, m), (_, dense) in zip(_projections(hf), _projections(dense_hf), strict=True):
+        dense.weight.data = m.weight.data.float()
+
+    model, method = _load(str(tmp_path))
+    assert method == "compressed-tensors"
+    down = model.model.layers[1].mlp.down_proj
+    assert down.perm is None and down.qweight.dtype == torch.uint8
+    weight = dequantize(down.qweight, down.scales, down.zeros, group)
+    torch.testing.assert_close(weight, dense_hf.model.layers[1].mlp.down_proj.weight, atol=0, rtol=0)
+    _assert_matches_hf(model, dense_hf, 20)

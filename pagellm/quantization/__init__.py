@@ -4,7 +4,7 @@
 |---|---|---|
 | fp8 | float8 e4m3, a scale per output channel | a dense checkpoint or GGUF file (quantized at load), or an `fp8` checkpoint |
 | int8 | int8, a scale per output channel | a dense checkpoint or GGUF file, quantized at load |
-| compressed-tensors | float8 or int8 as above | llm-compressor checkpoints (W8A8 / W8A16, channel or tensor scales) |
+| compressed-tensors | float8 or int8 as above; int4 as gptq | llm-compressor checkpoints (W8A8 / W8A16, channel or tensor scales; W4A16 pack-quantized) |
 | gptq, awq | int4, a scale and zero point per group (GPTQ act-order too) | GPTQ / AutoAWQ checkpoints |
 | rtn | int4 as gptq/awq, rounded to nearest per group of 128 | a dense checkpoint, quantized at load |
 | gguf | a GGUF file's Q4_0/Q4_1/Q8_0 blocks | a .gguf file (CPU kernels) |
@@ -112,10 +112,24 @@ def build_quant_config(method: str | None, model_path: str,
         from pagellm.quantization.gguf import GGUFConfig  # noqa: PLC0415
 
         return GGUFConfig.from_file(model_path)
-    if method in ("fp8", "int8", "compressed-tensors"):
+    if method in ("fp8", "int8") or method == "compressed-tensors" and _weight_bits(qc) == 8:
         from pagellm.quantization.w8a8 import W8A8Config  # noqa: PLC0415
 
         return W8A8Config.create(method, qc)
     from pagellm.quantization.int4 import Int4Config  # noqa: PLC0415
 
-    return Int4Config.create(method, qc)
+    config = hf_config or {}
+    return Int4Config.create(method, qc, config.get("torch_dtype") or config.get("dtype"))
+
+
+def _weight_bits(qc: dict[str, Any]) -> int | None:
+    """The weights' bits of a compressed-tensors config (of one group: more is an error)."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"{_FLAG} compressed-tensors: {len(groups)} config groups; pagellm loads checkpoints "
+                         "with one (every Linear layer the same way)")
+    bits = (groups[0].get("weights") or {}).get("num_bits")
+    if bits not in (4, 8):
+        raise ValueError(f"{_FLAG} compressed-tensors: {bits}-bit weights are not supported; 8-bit (float or int) "
+                         "and 4-bit int are")
+    return bits

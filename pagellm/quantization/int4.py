@@ -14,6 +14,10 @@ The checkpoint layouts (the GPTQ and AutoAWQ packers' own):
   them as they are); scales [K / g, N]; g_idx int32 [K], the group of each input feature.
 - AWQ (GEMM): qweight int32 [K, N / 8], qzeros [K / g, N / 8]: nibble i of a word holds column
   8c + AWQ_ORDER[i]; scales [K / g, N].
+- compressed-tensors pack-quantized (llm-compressor's W4A16): weight_packed int32 [N, K / 8],
+  value k in bits 4 (k % 8) of word k // 8, stored plus 8 (unsigned); weight_scale [N, K / g];
+  weight_zero_point int32 [N / 8, K / g] packed along N, plus 8 (asymmetric only; else zero 8);
+  weight_shape [2].
 """
 from __future__ import annotations
 
@@ -42,11 +46,15 @@ class Int4Format:
     """How a checkpoint's int4 layers are stored."""
 
     kind: str
-    """gptq | awq | rtn (a dense checkpoint, quantized at load)."""
+    """gptq | awq | compressed-tensors | rtn (a dense checkpoint, quantized at load)."""
     group_size: int = RTN_GROUP_SIZE
     """Input features per scale and zero point; -1: one group per output channel."""
     zeros_minus_one: bool = False
     """GPTQ's format "gptq" (v1): the stored zero points are one less than the real ones."""
+    symmetric: bool = False
+    """compressed-tensors: no zero points stored (every zero point is 8)."""
+    scale_dtype: torch.dtype = torch.float16
+    """The checkpoint's scale type, kept as it is (compressed-tensors writes the model's)."""
 
 
 class Int4LinearMethod(LinearMethod):
@@ -67,6 +75,9 @@ class Int4LinearMethod(LinearMethod):
                              f"split into groups of {self.group} and words of 8 values")
         groups = input_size // self.group
         group_dim = 0 if groups > 1 or get_tp_world_size() == 1 else None  # one group per channel: whole
+        if kind == "compressed-tensors":
+            self._create_compressed_tensors(layer, input_size, output_size, groups, group_dim)
+            return
         if kind == "gptq":
             layer.qweight = new_param((input_size // 8, output_size), torch.int32, loader, output_dim=1, input_dim=0)
             layer.g_idx = new_param((input_size,), torch.int32, _same_for_every_part(layer), output_dim=None,
@@ -76,9 +87,29 @@ class Int4LinearMethod(LinearMethod):
         layer.qzeros = new_param((groups, output_size // 8), torch.int32, loader, output_dim=1, input_dim=group_dim)
         layer.scales = new_param((groups, output_size), torch.float32, loader, output_dim=1, input_dim=group_dim)
 
+    def _create_compressed_tensors(self, layer: nn.Module, input_size: int, output_size: int, groups: int,
+                                   group_dim: int | None) -> None:
+        loader = layer.weight_loader
+        layer.weight_packed = new_param((output_size, input_size // 8), torch.int32, loader)
+        layer.weight_scale = new_param((output_size, groups), torch.float32, loader,
+                                       input_dim=None if group_dim is None else 1)
+        if not self.fmt.symmetric:
+            layer.weight_zero_point = new_param((output_size // 8, groups), torch.int32, loader,
+                                                input_dim=None if group_dim is None else 1)
+        layer.weight_shape = new_param((2,), torch.int64, _check_shape(layer, input_size), output_dim=None,
+                                       input_dim=None)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         perm = None
-        if self.fmt.kind == "rtn":
+        if self.fmt.kind == "compressed-tensors":
+            q = unpack_rows(layer.weight_packed.data.t()).t()  # [N, K]: packed along K
+            scales = layer.weight_scale.data
+            zeros = (torch.full_like(scales, 8, dtype=torch.uint8) if self.fmt.symmetric
+                     else unpack_rows(layer.weight_zero_point.data))  # [N, K / g]: packed along N
+            for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+                if hasattr(layer, name):
+                    replace_param(layer, name, None)
+        elif self.fmt.kind == "rtn":
             q, scales, zeros = quantize_rtn(layer.weight.data, self.group)
             replace_param(layer, "weight", None)
         else:
@@ -99,7 +130,7 @@ class Int4LinearMethod(LinearMethod):
                 if hasattr(layer, name):
                     replace_param(layer, name, None)
         layer.qweight = nn.Parameter(pack_pairs(q.to(torch.uint8)), requires_grad=False)
-        layer.scales = nn.Parameter(scales.to(torch.float16).contiguous(), requires_grad=False)
+        layer.scales = nn.Parameter(scales.to(self.fmt.scale_dtype).contiguous(), requires_grad=False)
         layer.zeros = nn.Parameter(zeros.to(torch.uint8).contiguous(), requires_grad=False)
         layer.perm = None if perm is None else nn.Parameter(perm, requires_grad=False)
 
@@ -133,6 +164,21 @@ def _same_for_every_part(layer: nn.Module):
             raise ValueError("the parts of a fused layer (q/k/v or gate/up projections) have different GPTQ g_idx "
                              "(act orders); pagellm runs them as one layer, which needs one")
         loaded_parts.add(shard_id)
+
+    return load
+
+
+def _check_shape(layer: nn.Module, input_size: int):
+    """weight_shape's loader: the checkpoint's [N, K] must have this layer's K (whole, before any
+    row-parallel split); nothing is kept."""
+    from pagellm.models.layers.linear import RowParallelLinear  # noqa: PLC0415 (layers import this package)
+
+    full = input_size * (get_tp_world_size() if isinstance(layer, RowParallelLinear) else 1)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if int(loaded[1]) != full:
+            raise ValueError(f"a compressed-tensors weight_shape {loaded.tolist()} does not match the layer's "
+                             f"{full} input features: does config.json describe the same model as the weights?")
 
     return load
 
@@ -208,10 +254,13 @@ class Int4Config(LinearLayersConfig):
         return Int4LinearMethod(self.fmt)
 
     @classmethod
-    def create(cls, method: str, qc: dict[str, Any]) -> "Int4Config":
-        """`method` ("gptq", "awq", "rtn") given the checkpoint's `quantization_config` `qc`."""
+    def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":
+        """`method` ("gptq", "awq", "compressed-tensors", "rtn") given the checkpoint's
+        `quantization_config` `qc` (and config.json's torch_dtype, the type of its scales)."""
         if method == "rtn":
             return cls("rtn", Int4Format("rtn"))
+        if method == "compressed-tensors":
+            return cls._compressed_tensors(qc, model_dtype)
         bits = qc.get("bits", qc.get("w_bit"))
         group = qc.get("group_size", qc.get("q_group_size"))
         if bits != 4:
@@ -230,3 +279,27 @@ class Int4Config(LinearLayersConfig):
             raise ValueError(f"{_FLAG} awq: pagellm loads AutoAWQ's GEMM layout with zero points, not "
                              f"version {qc.get('version')!r}, zero_point {qc.get('zero_point')!r}")
         return cls("awq", Int4Format("awq", group), ignored)
+
+    @classmethod
+    def _compressed_tensors(cls, qc: dict[str, Any], model_dtype: str | None) -> "Int4Config":
+        config_group = next(iter(qc["config_groups"].values()))  # one, 4-bit (build_quant_config has checked)
+        weights = config_group["weights"]
+        strategy, group = weights.get("strategy"), weights.get("group_size")
+        if config_group.get("input_activations") is not None:
+            raise ValueError(f"{_FLAG} compressed-tensors: 4-bit weights with quantized activations "
+                             f"({config_group['input_activations']}) are not supported; W4A16 is")
+        if weights.get("type") != "int" or strategy not in ("group", "channel") or (
+                strategy == "group" and (not isinstance(group, int) or group <= 0 or group % 32)):
+            raise ValueError(f"{_FLAG} compressed-tensors: pagellm loads 4-bit int weights with group (a multiple "
+                             f"of 32) or channel scales, not {weights}")
+        if qc.get("format") != "pack-quantized":
+            raise ValueError(f"{_FLAG} compressed-tensors: 4-bit weights in format {qc.get('format')!r}; pagellm "
+                             "loads pack-quantized")
+        if weights.get("actorder") not in (None, "weight", "static"):  # these store the weights in order
+            raise ValueError(f"{_FLAG} compressed-tensors: actorder {weights.get('actorder')!r} (a stored "
+                             "weight_g_idx) is not supported; actorder weight is")
+        scale_dtype = {"float16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16}.get(
+            model_dtype or "", torch.float32)
+        fmt = Int4Format("compressed-tensors", group if strategy == "group" else -1,
+                         symmetric=weights.get("symmetric", True), scale_dtype=scale_dtype)
+        return cls("compressed-tensors", fmt, qc.get("ignore") or ())

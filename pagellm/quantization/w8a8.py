@@ -150,11 +150,8 @@ class W8A8Config(LinearLayersConfig):
 
     @classmethod
     def _compressed_tensors(cls, qc: dict[str, Any]) -> "W8A8Config":
-        groups = list((qc.get("config_groups") or {}).values())
-        if len(groups) != 1:
-            raise ValueError(f"quantization (--quantization) compressed-tensors: {len(groups)} config groups; "
-                             "pagellm loads checkpoints with one (every Linear layer the same way)")
-        weights, inputs = groups[0].get("weights") or {}, groups[0].get("input_activations")
+        group = next(iter(qc["config_groups"].values()))  # one, 8-bit (build_quant_config has checked)
+        weights, inputs = group.get("weights") or {}, group.get("input_activations")
         kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
         if bits != 8 or kind not in ("float", "int") or strategy not in ("channel", "tensor") or (
                 weights.get("symmetric") is False):
