@@ -8,13 +8,13 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pagellm.attention import ATTENTION_BACKENDS
+from pagellm.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
 from pagellm.model_arch import ModelArchConfig
 from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
 from pagellm.spec_decode import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
 _GiB = 1 << 30
 

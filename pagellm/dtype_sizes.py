@@ -8,7 +8,8 @@ from __future__ import annotations
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "rtn")
-KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""What --kv-cache-dtype accepts (vLLM's names): the model dtype, or float8 e4m3 (both fp8 names)."""
 
 INT4_GROUP_SIZE = 128
 """Weights per scale (and zero point) in GPTQ and AWQ checkpoints, the common choice."""
@@ -35,6 +36,6 @@ def kv_cache_element_bytes(kv_cache_dtype: str, dtype_bytes: int) -> int:
     """Bytes per cached K or V element: the model dtype ("auto") or one byte (fp8)."""
     if kv_cache_dtype == "auto":
         return dtype_bytes
-    if kv_cache_dtype == "fp8":
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return 1
     raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")

@@ -323,6 +323,8 @@ def test_quantization_errors_name_the_flag(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--quantization\) is 'fp8', but .* holds awq weights"):
         resolve_quantization("fp8", "safetensors", str(tmp_path), CPU, awq_config)
     assert resolve_quantization(None, "safetensors", str(tmp_path), CPU, awq_config) == "awq"
+    with pytest.raises(ValueError, match="random weights are dense"):
+        resolve_quantization(None, "dummy", str(tmp_path), CPU, awq_config)
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
         resolve_quantization(None, "safetensors", str(tmp_path), CPU,
                              {"quantization_config": {"quant_method": "bitsandbytes"}})
@@ -336,7 +338,14 @@ def test_quantization_errors_name_the_flag(tmp_path) -> None:
                            "config_groups": {"g": {"weights": {**int4, "actorder": "group"}}}}, "weight_g_idx"),
                          ({"quant_method": "compressed-tensors", "format": "pack-quantized",
                            "config_groups": {"g": {"weights": int4, "input_activations": {"num_bits": 8}}}},
-                          "quantized activations")]:
+                          "quantized activations"),
+                         ({"quant_method": "compressed-tensors", "format": "dense", "config_groups": {"g": {
+                             "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}}, "format 'dense'"),
+                         ({"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8},
+                           "config_groups": {"g": {"weights": int4}}}, "kv_cache_scheme"),
+                         # dense weights under an fp8 config: codes are never read as values or back
+                         ({"quant_method": "fp8"}, "type torch.float32 does not fit a parameter of type "
+                                                   "torch.float8_e4m3fn")]:
         _write_checkpoint(tmp_path, hf, {}, bad)
         with pytest.raises(ValueError, match=message):
             _load(str(tmp_path))
@@ -373,6 +382,36 @@ def test_packed_parameters_shard_across_ranks() -> None:
     assert torch.equal(gate_up.qweight, torch.cat([qweight[:, 16:], qweight[:, 16:] + 1000], dim=1))
     assert torch.equal(gate_up.qzeros[:, 2:], qzeros[:, 2:])  # gate's N/8 words first, then up's
     assert torch.equal(row.qweight, row_qweight[8:]) and torch.equal(row.scales, row_scales[2:])
+
+
+def test_gptq_row_parallel_rank_loads_and_dequantizes_its_slice() -> None:
+    """Rank 1 of 2 of a row-parallel GPTQ layer: its g_idx slice numbers groups from its first one
+    (not act order), and a rank holding a single group is not a per-channel layer."""
+    from pagellm.distributed import init_tensor_parallel
+    from pagellm.models.layers import RowParallelLinear
+    from pagellm.quantization.base import process_weights_after_loading
+    from pagellm.quantization.int4 import Int4Format, Int4LinearMethod
+
+    rng = np.random.default_rng(0)
+    for k, group in ((128, 32), (64, 32)):  # two groups a rank; one group a rank
+        n = 16
+        q, zeros = rng.integers(0, 16, (k, n)), rng.integers(1, 16, (k // group, n))
+        scales = torch.from_numpy(rng.uniform(0.01, 0.02, (k // group, n))).half()
+        qweight, qzeros = _gptq_pack(q, zeros, minus_one=False)
+        g_idx = torch.arange(k, dtype=torch.int32) // group
+        init_tensor_parallel(rank=1, world_size=2)
+        try:
+            row = RowParallelLinear(k, n)
+            row.set_quant_method(Int4LinearMethod(Int4Format("gptq", group)))
+            for name, tensor in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales), ("g_idx", g_idx)):
+                getattr(row, name).weight_loader(getattr(row, name), tensor)
+            process_weights_after_loading([row])
+        finally:
+            init_tensor_parallel(rank=0, world_size=1)
+        dense = (torch.from_numpy(q - zeros[g_idx.numpy()]).float() * scales.float()[g_idx.long()]).t()
+        assert row.perm is None
+        torch.testing.assert_close(dequantize(row.qweight, row.scales, row.zeros, group), dense[:, k // 2:],
+                                   atol=0, rtol=0)
 
 
 # --- FP8 KV cache ------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ from pagellm.ops import cpu_ops
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
-    """The pre-cache profiling pass, other dtypes and head sizes the kernel does not take (and
-    float8 caches) run the PyTorch path, the reference the C kernel is tested against."""
+    """The pre-cache profiling pass, other dtypes and head sizes the kernel does not take run the
+    PyTorch path, the reference the C kernel is tested against (a float8 cache is refused at
+    start-up: the kernel reads float32 caches)."""
 
     name = "cpu"
 
@@ -25,7 +26,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if kv_cache is None or not cpu_ops.attention_supports(query) or kv_cache[0].dtype != query.dtype:
+        if kv_cache is None or not cpu_ops.attention_supports(query):
             return super().forward(query, key, value, kv_cache, metadata, scale)
         k_cache, v_cache = kv_cache
         num_tokens = metadata.num_tokens

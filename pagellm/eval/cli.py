@@ -26,10 +26,12 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[.
                     "next-token distributions are from the reference method's: the share of positions whose "
                     "most likely token is the reference's, and the mean KL(reference || method).")
     ev.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
-    ev.add_argument("--quantization", nargs="+", default=["none", "fp8", "int8"], metavar="METHOD",
-                    help=f"methods to compare, of {', '.join(QUANTIZATION_METHODS)}")
-    ev.add_argument("--reference", default="none", choices=QUANTIZATION_METHODS,
-                    help="the method the others are compared with (added to the list if missing)")
+    ev.add_argument("--quantization", nargs="+", default=None, metavar="METHOD",
+                    help=f"methods to compare, of {', '.join(QUANTIZATION_METHODS)}; default: none fp8 int8 for a "
+                         "dense model, the checkpoint's own method for a quantized one")
+    ev.add_argument("--reference", default=None, choices=QUANTIZATION_METHODS,
+                    help="the method the others are compared with (added to the list if missing); default: none, "
+                         "or a quantized checkpoint's own method")
     ev.add_argument("--text", type=existing_file, default=None,
                     help="a UTF-8 text file; default: a built-in sample of about 1,400 tokens (English prose, "
                          "instructions, a little about code)")
@@ -47,16 +49,20 @@ def run_cli(ns: argparse.Namespace) -> int:
     from pagellm.benchmarks.results import format_table, run_metadata, write_json  # noqa: PLC0415
     from pagellm.config import EngineArgs  # noqa: PLC0415
     from pagellm.eval.quality import evaluate, windows  # noqa: PLC0415
+    from pagellm.loader import resolve_model  # noqa: PLC0415
+    from pagellm.quantization import checkpoint_quantization  # noqa: PLC0415
     from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
     from pagellm.worker.loading import build_model  # noqa: PLC0415
 
-    methods = list(dict.fromkeys([ns.reference, *ns.quantization]))
-    for method in methods:
+    for method in ns.quantization or ():
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"--quantization: {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
+    stored = checkpoint_quantization(resolve_model(ns.model, ns.load_format).arch.hf_config)
+    reference = ns.reference or stored or "none"
+    methods = list(dict.fromkeys([reference, *(ns.quantization or ([] if stored else ["fp8", "int8"]))]))
     engine = {name: getattr(ns, name) for name in EVAL_ENGINE_ARGS}
     configs = {m: EngineArgs(model=ns.model, quantization=m, **engine).create_engine_config() for m in methods}
-    first = configs[ns.reference]
+    first = configs[reference]
     tokenizer = load_tokenizer(first.source)
     if tokenizer is None:
         raise ValueError("eval needs the model's tokenizer, and a dummy preset has none: pass a model directory "
@@ -78,24 +84,24 @@ def run_cli(ns: argparse.Namespace) -> int:
                                     config.attention_backend, ns.seed)
         load_s[label] = time.perf_counter() - start
         weight_bytes[label] = _linear_weight_bytes(models[label])
-    reference = _label(ns.reference, first)
+    reference_label = _label(reference, first)
     total = sum(len(w) - 1 for w in windows(token_ids, ns.context))
     with tqdm(total=total, unit="tok", desc="eval", file=sys.stderr) as bar:
-        results = evaluate(models, reference, token_ids, ns.context, first.device, bar.update)
+        results = evaluate(models, reference_label, token_ids, ns.context, first.device, bar.update)
 
-    ref_ppl = results[reference].perplexity
+    ref_ppl = results[reference_label].perplexity
     rows = [[label, f"{weight_bytes[label] / 2**20:.1f}", f"{r.perplexity:.4f}",
              f"{100 * (r.perplexity / ref_ppl - 1):+.2f}%", f"{100 * r.top1_agreement:.2f}%", f"{r.mean_kl:.5f}"]
             for label, r in results.items()]
     print(format_table(["method", "linear weights MiB", "perplexity", "vs reference", "top-1 agreement",
                         "mean KL"], rows, left=[0]))
-    print(f"{total} tokens predicted in windows of {ns.context}, reference {reference}, "
+    print(f"{total} tokens predicted in windows of {ns.context}, reference {reference_label}, "
           f"{first.device}, {first.dtype}")
     if ns.output_json:
         payload: dict[str, Any] = {
             "metadata": run_metadata(),
             "model": first.source.path, "device": str(first.device), "dtype": str(first.dtype),
-            "context": ns.context, "tokens": total, "text": ns.text or "built-in sample", "reference": reference,
+            "context": ns.context, "tokens": total, "text": ns.text or "built-in sample", "reference": reference_label,
             "results": {label: {"perplexity": r.perplexity, "perplexity_vs_reference": r.perplexity / ref_ppl,
                                 "top1_agreement": r.top1_agreement, "mean_kl": r.mean_kl,
                                 "linear_weight_bytes": weight_bytes[label], "load_s": load_s[label]}

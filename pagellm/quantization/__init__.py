@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,6 @@ QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "gptq", "awq", "rtn
 
 _FROM_CHECKPOINT_ONLY = ("compressed-tensors", "gptq", "awq")
 """Methods whose weights a checkpoint must already hold (the others quantize a dense model at load)."""
-
-_FLAG = "quantization (--quantization)"
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod",
            "build_quant_config", "checkpoint_quantization", "resolve_quantization"]
@@ -72,11 +71,12 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
         online = "rtn" if requested in ("gptq", "awq") else "fp8 or int8"
         raise ValueError(f"{_FLAG} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
                          f"has no such quantization_config; to quantize a dense model at load use {online}")
-    if requested in _FROM_CHECKPOINT_ONLY and stored is None:
-        raise ValueError(f"{_FLAG} {requested!r} with --load-format dummy needs a config.json naming it in "
-                         "quantization_config; for random weights use fp8, int8 or rtn (quantized at load)")
-    if device.type == "cuda" and requested in ("fp8", "compressed-tensors") and (
-            torch.cuda.get_device_capability(device) < (8, 9)):
+    if load_format == "dummy" and (stored is not None or requested in _FROM_CHECKPOINT_ONLY):
+        raise ValueError(f"{_FLAG} {requested!r} with --load-format dummy: random weights are dense; use fp8, int8 "
+                         "or rtn (quantized at load), on a config.json without quantization_config")
+    float8 = requested == "fp8" or requested == "compressed-tensors" and _weights(
+        (hf_config or {}).get("quantization_config") or {}).get("type") == "float"
+    if device.type == "cuda" and float8 and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"{_FLAG} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
     return requested
@@ -112,7 +112,7 @@ def build_quant_config(method: str | None, model_path: str,
         from pagellm.quantization.gguf import GGUFConfig  # noqa: PLC0415
 
         return GGUFConfig.from_file(model_path)
-    if method in ("fp8", "int8") or method == "compressed-tensors" and _weight_bits(qc) == 8:
+    if method in ("fp8", "int8") or method == "compressed-tensors" and _weights(qc).get("num_bits") == 8:
         from pagellm.quantization.w8a8 import W8A8Config  # noqa: PLC0415
 
         return W8A8Config.create(method, qc)
@@ -122,14 +122,18 @@ def build_quant_config(method: str | None, model_path: str,
     return Int4Config.create(method, qc, config.get("torch_dtype") or config.get("dtype"))
 
 
-def _weight_bits(qc: dict[str, Any]) -> int | None:
-    """The weights' bits of a compressed-tensors config (of one group: more is an error)."""
+def _weights(qc: dict[str, Any]) -> dict[str, Any]:
+    """The weights' arguments of a compressed-tensors config, checked for what every format here
+    needs: one config group, 4 or 8 bits, no KV-cache scheme."""
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise ValueError(f"{_FLAG} compressed-tensors: {len(groups)} config groups; pagellm loads checkpoints "
                          "with one (every Linear layer the same way)")
-    bits = (groups[0].get("weights") or {}).get("num_bits")
-    if bits not in (4, 8):
-        raise ValueError(f"{_FLAG} compressed-tensors: {bits}-bit weights are not supported; 8-bit (float or int) "
-                         "and 4-bit int are")
-    return bits
+    if qc.get("kv_cache_scheme"):
+        raise ValueError(f"{_FLAG} compressed-tensors: a kv_cache_scheme (calibrated KV scales) is not supported; "
+                         "--kv-cache-dtype fp8 stores the KV cache unscaled")
+    weights = groups[0].get("weights") or {}
+    if weights.get("num_bits") not in (4, 8):
+        raise ValueError(f"{_FLAG} compressed-tensors: {weights.get('num_bits')}-bit weights are not supported; "
+                         "8-bit (float or int) and 4-bit int are")
+    return weights

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+FLAG = "quantization (--quantization)"
+"""How errors name the flag (and LLM(...)'s keyword)."""
+
 
 class LinearMethod(ABC):
     """How one linear layer stores and multiplies its weight (the layer's `quant_method`)."""

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed import get_tp_world_size
+from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import LinearLayersConfig, LinearMethod, new_param, replace_param
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """Nibble i of an AWQ word holds column 8c + AWQ_ORDER[i] (AutoAWQ's packing order)."""
 
 RTN_GROUP_SIZE = 128
-_FLAG = "quantization (--quantization)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +70,11 @@ class Int4LinearMethod(LinearMethod):
             self.group = _rtn_group(input_size)
             layer.weight = new_param((output_size, input_size), torch.get_default_dtype(), loader)
             return
-        if input_size % self.group or input_size % 8 or output_size % 8:
+        if input_size % self.group or self.group % 32 or output_size % 8:
             raise ValueError(f"an int4 layer of {input_size} inputs and {output_size} outputs (this rank's) does not "
-                             f"split into groups of {self.group} and words of 8 values")
+                             f"split into groups of {self.group} (a multiple of 32) and words of 8 values")
         groups = input_size // self.group
-        group_dim = 0 if groups > 1 or get_tp_world_size() == 1 else None  # one group per channel: whole
+        group_dim = None if self.fmt.group_size == -1 else 0  # one group per output channel: every rank's
         if kind == "compressed-tensors":
             self._create_compressed_tensors(layer, input_size, output_size, groups, group_dim)
             return
@@ -185,20 +185,25 @@ def _check_shape(layer: nn.Module, input_size: int):
 
 def _rtn_group(input_size: int) -> int:
     """128 input features per group, or the largest of 64 and 32 that divides a layer's inputs
-    (SmolLM2's 576), else one group per output channel."""
-    return next((g for g in (RTN_GROUP_SIZE, 64, 32) if input_size % g == 0), input_size)
+    (SmolLM2's 576)."""
+    group = next((g for g in (RTN_GROUP_SIZE, 64, 32) if input_size % g == 0), None)
+    if group is None:
+        raise ValueError(f"{_FLAG} rtn: a layer of {input_size} input features (this rank's) does not split into "
+                         "groups of 32")
+    return group
 
 
 def _act_order(g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The input permutation that makes GPTQ's groups contiguous (None: they already are)."""
-    g_idx = g_idx.long()
+    """The input permutation that makes GPTQ's groups contiguous (None: they already are). A
+    row-parallel rank holds a slice of g_idx, numbered from its first group."""
+    g_idx = g_idx.long() - g_idx.min()
     if torch.equal(g_idx, torch.arange(len(g_idx), device=g_idx.device) // group):
         return None
+    if get_tp_world_size() > 1:
+        raise ValueError("GPTQ act-order (desc_act) checkpoints run on one rank: pass --tensor-parallel-size 1")
     counts = torch.bincount(g_idx, minlength=len(g_idx) // group)
     if len(counts) != len(g_idx) // group or bool((counts != group).any()):
         raise ValueError(f"a GPTQ g_idx does not give every group {group} input features")
-    if get_tp_world_size() > 1:
-        raise ValueError("GPTQ act-order (desc_act) checkpoints run on one rank: pass --tensor-parallel-size 1")
     return torch.argsort(g_idx, stable=True)
 
 
@@ -237,7 +242,8 @@ def quantize_rtn(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     w = weight.float().reshape(n, k // group, group)
     low = w.amin(dim=-1).clamp(max=0)
     high = w.amax(dim=-1).clamp(min=0)
-    scales = ((high - low) / 15).clamp(min=1e-8).to(torch.float16).float()  # as stored, so q matches it
+    # As stored (float16), so that q matches it; an all-zero group keeps a positive scale.
+    scales = ((high - low) / 15).to(torch.float16).float().clamp(min=2**-24)
     zeros = (-low / scales).round().clamp(0, 15)
     q = (w / scales[..., None] + zeros[..., None]).round().clamp(0, 15)
     return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagellm.quantization.w8a8 import QMAX
+
 
 @triton.jit
 def _dequant_matmul_kernel(
@@ -142,13 +144,19 @@ def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> l
     """A one-row int4 tile holds whole groups."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
     per_group = named_args.get("PER_GROUP", kwargs.get("PER_GROUP", False))
-    return [c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0] or configs[:1]
+    return _nonempty([c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """An int4 tile must not straddle two groups of K."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
-    return [c for c in configs if group == 0 or group % c.kwargs["BLOCK_K"] == 0] or configs[:1]
+    return _nonempty([c for c in configs if group == 0 or group % c.kwargs["BLOCK_K"] == 0], group)
+
+
+def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
+    if not configs:  # a tile across two groups would take one group's scale for both
+        raise ValueError(f"no int4 tile fits groups of {group} input features (a multiple of 32 is needed)")
+    return configs
 
 
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", "GROUP"],
@@ -157,18 +165,17 @@ _tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K"])
 _tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", "GROUP", "PER_GROUP"],
                                    prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
-_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
-
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """CUDA: x [M, K] -> (q [M, K] in `dtype`, scale [M] float32), each row scaled so that its
     largest magnitude is the type's largest value; one kernel for what takes five in PyTorch."""
+    x = x.contiguous()
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=dtype, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=_QMAX[dtype],
+        _quantize_rows_kernel[(rows,)](x, q, scale, k, x.stride(0), q.stride(0), QMAX=QMAX[dtype],
                                        INT=dtype == torch.int8, BLOCK=block, num_warps=min(16, max(4, block // 1024)))
     return q, scale
 
@@ -194,8 +201,7 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     if rows == 0:
         return out
     zero_arg = zero if zero is not None else scale
-    if rows == 1 and (group_size == 0 or group_size <= 256 and group_size & (group_size - 1) == 0
-                      or group_size == k):
+    if rows == 1 and (group_size == 0 or _whole_group_tiles(group_size) or group_size == k):
         _gemv(x, weight, scale, zero_arg, out, group_size)
         return out
     bm = block_m(rows)
@@ -212,12 +218,18 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     return out
 
 
+def _whole_group_tiles(group_size: int) -> bool:
+    """Whether one-row int4 tiles hold whole groups (a power of two up to 256); else the GEMV takes
+    only a layer of one group a row (scaled at the end), and other layers the tiled kernel."""
+    return 0 < group_size <= 256 and group_size & (group_size - 1) == 0
+
+
 def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor,
           group_size: int) -> None:
     n, k = weight.shape[0], x.shape[1]
     args = (x, weight, scale, zero, out, n, k, weight.stride(0), scale.stride(0), zero.stride(0))
     # Tiles of whole groups; else (one group a row, not a power of two) scaled once at the end.
-    per_group = group_size > 0 and group_size <= 256 and group_size & (group_size - 1) == 0
+    per_group = _whole_group_tiles(group_size)
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, group_size) if per_group else 64
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, GROUP=group_size, PER_GROUP=per_group, BLOCK_N=16,

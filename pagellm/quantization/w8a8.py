@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import (
     LinearLayersConfig,
     LinearMethod,
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 SMALL_BATCH_ROWS = 16
 """Steps of at most this many rows multiply 16-bit activations with the 8-bit weights."""
 
-_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+"""The largest magnitude of each 8-bit type (what a row's largest value is scaled to)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +89,7 @@ class W8A8LinearMethod(LinearMethod):
 def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, C] -> (q [R, C] in `dtype`, scale [R] float32) with q * scale ~ x, each row scaled
     so that its largest magnitude is the type's largest value (rounded to nearest)."""
-    qmax = _QMAX[dtype]
+    qmax = QMAX[dtype]
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / qmax
     q = (x.float() / scale).clamp(-qmax, qmax)
     q = q.round().to(dtype) if dtype == torch.int8 else q.to(dtype)
@@ -113,7 +115,10 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         xq, x_scale = quantize_per_row(x, weight.dtype)
     x_scale = x_scale[:, None]
     if x.is_cuda and weight.dtype == torch.float8_e4m3fn:
-        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+        # float32 output needs a recent cuBLAS for row-wise scales: bfloat16, then widened.
+        out_dtype = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+        return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
+                                out_dtype=out_dtype).to(x.dtype)
     if x.is_cuda:  # int8: int32 sums, rescaled in float32
         return (torch._int_mm(xq, weight.t()).float() * x_scale * weight_scale).to(x.dtype)
     return ((xq.float() @ weight.float().t()) * x_scale * weight_scale).to(x.dtype)
@@ -139,11 +144,11 @@ class W8A8Config(LinearLayersConfig):
         if not qc:
             return cls(method, W8A8Format(dtype, online=True))
         if qc.get("weight_block_size"):
-            raise ValueError("quantization (--quantization) fp8: block-wise scales (weight_block_size "
+            raise ValueError(f"{_FLAG} fp8: block-wise scales (weight_block_size "
                              f"{qc['weight_block_size']}) are not supported; per-tensor and per-channel are")
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme not in ("dynamic", "static"):
-            raise ValueError(f"quantization (--quantization) fp8: activation_scheme {scheme!r} is neither dynamic "
+            raise ValueError(f"{_FLAG} fp8: activation_scheme {scheme!r} is neither dynamic "
                              "nor static")
         return cls(method, W8A8Format(dtype, online=False, static_input_scale=scheme == "static"),
                    qc.get("ignored_layers") or ())
@@ -155,10 +160,13 @@ class W8A8Config(LinearLayersConfig):
         kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
         if bits != 8 or kind not in ("float", "int") or strategy not in ("channel", "tensor") or (
                 weights.get("symmetric") is False):
-            raise ValueError("quantization (--quantization) compressed-tensors: pagellm loads symmetric 8-bit float "
+            raise ValueError(f"{_FLAG} compressed-tensors: pagellm loads symmetric 8-bit float "
                              f"or int weights with channel or tensor scales, not {weights}")
         if inputs is not None and inputs.get("num_bits") != 8:
-            raise ValueError(f"quantization (--quantization) compressed-tensors: activations {inputs} are not 8-bit")
+            raise ValueError(f"{_FLAG} compressed-tensors: activations {inputs} are not 8-bit")
+        if qc.get("format") not in ("float-quantized", "int-quantized", "naive-quantized"):
+            raise ValueError(f"{_FLAG} compressed-tensors: 8-bit weights in format {qc.get('format')!r}; pagellm "
+                             "loads float-quantized, int-quantized and naive-quantized")
         fmt = W8A8Format(torch.float8_e4m3fn if kind == "float" else torch.int8, online=False,
                          quantize_activations=inputs is not None,
                          static_input_scale=inputs is not None and not inputs.get("dynamic", False))

@@ -22,13 +22,23 @@ from pagellm.quantization.base import LinearMethod, UnquantizedLinearMethod
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy `src` into `dst` (casting dtype and device), refusing silent broadcasts."""
+    """Copy `src` into `dst` (casting dtype and device), refusing silent broadcasts and casts
+    between kinds of numbers (quantized codes read as values, or the reverse)."""
     if dst.shape != src.shape:
         raise ValueError(
             f"checkpoint tensor of shape {tuple(src.shape)} does not fit a parameter (shard) of shape "
             f"{tuple(dst.shape)}; does config.json describe the same model as the weights?"
         )
+    if _kind(dst.dtype) != _kind(src.dtype):
+        raise ValueError(f"checkpoint tensor of type {src.dtype} does not fit a parameter of type {dst.dtype}: does "
+                         "the checkpoint's quantization_config (or --quantization) describe how it is stored?")
     dst.copy_(src)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "float8"
+    return "float" if dtype.is_floating_point else "integer"
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
