@@ -70,16 +70,21 @@ class QuantizationConfig(ABC):
 
 
 class LinearLayersConfig(QuantizationConfig):
-    """A config that gives every linear layer (not the embedding or LM head) the same kind of
-    method, except the layers the checkpoint lists as left dense."""
+    """A config that gives every linear layer (not the embedding or LM head) a `method_cls(fmt)`,
+    except the layers the checkpoint lists as left dense."""
 
-    def __init__(self, ignored: Iterable[str] = ()) -> None:
+    method_cls: type[LinearMethod]
+
+    def __init__(self, name: str, fmt: object, ignored: Iterable[str] = ()) -> None:
+        self.name = name
+        self.fmt = fmt
+        """How the layers are stored (the method's format dataclass)."""
         self.ignored = tuple(ignored)
         """Checkpoint module names (or "re:" patterns, as llm-compressor writes them) kept dense."""
 
-    @abstractmethod
     def method(self) -> LinearMethod:
         """A new method for one layer."""
+        return self.method_cls(self.fmt)
 
     def apply(self, model: nn.Module) -> set[str]:
         from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415 (layers import this package)

@@ -252,12 +252,7 @@ def quantize_rtn(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
 class Int4Config(LinearLayersConfig):
     """Every linear layer int4 (the embedding and LM head stay dense), but the ignored ones."""
 
-    def __init__(self, name: str, fmt: Int4Format, ignored: list[str] | tuple[str, ...] = ()) -> None:
-        super().__init__(ignored)
-        self.name, self.fmt = name, fmt
-
-    def method(self) -> LinearMethod:
-        return Int4LinearMethod(self.fmt)
+    method_cls = Int4LinearMethod
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":

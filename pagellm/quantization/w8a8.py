@@ -127,12 +127,7 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 class W8A8Config(LinearLayersConfig):
     """Every linear layer 8-bit (the embedding and LM head stay dense), but the ignored ones."""
 
-    def __init__(self, name: str, fmt: W8A8Format, ignored: list[str] | tuple[str, ...] = ()) -> None:
-        super().__init__(ignored)
-        self.name, self.fmt = name, fmt
-
-    def method(self) -> LinearMethod:
-        return W8A8LinearMethod(self.fmt)
+    method_cls = W8A8LinearMethod
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":
