@@ -49,3 +49,14 @@ def test_eval_reports_perplexity_and_drift(tmp_path, capsys, smollm2_path, hf_sm
         assert abs(rows[name]["perplexity_vs_reference"] - 1) < 0.1
     assert rows["rtn"]["linear_weight_bytes"] < rows["fp8"]["linear_weight_bytes"] < \
         rows["float32"]["linear_weight_bytes"] / 3
+
+
+def test_eval_measures_a_float8_kv_cache(tmp_path, smollm2_path) -> None:
+    """--kv-cache-dtype fp8: the reference's weights run once more through a float8 cache (the
+    window written, then attended over as stored): a small drift, never none."""
+    out = tmp_path / "eval.json"
+    assert main(["eval", smollm2_path, "--quantization", "none", "--kv-cache-dtype", "fp8", "--dtype", "float32",
+                 "--device", "cpu", "--max-tokens", "96", "--context", "48", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert list(rows) == ["float32", "float32, fp8 KV"]
+    assert 0 < rows["float32, fp8 KV"]["mean_kl"] < 0.05 and rows["float32, fp8 KV"]["top1_agreement"] > 0.9

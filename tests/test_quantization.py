@@ -490,3 +490,19 @@ def test_compressed_tensors_int4_written_by_the_library(tmp_path, symmetric: boo
     weight = dequantize(down.qweight, down.scales, down.zeros, group)
     torch.testing.assert_close(weight, dense_hf.model.layers[1].mlp.down_proj.weight, atol=0, rtol=0)
     _assert_matches_hf(model, dense_hf, 20)
+
+
+def test_eval_through_a_bound_cache_matches_attention_within_the_window(tmp_path) -> None:
+    """`pagellm eval`'s cache path (write the window, attend over the stored entries) gives what
+    attending within the window gives, for a cache in the model's dtype."""
+    from pagellm.eval.quality import bind_window_cache
+
+    hf = _tiny_hf()
+    hf.save_pretrained(tmp_path)
+    model, _ = _load(str(tmp_path))
+    ids = torch.randint(TINY["vocab_size"], (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    within = log_probs(model, ids, CPU)
+    bind_window_cache(model, 64, torch.float32, CPU)
+    torch.testing.assert_close(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)
+    bind_window_cache(model, 64, torch.float8_e4m3fn, CPU)
+    assert not torch.allclose(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)

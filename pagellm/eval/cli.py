@@ -13,7 +13,7 @@ import torch
 from pagellm.entrypoints.cli_args import existing_file, positive_int, set_handler
 from pagellm.quantization import QUANTIZATION_METHODS
 
-EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed")
+EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed", "kv_cache_dtype")
 """The engine flags that decide how a model is built (the rest is about serving)."""
 
 
@@ -24,7 +24,9 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[.
         description="Loads the model once per --quantization method (all at once: memory for each), runs every "
                     "one over the same windows of a text, and prints each one's perplexity and how far its "
                     "next-token distributions are from the reference method's: the share of positions whose "
-                    "most likely token is the reference's, and the mean KL(reference || method).")
+                    "most likely token is the reference's, and the mean KL(reference || method). With "
+                    "--kv-cache-dtype fp8 the compared methods (and the reference's weights once more) run "
+                    "each window through a float8 KV cache.")
     ev.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
     ev.add_argument("--quantization", nargs="+", default=None, metavar="METHOD",
                     help=f"methods to compare, of {', '.join(QUANTIZATION_METHODS)}; default: none fp8 int8 for a "
@@ -48,7 +50,7 @@ def run_cli(ns: argparse.Namespace) -> int:
 
     from pagellm.benchmarks.results import format_table, run_metadata, write_json  # noqa: PLC0415
     from pagellm.config import EngineArgs  # noqa: PLC0415
-    from pagellm.eval.quality import evaluate, windows  # noqa: PLC0415
+    from pagellm.eval.quality import bind_window_cache, evaluate, windows  # noqa: PLC0415
     from pagellm.loader import resolve_model  # noqa: PLC0415
     from pagellm.quantization import checkpoint_quantization  # noqa: PLC0415
     from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
@@ -59,10 +61,16 @@ def run_cli(ns: argparse.Namespace) -> int:
             raise ValueError(f"--quantization: {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
     stored = checkpoint_quantization(resolve_model(ns.model, ns.load_format).arch.hf_config)
     reference = ns.reference or stored or "none"
-    methods = list(dict.fromkeys([reference, *(ns.quantization or ([] if stored else ["fp8", "int8"]))]))
-    engine = {name: getattr(ns, name) for name in EVAL_ENGINE_ARGS}
-    configs = {m: EngineArgs(model=ns.model, quantization=m, **engine).create_engine_config() for m in methods}
-    first = configs[reference]
+    kv8 = ns.kv_cache_dtype != "auto"
+    compared = ns.quantization or ([] if stored else ["fp8", "int8"])
+    # (method, KV-cache dtype): the reference in the model's dtype; the others in --kv-cache-dtype,
+    # and with a float8 cache the reference's weights too, so that the cache's own cost shows.
+    runs = list(dict.fromkeys([(reference, "auto"), *((m, ns.kv_cache_dtype) for m in compared),
+                               *([(reference, ns.kv_cache_dtype)] if kv8 else [])]))
+    engine = {name: getattr(ns, name) for name in EVAL_ENGINE_ARGS if name != "kv_cache_dtype"}
+    configs = {run: EngineArgs(model=ns.model, quantization=run[0], kv_cache_dtype=run[1],
+                               **engine).create_engine_config() for run in runs}
+    first = configs[(reference, "auto")]
     tokenizer = load_tokenizer(first.source)
     if tokenizer is None:
         raise ValueError("eval needs the model's tokenizer, and a dummy preset has none: pass a model directory "
@@ -77,11 +85,13 @@ def run_cli(ns: argparse.Namespace) -> int:
         raise ValueError("the text has fewer than 2 tokens: nothing to predict")
 
     models, weight_bytes, load_s = {}, {}, {}
-    for method, config in configs.items():
+    for (method, _), config in configs.items():
         start = time.perf_counter()
         label = _label(method, config)
         models[label] = build_model(config.source, config.quantization, config.dtype, config.device,
                                     config.attention_backend, ns.seed)
+        if config.kv_cache_dtype != config.dtype:
+            bind_window_cache(models[label], ns.context, config.kv_cache_dtype, config.device)
         load_s[label] = time.perf_counter() - start
         weight_bytes[label] = _linear_weight_bytes(models[label])
     reference_label = _label(reference, first)
@@ -112,8 +122,9 @@ def run_cli(ns: argparse.Namespace) -> int:
 
 
 def _label(method: str, config) -> str:
-    """A row's name: the method, or for none the dtype the weights are in."""
-    return str(config.dtype).removeprefix("torch.") if config.quantization is None else method
+    """A row's name: the method (for none the dtype the weights are in), and a float8 KV cache."""
+    name = str(config.dtype).removeprefix("torch.") if config.quantization is None else method
+    return name + (", fp8 KV" if config.kv_cache_dtype != config.dtype else "")
 
 
 def _linear_weight_bytes(model: torch.nn.Module) -> int:

@@ -1,9 +1,10 @@
 """What a quantized model gives up: perplexity on a text, and how far its next-token distributions
 move from a reference model's (top-1 agreement, KL divergence), on the same tokens.
 
-The text is cut into windows of `context` tokens; each window is one prompt run from position 0
-(no KV cache), every model sees the same windows, and each of a window's tokens but the first is
-predicted from the ones before it.
+The text is cut into windows of `context` tokens; each window is one prompt run from position 0,
+every model sees the same windows, and each of a window's tokens but the first is predicted from
+the ones before it. A model with a KV cache bound (`bind_window_cache`: to measure a float8 cache)
+writes each window into it and attends over what it stored; others attend within the window.
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
+from pagellm.worker.batch import attention_layout
+from pagellm.worker.loading import bind_kv_cache
 
 _LOGIT_ROWS = 256
 """Rows of logits computed at once (a window's full-vocabulary float32 logits can be large)."""
+_BLOCK_SIZE = 16
 
 
 @dataclass(slots=True)
@@ -54,24 +58,36 @@ def windows(token_ids: list[int], context: int) -> list[list[int]]:
     return [p for p in parts if len(p) >= 2]
 
 
+def bind_window_cache(model: nn.Module, context: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Give `model` a KV cache of `dtype` that holds one window, which `log_probs` then goes through."""
+    bind_kv_cache(model, -(-context // _BLOCK_SIZE), _BLOCK_SIZE, dtype, device)
+
+
 @torch.inference_mode()
 def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.Tensor:
     """float32 log-softmax of `model`'s next-token logits at every position of `ids` but the last
-    ([len(ids) - 1, vocab]): one prompt from position 0, without a KV cache."""
+    ([len(ids) - 1, vocab]): one prompt from position 0, through the model's KV cache if one is
+    bound (`bind_window_cache`)."""
     n = len(ids)
-    lens = np.array([n], dtype=np.int64)
-    qsl = np.array([0, n], dtype=np.int64)
-    md = AttentionMetadata(
-        num_tokens=n,
-        query_start_loc=torch.from_numpy(qsl).to(device, torch.int32),
-        seq_lens=torch.from_numpy(lens).to(device, torch.int32),
-        block_table=torch.zeros((1, 1), dtype=torch.int32, device=device),
-        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-        max_query_len=n, max_seq_len=n,
-        query_start_loc_cpu=qsl.astype(np.int32), seq_lens_cpu=lens.astype(np.int32),
-    )
+    if model.attention_layers()[0].kv_cache is not None:
+        layout = attention_layout([list(range(-(-n // _BLOCK_SIZE)))], np.zeros(1, dtype=np.int64),
+                                  np.array([n], dtype=np.int64), _BLOCK_SIZE, device)
+        positions, md = layout.positions, layout.attn_metadata
+    else:
+        lens = np.array([n], dtype=np.int64)
+        qsl = np.array([0, n], dtype=np.int64)
+        md = AttentionMetadata(
+            num_tokens=n,
+            query_start_loc=torch.from_numpy(qsl).to(device, torch.int32),
+            seq_lens=torch.from_numpy(lens).to(device, torch.int32),
+            block_table=torch.zeros((1, 1), dtype=torch.int32, device=device),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+            max_query_len=n, max_seq_len=n,
+            query_start_loc_cpu=qsl.astype(np.int32), seq_lens_cpu=lens.astype(np.int32),
+        )
+        positions = torch.arange(n, device=device)
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    hidden = model(input_ids, torch.arange(n, device=device), md)[: n - 1]
+    hidden = model(input_ids, positions, md)[: n - 1]
     return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]), dim=-1)
                       for i in range(0, n - 1, _LOGIT_ROWS)])
 
