@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagellm.attention.backend import AttentionMetadata
 from pagellm.worker.batch import attention_layout
 from pagellm.worker.loading import bind_kv_cache
 
@@ -69,25 +68,11 @@ def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.T
     ([len(ids) - 1, vocab]): one prompt from position 0, through the model's KV cache if one is
     bound (`bind_window_cache`)."""
     n = len(ids)
-    if model.attention_layers()[0].kv_cache is not None:
-        layout = attention_layout([list(range(-(-n // _BLOCK_SIZE)))], np.zeros(1, dtype=np.int64),
-                                  np.array([n], dtype=np.int64), _BLOCK_SIZE, device)
-        positions, md = layout.positions, layout.attn_metadata
-    else:
-        lens = np.array([n], dtype=np.int64)
-        qsl = np.array([0, n], dtype=np.int64)
-        md = AttentionMetadata(
-            num_tokens=n,
-            query_start_loc=torch.from_numpy(qsl).to(device, torch.int32),
-            seq_lens=torch.from_numpy(lens).to(device, torch.int32),
-            block_table=torch.zeros((1, 1), dtype=torch.int32, device=device),
-            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
-            max_query_len=n, max_seq_len=n,
-            query_start_loc_cpu=qsl.astype(np.int32), seq_lens_cpu=lens.astype(np.int32),
-        )
-        positions = torch.arange(n, device=device)
+    # Without a bound cache the backends attend within the batch and ignore the slots.
+    layout = attention_layout([list(range(-(-n // _BLOCK_SIZE)))], np.zeros(1, dtype=np.int64),
+                              np.array([n], dtype=np.int64), _BLOCK_SIZE, device)
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    hidden = model(input_ids, positions, md)[: n - 1]
+    hidden = model(input_ids, layout.positions, layout.attn_metadata)[: n - 1]
     return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]), dim=-1)
                       for i in range(0, n - 1, _LOGIT_ROWS)])
 

@@ -21,6 +21,8 @@ from torch import nn
 
 FLAG = "quantization (--quantization)"
 """How errors name the flag (and LLM(...)'s keyword)."""
+QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+"""The largest magnitude of each 8-bit type (what a row's largest value is scaled to)."""
 
 
 class LinearMethod(ABC):

@@ -33,6 +33,11 @@ from pagellm.distributed import get_tp_world_size
 from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import LinearLayersConfig, LinearMethod, new_param, replace_param
 
+try:  # the GPU's kernel; the CPU computes the products in PyTorch
+    from pagellm.quantization import triton_matmul
+except ImportError:
+    triton_matmul = None
+
 logger = logging.getLogger(__name__)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -139,9 +144,7 @@ class Int4LinearMethod(LinearMethod):
         if layer.perm is not None:
             x2 = x2.index_select(1, layer.perm)
         if x.is_cuda:
-            from pagellm.quantization.triton_matmul import dequant_matmul  # noqa: PLC0415
-
-            out = dequant_matmul(x2, layer.qweight, layer.scales, layer.zeros, self.group)
+            out = triton_matmul.dequant_matmul(x2, layer.qweight, layer.scales, layer.zeros, self.group)
         else:
             out = F.linear(x2.float(), dequantize(layer.qweight, layer.scales, layer.zeros, self.group)).to(x.dtype)
         if bias is not None:

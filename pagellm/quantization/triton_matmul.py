@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagellm.quantization.w8a8 import QMAX
+from pagellm.quantization.base import QMAX
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import (
+    QMAX,
     LinearLayersConfig,
     LinearMethod,
     new_param,
@@ -25,13 +26,16 @@ from pagellm.quantization.base import (
     replace_param,
 )
 
+try:  # the GPU's kernels; the CPU computes the products in PyTorch
+    from pagellm.quantization import triton_matmul
+except ImportError:
+    triton_matmul = None
+
 logger = logging.getLogger(__name__)
 
 SMALL_BATCH_ROWS = 16
 """Steps of at most this many rows multiply 16-bit activations with the 8-bit weights."""
 
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
-"""The largest magnitude of each 8-bit type (what a row's largest value is scaled to)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,18 +103,14 @@ def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] (16/32-bit) @ (weight * weight_scale)^T -> [M, N] in x's dtype."""
     if x.is_cuda:
-        from pagellm.quantization.triton_matmul import dequant_matmul  # noqa: PLC0415
-
-        return dequant_matmul(x, weight, weight_scale)
+        return triton_matmul.dequant_matmul(x, weight, weight_scale)
     return ((x.float() @ weight.float().t()) * weight_scale).to(x.dtype)
 
 
 def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """x quantized per row to weight's type, multiplied in 8 bits, rescaled -> [M, N] in x's dtype."""
     if x.is_cuda:
-        from pagellm.quantization.triton_matmul import quantize_rows  # noqa: PLC0415
-
-        xq, x_scale = quantize_rows(x, weight.dtype)
+        xq, x_scale = triton_matmul.quantize_rows(x, weight.dtype)
     else:
         xq, x_scale = quantize_per_row(x, weight.dtype)
     x_scale = x_scale[:, None]
