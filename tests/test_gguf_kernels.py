@@ -83,8 +83,8 @@ def test_quantization_flag_errors_name_the_flag(smollm2_path, tmp_path, monkeypa
         EngineArgs(quantization="fp4").validate()
     with pytest.raises(ValueError, match=r"'gguf' needs a .gguf model"):
         resolve_quantization("gguf", "safetensors", str(tmp_path), cpu)
-    with pytest.raises(ValueError, match=r"'gguf' runs on the CPU only"):
-        resolve_quantization("gguf", "gguf", smollm2_path, torch.device("cuda"))
+    for requested in ("gguf", None):  # the GPU keeps the blocks (the Triton kernel)
+        assert resolve_quantization(requested, "gguf", smollm2_path, torch.device("cuda")) == "gguf"
     assert resolve_quantization(None, "gguf", smollm2_path, cpu) == "gguf"
     assert resolve_quantization("none", "gguf", smollm2_path, cpu) is None
     assert resolve_quantization(None, "safetensors", str(tmp_path), cpu) is None

@@ -7,7 +7,7 @@
 | compressed-tensors | float8 or int8 as above; int4 as gptq | llm-compressor checkpoints (W8A8 / W8A16, channel or tensor scales; W4A16 pack-quantized) |
 | gptq, awq | int4, a scale and zero point per group (GPTQ act-order too) | GPTQ / AutoAWQ checkpoints |
 | rtn | int4 as gptq/awq, rounded to nearest per group of 128 | a dense checkpoint, quantized at load |
-| gguf | a GGUF file's Q4_0/Q4_1/Q8_0 blocks | a .gguf file (CPU kernels) |
+| gguf | a GGUF file's blocks: Q4_0, Q4_1, Q8_0 (CPU, GPU), Q4_K, Q6_K (GPU) | a .gguf file |
 
 The 8-bit methods multiply activations quantized per token (W8A8) in steps of more than
 `SMALL_BATCH_ROWS` rows and the 16-bit activations directly against the 8-bit weights below it
@@ -51,8 +51,8 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
                          hf_config: dict[str, Any] | None = None) -> str | None:
     """The method the engine will use, or None for dense weights in the model's dtype.
 
-    Default: the checkpoint's own `quantization_config`; a GGUF file on the CPU stays quantized
-    when the kernels can run here (else it is dequantized at load, with a warning saying why);
+    Default: the checkpoint's own `quantization_config`; a GGUF file stays quantized (on the CPU
+    when its kernels can run there, else it is dequantized at load, with a warning saying why);
     every other model is dense. A flag that disagrees with the checkpoint is an error.
     """
     stored = checkpoint_quantization(hf_config or {})
@@ -63,7 +63,7 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
                          f"quantization_config): pass --quantization {stored} or leave the flag out")
     if requested == "none":  # (EngineArgs.validate has checked the name)
         return None
-    if requested == "gguf" or (requested is None and load_format == "gguf" and device.type == "cpu"):
+    if requested == "gguf" or (requested is None and load_format == "gguf"):
         return _resolve_gguf(requested, load_format, model_path, device)
     if requested is None:
         return None
@@ -83,23 +83,19 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
 
 
 def _resolve_gguf(requested: str | None, load_format: str, model_path: str, device: torch.device) -> str | None:
-    from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
-
-    if requested is None:
-        reason = ggml_cpu.unavailable_reason()
-        if reason is not None:
-            logger.warning("%s; the GGUF weights are dequantized at load instead (slower)", reason)
-            return None
-        return "gguf"
     if load_format != "gguf":
         raise ValueError(f"{_FLAG} 'gguf' needs a .gguf model, but {model_path!r} is loaded as {load_format}")
-    if device.type != "cpu":
-        raise ValueError(f"{_FLAG} 'gguf' runs on the CPU only so far; on {device} pass --quantization none to "
-                         "dequantize the GGUF weights at load")
+    if device.type != "cpu":  # the Triton kernel
+        return "gguf"
+    from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
+
     reason = ggml_cpu.unavailable_reason()
-    if reason is not None:
-        raise ValueError(f"{_FLAG} 'gguf' cannot run here: {reason}; pass --quantization none")
-    return "gguf"
+    if reason is None:
+        return "gguf"
+    if requested is None:
+        logger.warning("%s; the GGUF weights are dequantized at load instead (slower)", reason)
+        return None
+    raise ValueError(f"{_FLAG} 'gguf' cannot run here: {reason}; pass --quantization none")
 
 
 def build_quant_config(method: str | None, model_path: str,

@@ -17,10 +17,6 @@ import torch
 
 from pagellm.ops import native
 
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
-"""GGML type id -> bytes per 32-value block, for the types the kernels take: Q4_0, Q4_1, Q8_0."""
-
-
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run here (None: they can)."""
     return native.unavailable_reason()

@@ -1,10 +1,11 @@
-"""x @ W^T for 8-bit and int4 weights, dequantized in registers: one Triton kernel for every format.
+"""x @ W^T for 8-bit and 4-bit weights, dequantized in registers: one Triton kernel for every format.
 
-The weight stays in memory as stored (fp8/int8 [N, K], or int4 two per byte [N, K / 2]) and is
-read once per tile of activation rows, so a decode step reads half (8-bit) or a quarter (int4) of
-the bytes of a 16-bit weight. Each tile's product runs on the tensor cores in the activations'
-dtype: an fp8 or int8 value and an int4 value minus its zero point are exact there; the scales
-are applied to the float32 sums, per group of K (int4) or per output channel at the end.
+The weight stays in memory as stored (8-bit codes [N, K], or 4-bit codes two per byte [N, K / 2])
+and is read once per tile of activation rows, so a decode step reads half (8-bit) or a quarter
+(4-bit) of the bytes of a 16-bit weight. Each tile's product runs on the tensor cores in the
+activations' dtype: an fp8 or int8 code, and a 4-bit code minus its zero point, are exact there;
+the scales (and GGUF's per-block offsets, times the activations' sum) are applied to the float32
+sums, per group of K (int4, GGUF) or per output channel at the end (fp8, int8).
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from pagellm.quantization.base import QMAX
 
 @triton.jit
 def _dequant_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,  # x [M, K]; w [N, K] (int4: [N, K/2] bytes); scale, zero see below
+    x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # x [M, K]; the weight's layout: see dequant_matmul
     M, N, K,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
-    GROUP: tl.constexpr,  # int4: K values per scale and zero point (scale, zero: [N, K / GROUP]); 0: 8-bit,
-                          # scale [N] per output channel, no zero point
+    GROUP: tl.constexpr,  # K values per scale ([N, K / GROUP]); 0: a scale per output channel ([N])
+    PACKED: tl.constexpr,  # w holds two 4-bit codes a byte ([N, K / 2]); else one 8-bit code an element
+    ZERO: tl.constexpr,  # subtracted from every code; -1: zero_ptr's per group (uint8 [N, K / GROUP])
+    OFFSET: tl.constexpr,  # offset_ptr [N, K / GROUP] (scale's strides) is added to each weight of its group
     IEEE: tl.constexpr,  # float32 activations: exact float32 products (not TF32)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -35,23 +38,32 @@ def _dequant_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-        if GROUP > 0:
+        if PACKED:
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :],
                              mask=n_ok[:, None] & (rb < K // 2)[None, :], other=0)
             q = tl.interleave(packed & 0xF, packed >> 4)  # byte j holds k = 2j (low nibble) and 2j + 1
+        else:
+            q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :],
+                        other=0.0)
+        # Codes minus zero points are small integers: exact in the activations' type.
+        if ZERO == -1:
             zero = tl.load(zero_ptr + rn * stride_zn + k0 // GROUP, mask=n_ok, other=0)
             w = (q.to(tl.int32) - zero.to(tl.int32)[:, None]).to(x.dtype)
+        elif ZERO != 0:
+            w = (q.to(tl.int32) - ZERO).to(x.dtype)
         else:
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :],
-                        other=0.0).to(x.dtype)
+            w = q.to(x.dtype)
         if IEEE:
             part = tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             part = tl.dot(x, tl.trans(w))
-        if GROUP > 0:
+        if GROUP > 0:  # a tile lies within one group (BLOCK_K divides GROUP)
             scale = tl.load(scale_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
             acc += part * scale[None, :]
+            if OFFSET:  # sum_k x_k (c_k s + o) = s (x . c) + o sum_k x_k
+                offset = tl.load(offset_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * offset[None, :]
         else:
             acc += part
     if GROUP == 0:
@@ -62,10 +74,10 @@ def _dequant_matmul_kernel(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr,  # one activation row x [K]; the rest as _dequant_matmul_kernel
+    x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # one activation row x [K]; the rest as above
     N, K, stride_wn, stride_sn, stride_zn,
-    GROUP: tl.constexpr,  # as _dequant_matmul_kernel's
-    PER_GROUP: tl.constexpr,  # int4: BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
+    GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
+    PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
@@ -73,41 +85,58 @@ def _gemv_kernel(
     n_ok = rn < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
+    COLS: tl.constexpr = BLOCK_K // (1 + PACKED)  # columns of a tile's codes
     for k0 in range(0, K, BLOCK_K):
-        if GROUP > 0:
-            # (q - zero) . x = q . x - zero * sum(x): the zero point leaves the inner loop. The low
-            # and high nibbles meet the even and odd inputs, so nothing is shuffled. A tile holds
-            # BLOCK_K / GROUP whole groups (PER_GROUP), reduced one group per column.
-            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        if PACKED:
+            # The low and high nibbles meet the even and odd inputs, so nothing is shuffled: a
+            # column of `prod` is a pair of inputs, `x_col` their sum.
+            rb = k0 // 2 + tl.arange(0, COLS)
             b_ok = rb < K // 2
             packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=n_ok[:, None] & b_ok[None, :],
                              other=0)
             x_even = tl.load(x_ptr + 2 * rb, mask=b_ok, other=0.0).to(tl.float32)
             x_odd = tl.load(x_ptr + 2 * rb + 1, mask=b_ok, other=0.0).to(tl.float32)
             prod = (packed & 0xF).to(tl.float32) * x_even[None, :] + (packed >> 4).to(tl.float32) * x_odd[None, :]
-            if PER_GROUP:
-                NUM_G: tl.constexpr = BLOCK_K // GROUP
-                dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, GROUP // 2)), axis=2)  # [BLOCK_N, NUM_G]
-                group_sum = tl.sum(tl.reshape(x_even + x_odd, (NUM_G, GROUP // 2)), axis=1)
-                rg = k0 // GROUP + tl.arange(0, NUM_G)
-                g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
-                zero = tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_mask, other=0).to(tl.float32)
-                scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
-                acc += tl.sum((dot - zero * group_sum[None, :]) * scale.to(tl.float32), axis=1)
-            else:
-                acc += tl.sum(prod, axis=1)
-                x_sum += tl.sum(x_even + x_odd, axis=0)
+            x_col = x_even + x_odd
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            x_col = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+            prod = w.to(tl.float32) * x_col[None, :]
+        if GROUP == 0:
+            acc += tl.sum(prod, axis=1)
+        elif PER_GROUP:
+            # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
+            # point and offset leave the inner sums; one reduction per group.
+            NUM_G: tl.constexpr = BLOCK_K // GROUP
+            dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2)  # [BLOCK_N, NUM_G]
+            group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
+            rg = k0 // GROUP + tl.arange(0, NUM_G)
+            g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
+            if ZERO == -1:
+                zero = tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_mask, other=0)
+                dot -= zero.to(tl.float32) * group_sum
+            elif ZERO != 0:
+                dot -= ZERO * group_sum
+            scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
+            dot *= scale.to(tl.float32)
+            if OFFSET:
+                offset = tl.load(offset_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
+                dot += offset.to(tl.float32) * group_sum
+            acc += tl.sum(dot, axis=1)
+        else:
+            acc += tl.sum(prod, axis=1)
+            x_sum += tl.sum(x_col, axis=0)
     if GROUP == 0:
         acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    elif not PER_GROUP:
-        zero = tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32)
-        acc = (acc - zero * x_sum) * tl.load(scale_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
+    elif not PER_GROUP:  # one group a row (the dispatcher sends no offset here)
+        if ZERO == -1:
+            acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * x_sum
+        elif ZERO != 0:
+            acc -= ZERO * x_sum
+        acc *= tl.load(scale_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -130,7 +159,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, QMAX: 
 def _dot_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for n, k, w, s in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3),
-                               (128, 128, 8, 3), (64, 32, 4, 4))]
+                               (128, 128, 8, 3), (64, 32, 4, 4), (64, 16, 4, 4), (128, 16, 4, 4))]
 
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
@@ -141,28 +170,33 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
 
 
 def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """A one-row int4 tile holds whole groups."""
+    """A one-row tile holds whole groups."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
     per_group = named_args.get("PER_GROUP", kwargs.get("PER_GROUP", False))
     return _nonempty([c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """An int4 tile must not straddle two groups of K."""
+    """A tile must not straddle two groups of K; tiles 16 deep only for groups of 16 (GGUF Q6_K),
+    where no deeper one fits."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
-    return _nonempty([c for c in configs if group == 0 or group % c.kwargs["BLOCK_K"] == 0], group)
+    return _nonempty([c for c in configs if group == 0 and c.kwargs["BLOCK_K"] > 16
+                      or group and group % c.kwargs["BLOCK_K"] == 0 and (c.kwargs["BLOCK_K"] > 16 or group == 16)],
+                     group)
 
 
 def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
     if not configs:  # a tile across two groups would take one group's scale for both
-        raise ValueError(f"no int4 tile fits groups of {group} input features (a multiple of 32 is needed)")
+        raise ValueError(f"no tile fits groups of {group} input features (16, or a multiple of 32, is needed)")
     return configs
 
 
-_tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", "GROUP"],
+_LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
+_tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
-_tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K"])(_gemv_kernel)
-_tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", "GROUP", "PER_GROUP"],
+_tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
+                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
+_tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
                                    prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
 
@@ -185,14 +219,16 @@ def block_m(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
 
 
-def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                   group_size: int = 0) -> torch.Tensor:
-    """x [M, K] @ dequantized(weight)^T -> [M, N] in x's dtype.
+def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0,
+                   group_size: int = 0, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized from codes c in registers:
+    W = (c - zero) * scale (+ offset), with a scale (and zero point, offset) per group of
+    `group_size` input features ([N, K / group_size]), or per output channel ([N]) for group 0.
 
-    8-bit (`group_size` 0): weight [N, K] float8_e4m3fn or int8, scale [N] (float32):
-    W = weight * scale. int4: weight [N, K / 2] uint8 (k = 2j in byte j's low nibble, 2j + 1 in
-    its high one), scale [N, K / group_size], zero [N, K / group_size] uint8:
-    W = (q - zero) * scale.
+    `weight`: uint8 [N, K / 2], two 4-bit codes a byte (k = 2j in byte j's low nibble, 2j + 1 in
+    its high one); or one 8-bit code an element, [N, K] (int8 or float8_e4m3fn). `zero`: uint8
+    [N, K / group_size], or one integer for every group. `offset`: [N, K / group_size], strided
+    as `scale` (GGUF's block minimums).
     """
     rows, k = x.shape
     n = weight.shape[0]
@@ -200,41 +236,43 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    zero_arg = zero if zero is not None else scale
-    if rows == 1 and (group_size == 0 or _whole_group_tiles(group_size) or group_size == k):
-        _gemv(x, weight, scale, zero_arg, out, group_size)
+    per_group = _whole_group_tiles(group_size)
+    if (isinstance(zero, torch.Tensor) or zero or offset is not None) and not group_size:
+        raise ValueError("zero points and offsets go with groups of K (group_size > 0)")
+    if offset is not None and not per_group:
+        raise ValueError(f"offsets need groups of a power of two up to 256 input features, not {group_size}")
+    zero_arg, zero_const = (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
+    layout = dict(GROUP=group_size, PACKED=weight.dtype == torch.uint8, ZERO=zero_const, OFFSET=offset is not None)
+    pointers = (x, weight, scale, zero_arg, scale if offset is None else offset, out)
+    if rows == 1 and (group_size == 0 or per_group or group_size == k):
+        _gemv(pointers, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0), layout, per_group)
         return out
     bm = block_m(rows)
-    args = (x, weight, scale, zero_arg, out, rows, n, k, x.stride(0), weight.stride(0), scale.stride(0),
-            zero_arg.stride(0), out.stride(0))
+    args = (*pointers, rows, n, k, x.stride(0), weight.stride(0), scale.stride(0), zero_arg.stride(0), out.stride(0))
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, bm))  # noqa: E731
-        _tuned_kernel[grid](*args, GROUP=group_size, IEEE=x.dtype == torch.float32, BLOCK_M=bm)
+        _tuned_kernel[grid](*args, **layout, IEEE=x.dtype == torch.float32, BLOCK_M=bm)
     else:  # Triton's interpreter (TRITON_INTERPRET=1): the tests' small shapes, one fixed tile
         block_k = 32 if group_size == 0 else min(group_size, 32)
         grid = (triton.cdiv(n, 16), triton.cdiv(rows, bm))
-        _dequant_matmul_kernel[grid](*args, GROUP=group_size, IEEE=x.dtype == torch.float32, BLOCK_M=bm,
-                                     BLOCK_N=16, BLOCK_K=block_k)
+        _dequant_matmul_kernel[grid](*args, **layout, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=16,
+                                     BLOCK_K=block_k)
     return out
 
 
 def _whole_group_tiles(group_size: int) -> bool:
-    """Whether one-row int4 tiles hold whole groups (a power of two up to 256); else the GEMV takes
+    """Whether one-row tiles hold whole groups (a power of two up to 256); else the GEMV takes
     only a layer of one group a row (scaled at the end), and other layers the tiled kernel."""
     return 0 < group_size <= 256 and group_size & (group_size - 1) == 0
 
 
-def _gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out: torch.Tensor,
-          group_size: int) -> None:
-    n, k = weight.shape[0], x.shape[1]
-    args = (x, weight, scale, zero, out, n, k, weight.stride(0), scale.stride(0), zero.stride(0))
-    # Tiles of whole groups; else (one group a row, not a power of two) scaled once at the end.
-    per_group = _whole_group_tiles(group_size)
-    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
-        block_k = max(64, group_size) if per_group else 64
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, GROUP=group_size, PER_GROUP=per_group, BLOCK_N=16,
-                                             BLOCK_K=block_k)
+def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, stride_sn: int, stride_zn: int,
+          layout: dict, per_group: bool) -> None:
+    args = (*pointers, n, k, stride_wn, stride_sn, stride_zn)
+    if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        block_k = max(64, layout["GROUP"]) if per_group else 64
+        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k)
         return
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    tuned = _tuned_gemv_int4 if group_size else _tuned_gemv_8bit
-    tuned[grid](*args, GROUP=group_size, PER_GROUP=per_group)
+    tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
+    tuned[grid](*args, **layout, PER_GROUP=per_group)

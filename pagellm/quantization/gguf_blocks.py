@@ -1,0 +1,97 @@
+"""GGUF block types and, for the GPU, their conversion into the layout the Triton kernel reads.
+
+A GGUF block packs `values` weights of one row into `nbytes` bytes: 4-, 6- or 8-bit codes, a
+float16 scale, and for some types a minimum or per-sub-block scales. The GPU keeps the codes (4-bit
+two a byte, 6- and 8-bit one a byte) with a scale, and where the type has one an offset, per group
+of 16 or 32 inputs: W = (code - zero) * scale + offset, the same float32 values the gguf package's
+`dequantize` gives (a code times a scale is exact in float32, and the one addition rounds as it
+does there). Bits a weight on the GPU: Q4_0 4.5, Q4_1 5, Q8_0 8.5 (as in the file); Q4_K 6 (4.5 in
+the file: its 6-bit sub-block scales and minimums multiplied out into float32), Q6_K 10 (6.6:
+6-bit codes a byte).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.quantization.int4 import pack_pairs
+
+Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+"""GGML type ids."""
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+"""GGML type id -> (weights, bytes) per block, for the types kept quantized on some device."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedWeight:
+    """A weight [N, K] as the Triton kernel reads it (`triton_matmul.dequant_matmul`)."""
+
+    codes: torch.Tensor
+    """uint8 [N, K / 2] (two 4-bit codes a byte, k = 2j low) or int8 [N, K]."""
+    scale: torch.Tensor
+    """[N, K / group], float16 where the file's scale is exact in it, else float32."""
+    offset: torch.Tensor | None
+    """[N, K / group] added to each weight of its group (the block minimum), or None."""
+    zero: int
+    """Subtracted from every code."""
+    group: int
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row of `in_features` weights stored as `qtype` blocks."""
+    values, nbytes = BLOCKS[qtype]
+    return in_features // values * nbytes
+
+
+def to_grouped(qtype: int, raw: torch.Tensor, in_features: int) -> GroupedWeight:
+    """GGUF blocks uint8 [N, row bytes] -> the kernel's layout, on raw's device."""
+    values, nbytes = BLOCKS[qtype]
+    rows = raw.shape[0]
+    b = raw.reshape(rows, in_features // values, nbytes)
+    if qtype in (Q4_0, Q4_1):
+        d = _f16(b[..., 0:2])
+        qs = b[..., 2 if qtype == Q4_0 else 4:]  # value j in byte j's low nibble, j + 16 in its high one
+        q = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(rows, in_features)
+        offset = _f16(b[..., 2:4]) if qtype == Q4_1 else None
+        return GroupedWeight(pack_pairs(q), d, offset, 8 if qtype == Q4_0 else 0, 32)
+    if qtype == Q8_0:
+        codes = b[..., 2:].contiguous().view(torch.int8).reshape(rows, in_features)
+        return GroupedWeight(codes, _f16(b[..., 0:2]), None, 0, 32)
+    if qtype == Q4_K:
+        d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()
+        packed = b[..., 4:16].reshape(rows, -1, 3, 4)  # 8 sub-blocks' 6-bit scales and minimums
+        low, mid, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+        sc = torch.cat((low & 0x3F, (high & 0xF) | ((low >> 2) & 0x30)), dim=-1)
+        mn = torch.cat((mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)), dim=-1)
+        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # sub-block 2i: chunk i's low nibbles; 2i + 1: high
+        q = torch.cat((qs & 0xF, qs >> 4), dim=-2).reshape(rows, in_features)
+        scale = (d[..., None] * sc.float()).reshape(rows, -1)
+        offset = -(dmin[..., None] * mn.float()).reshape(rows, -1)
+        return GroupedWeight(pack_pairs(q), scale, offset, 0, 32)
+    if qtype == Q6_K:
+        ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
+        ql = torch.cat((ql & 0xF, ql >> 4), dim=-2).reshape(rows, -1, 8, 32)
+        qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+        qh = torch.cat([(qh >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).reshape(rows, -1, 8, 32)
+        codes = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(rows, in_features)
+        sub_scales = b[..., 192:208].contiguous().view(torch.int8).float()  # [rows, blocks, 16]
+        scale = (_f16(b[..., 208:210]).float()[..., None] * sub_scales).reshape(rows, -1)
+        return GroupedWeight(codes, scale, None, 0, 16)
+    raise ValueError(f"GGML type {qtype} has no GPU layout")
+
+
+def dequantize(w: GroupedWeight) -> torch.Tensor:
+    """The float32 weight [N, K] (what the gguf package's dequantize gives)."""
+    q = w.codes
+    if q.dtype == torch.uint8:
+        q = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(q.shape[0], -1)
+    values = (q.float() - w.zero) * w.scale.float().repeat_interleave(w.group, dim=1)
+    if w.offset is not None:
+        values += w.offset.float().repeat_interleave(w.group, dim=1)
+    return values
+
+
+def _f16(two_bytes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 2] (little-endian float16) -> float16 [...]."""
+    return two_bytes.contiguous().view(torch.float16).squeeze(-1)
