@@ -58,6 +58,11 @@ def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows):
     got = dequant_matmul(x.to(DEVICE), on(g.codes), on(g.scale), g.zero, g.group, on(g.offset)).double().cpu()
     magnitude = (x.abs().double() @ gguf_blocks.dequantize(g).abs().double().t()).max().item()
     torch.testing.assert_close(got, expected, rtol=0, atol=8 * math.sqrt(k) * 2**-24 * magnitude)
+    # Into some columns of a wider output (a fused layer's parts of different types), the rest untouched.
+    wide = torch.full((rows, n + 5), 7.0, device=DEVICE)
+    dequant_matmul(x.to(DEVICE), on(g.codes), on(g.scale), g.zero, g.group, on(g.offset), out=wide[:, 3:3 + n])
+    assert torch.equal(wide[:, 3:3 + n].double().cpu(), got) and bool((wide[:, :3] == 7).all())
+    assert bool((wide[:, 3 + n:] == 7).all())
 
 
 # --- a model ---------------------------------------------------------------------------------------
@@ -102,8 +107,13 @@ def test_gpu_runs_every_block_type_as_dequantized_at_load(tmp_path):
     path = write_tiny(tmp_path)
     gpu = torch.device("cuda")
     blocks, dense = _load(path, "gguf", gpu), _load(path, "none", gpu)
-    methods = [m.quant_method for m in blocks.modules() if hasattr(m, "quant_method")]
-    assert {m.qtype for m in methods if isinstance(m, GGUFLinearMethod)} == {int(q) for q in QTYPES}
+    methods = [m.quant_method for m in blocks.modules() if isinstance(getattr(m, "quant_method", None),
+                                                                       GGUFLinearMethod)]
+    assert {t for m in methods for t in ((m.qtype,) if m.part_types is None else m.part_types.values())} == \
+        {int(q) for q in QTYPES}
+    qkv = blocks.model.layers[0].self_attn.qkv_proj.quant_method  # q and k Q4_K, v Q6_K: two runs
+    assert qkv.part_types == {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K}
+    assert [(start, rows) for start, rows, _ in qkv.runs] == [(0, 256 + 128), (256 + 128, 128)]
     assert blocks.lm_head.weight.dtype == torch.int8  # Q6_K codes, one a byte
     ids = torch.randint(TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = log_probs(dense, ids, gpu)

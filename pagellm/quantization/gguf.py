@@ -32,17 +32,27 @@ CPU_TYPES = (gguf_blocks.Q4_0, gguf_blocks.Q4_1, gguf_blocks.Q8_0)
 
 class GGUFLinearMethod(LinearMethod):
     """The weight as raw GGUF blocks [output_size, input_size / block values * block bytes]
-    (uint8); on the GPU, after loading, as `gguf_blocks.GroupedWeight` parameters."""
+    (uint8); on the GPU, after loading, as `gguf_blocks.GroupedWeight` parameters.
 
-    def __init__(self, qtype: int) -> None:
+    On the GPU a fused layer's parts may differ in type (`part_types`: llama.cpp's Q4_K_M stores
+    q and k as Q4_K, v as Q6_K): each part's blocks are loaded into its rows of a buffer as wide as
+    the widest part's, and each run of parts of one type becomes its own layout and product,
+    written into its columns of the output.
+    """
+
+    def __init__(self, qtype: int | None, part_types: dict[object, int] | None = None) -> None:
         self.qtype = qtype
-        self.grouped: gguf_blocks.GroupedWeight | None = None
-        """The GPU layout (shared by the embedding and a tied LM head, whose method this also is)."""
+        """The block type (None: the parts differ)."""
+        self.part_types = part_types
+        self.runs: list[tuple[int, int, gguf_blocks.GroupedWeight]] = []
+        """GPU: (first row, rows, layout) of each run of parts of one type (shared by the embedding
+        and a tied LM head, whose method this also is)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
-        row_bytes = gguf_blocks.row_bytes(self.qtype, input_size)
+        types = self.part_types.values() if self.part_types else (self.qtype,)
+        row_bytes = max(gguf_blocks.row_bytes(t, input_size) for t in types)
         layer.weight = nn.Parameter(torch.empty(output_size, row_bytes, dtype=torch.uint8), requires_grad=False)
-        layer.weight.weight_loader = layer.weight_loader
+        layer.weight.weight_loader = _padding_loader(layer) if self.part_types else layer.weight_loader
         self.input_size, self.output_size = input_size, output_size
         self.dtype = torch.get_default_dtype()
         """The model's dtype (what an embedding lookup returns)."""
@@ -50,37 +60,72 @@ class GGUFLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not layer.weight.is_cuda:
             return
-        if self.grouped is None:
-            g = gguf_blocks.to_grouped(self.qtype, layer.weight.data, self.input_size)
-            frozen = lambda t: None if t is None else nn.Parameter(t, requires_grad=False)  # noqa: E731
-            self.grouped = gguf_blocks.GroupedWeight(frozen(g.codes), frozen(g.scale), frozen(g.offset), g.zero,
-                                                     g.group)
-        g = self.grouped
-        layer.weight, layer.scales = g.codes, g.scale
-        if g.offset is not None:
-            layer.offsets = g.offset
+        if not self.runs:
+            raw = layer.weight.data
+            for start, rows, qtype in self._type_runs(layer):
+                g = gguf_blocks.to_grouped(qtype, raw[start:start + rows, :gguf_blocks.row_bytes(qtype, self.input_size)],
+                                           self.input_size)
+                frozen = lambda t: None if t is None else nn.Parameter(t, requires_grad=False)  # noqa: E731
+                self.runs.append((start, rows, gguf_blocks.GroupedWeight(
+                    frozen(g.codes), frozen(g.scale), frozen(g.offset), g.zero, g.group)))
+        delattr(layer, "weight")
+        for i, (_, _, g) in enumerate(self.runs):
+            suffix = "" if len(self.runs) == 1 else f"_{i}"
+            setattr(layer, f"weight{suffix}", g.codes)
+            setattr(layer, f"scales{suffix}", g.scale)
+            if g.offset is not None:
+                setattr(layer, f"offsets{suffix}", g.offset)
+
+    def _type_runs(self, layer: nn.Module) -> list[tuple[int, int, int]]:
+        """(first row, rows, type) of each run of consecutive parts of one block type."""
+        if not self.part_types:
+            return [(0, self.output_size, self.qtype)]
+        runs: list[tuple[int, int, int]] = []
+        for shard_id, start, rows in layer.parts():
+            qtype = self.part_types[shard_id]
+            if runs and runs[-1][2] == qtype:
+                runs[-1] = (runs[-1][0], runs[-1][1] + rows, qtype)
+            else:
+                runs.append((start, rows, qtype))
+        return runs
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, self.input_size)
-        if x.is_cuda:
-            g = self.grouped
-            out = triton_matmul.dequant_matmul(x2, g.codes, g.scale, g.zero, g.group, g.offset)
-        else:
+        if not x.is_cuda:
             # Every batch size takes the kernel: each row is summed alone, in the same order, so a
             # row's result never depends on its batch.
-            out = ggml_cpu.gemm(self.qtype, x2.float(), layer.weight, self.output_size)
+            out = ggml_cpu.gemm(self.qtype, x2.float(), layer.weight, self.output_size).to(x.dtype)
+        elif len(self.runs) == 1:
+            g = self.runs[0][2]
+            out = triton_matmul.dequant_matmul(x2, g.codes, g.scale, g.zero, g.group, g.offset)
+        else:
+            out = torch.empty(x2.shape[0], self.output_size, dtype=x.dtype, device=x.device)
+            for start, rows, g in self.runs:
+                triton_matmul.dequant_matmul(x2, g.codes, g.scale, g.zero, g.group, g.offset,
+                                             out=out[:, start:start + rows])
         if bias is not None:
             out += bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.output_size)
+        return out.reshape(*x.shape[:-1], self.output_size)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1)
         if ids.is_cuda:
-            g = self.grouped
+            g = self.runs[0][2]  # a table is one tensor
             rows = gguf_blocks.GroupedWeight(g.codes[ids], g.scale[ids], None if g.offset is None else g.offset[ids],
                                              g.zero, g.group)
             return gguf_blocks.dequantize(rows).to(self.dtype)
         return ggml_cpu.dequantize(self.qtype, layer.weight.index_select(0, ids), self.input_size).to(self.dtype)
+
+
+def _padding_loader(layer: nn.Module):
+    """A mixed layer's loader: each part's blocks, zero-padded to the buffer's width, into its rows."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        padded = loaded.new_zeros(loaded.shape[0], param.shape[1])
+        padded[:, :loaded.shape[1]] = loaded
+        layer.weight_loader(param, padded, shard_id)
+
+    return load
 
 
 class GGUFConfig(QuantizationConfig):
@@ -116,20 +161,31 @@ class GGUFConfig(QuantizationConfig):
                 module.set_quant_method(shared.quant_method, shared=shared)
                 continue
             names = model.checkpoint_names(f"{prefix}.weight")
-            qtype = self._common_type(names, types)
-            input_size = module.input_size if isinstance(module, _ParallelLinear) else module.embedding_dim
-            if qtype is None or input_size % gguf_blocks.BLOCKS[qtype][0]:
+            method = self._method(module, names, types, on_gpu)
+            if method is None:
                 counts["dequantized"] += 1
                 continue
             methods[id(module.weight)] = module
-            module.set_quant_method(GGUFLinearMethod(qtype))
+            module.set_quant_method(method)
             kept.update(names)
             counts["kept quantized"] += 1
         logger.info("GGUF layers: %s", ", ".join(f"{n} {what}" for what, n in counts.items()))
         return kept
 
-    def _common_type(self, names: list[str], kernel_types: tuple[int, ...]) -> int | None:
-        """The block type all of `names` share, if the device's kernels take it."""
-        types = {self.qtypes.get(name) for name in names}
-        qtype = types.pop() if len(types) == 1 else None
-        return qtype if qtype in kernel_types else None
+    def _method(self, module: nn.Module, names: list[str], kernel_types: tuple[int, ...],
+                on_gpu: bool) -> GGUFLinearMethod | None:
+        """The method of a layer stacked from checkpoint tensors `names`, if the device's kernels
+        take their block types (one type; on the GPU also one per fused part) and this rank's
+        input features are whole blocks; else None (dequantized at load)."""
+        from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415 (layers import this package)
+
+        types = [self.qtypes.get(name) for name in names]
+        input_size = module.input_size if isinstance(module, _ParallelLinear) else module.embedding_dim
+        if not all(t in kernel_types and input_size % gguf_blocks.BLOCKS[t][0] == 0 for t in types):
+            return None
+        if len(set(types)) == 1:
+            return GGUFLinearMethod(types[0])
+        if not on_gpu:
+            return None
+        parts = module.parts()  # in the order of `names` (the model's stacking order)
+        return GGUFLinearMethod(None, {shard_id: t for (shard_id, _, _), t in zip(parts, types, strict=True)})

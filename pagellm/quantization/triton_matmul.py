@@ -18,6 +18,24 @@ from pagellm.quantization.base import QMAX
 
 
 @triton.jit
+def _dot(x, w, IEEE: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T in float32; float32 inputs exactly (IEEE)."""
+    if IEEE:
+        out = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:
+        out = tl.dot(x, tl.trans(w))
+    return out
+
+
+@triton.jit
+def _exact_float(v):
+    """int32 v (|v| < 2**22) -> float32, exactly, without the int-to-float conversion instruction
+    (a quarter of the FMA rate: it, not memory, bounded the one-row int4 product): v added to the
+    bits of 1.5 * 2**23 is the float 1.5 * 2**23 + v."""
+    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _dequant_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # x [M, K]; the weight's layout: see dequant_matmul
     M, N, K,
@@ -46,38 +64,46 @@ def _dequant_matmul_kernel(
         else:
             q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :],
                         other=0.0)
-        # Codes minus zero points are small integers: exact in the activations' type.
-        if ZERO == -1:
-            zero = tl.load(zero_ptr + rn * stride_zn + k0 // GROUP, mask=n_ok, other=0)
-            w = (q.to(tl.int32) - zero.to(tl.int32)[:, None]).to(x.dtype)
-        elif ZERO != 0:
-            w = (q.to(tl.int32) - ZERO).to(x.dtype)
-        else:
-            w = q.to(x.dtype)
-        if IEEE:
-            part = tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            part = tl.dot(x, tl.trans(w))
-        if GROUP > 0:  # a tile lies within one group (BLOCK_K divides GROUP)
+        if GROUP == 0:  # 8-bit codes, a scale per output channel (applied at the end)
+            acc += _dot(x, q.to(x.dtype), IEEE)
+        elif BLOCK_K <= GROUP:
+            # The tile lies within one group: codes minus zero points are small integers, exact in
+            # the activations' type, and the group's scale multiplies the float32 product.
+            if ZERO == -1:
+                zero = tl.load(zero_ptr + rn * stride_zn + k0 // GROUP, mask=n_ok, other=0)
+                w = (q.to(tl.int32) - zero.to(tl.int32)[:, None]).to(x.dtype)
+            elif ZERO != 0:
+                w = (q.to(tl.int32) - ZERO).to(x.dtype)
+            else:
+                w = q.to(x.dtype)
             scale = tl.load(scale_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
-            acc += part * scale[None, :]
+            acc += _dot(x, w, IEEE) * scale[None, :]
             if OFFSET:  # sum_k x_k (c_k s + o) = s (x . c) + o sum_k x_k
                 offset = tl.load(offset_ptr + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0).to(tl.float32)
                 acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * offset[None, :]
         else:
-            acc += part
+            # Several groups a tile (GROUP divides BLOCK_K; deep tiles keep the tensor cores busy
+            # where groups are small): each weight is dequantized in float32 and rounded to the
+            # activations' type, as a dense model's weights are.
+            NUM_G: tl.constexpr = BLOCK_K // GROUP
+            rg = k0 // GROUP + tl.arange(0, NUM_G)
+            g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
+            c = tl.reshape(_exact_float(q.to(tl.int32)), (BLOCK_N, NUM_G, GROUP))
+            if ZERO == -1:
+                c -= tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_mask, other=0).to(
+                    tl.float32)[:, :, None]
+            elif ZERO != 0:
+                c -= ZERO
+            w = c * tl.load(scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0).to(
+                tl.float32)[:, :, None]
+            if OFFSET:
+                w += tl.load(offset_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0).to(
+                    tl.float32)[:, :, None]
+            acc += _dot(x, tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype), IEEE)
     if GROUP == 0:
         acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _exact_float(v):
-    """int32 v (|v| < 2**22) -> float32, exactly, without the int-to-float conversion instruction
-    (a quarter of the FMA rate: it, not memory, bounded the one-row int4 product): v added to the
-    bits of 1.5 * 2**23 is the float 1.5 * 2**23 + v."""
-    return (v + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
 
 
 @triton.jit
@@ -171,7 +197,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, QMAX: 
 def _dot_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
             for n, k, w, s in ((32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3),
-                               (128, 128, 8, 3), (64, 32, 4, 4), (64, 16, 4, 4), (128, 16, 4, 4))]
+                               (128, 128, 8, 3), (64, 32, 4, 4))]
 
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
@@ -189,17 +215,16 @@ def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> l
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """A tile must not straddle two groups of K; tiles 16 deep only for groups of 16 (GGUF Q6_K),
-    where no deeper one fits."""
+    """A tile lies within one group of K or holds whole groups."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
-    return _nonempty([c for c in configs if group == 0 and c.kwargs["BLOCK_K"] > 16
-                      or group and group % c.kwargs["BLOCK_K"] == 0 and (c.kwargs["BLOCK_K"] > 16 or group == 16)],
-                     group)
+    return _nonempty([c for c in configs if group == 0 or group % c.kwargs["BLOCK_K"] == 0
+                      or c.kwargs["BLOCK_K"] % group == 0], group)
 
 
 def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
     if not configs:  # a tile across two groups would take one group's scale for both
-        raise ValueError(f"no tile fits groups of {group} input features (16, or a multiple of 32, is needed)")
+        raise ValueError(f"no tile fits groups of {group} input features (a power of two from 16, or a multiple "
+                         "of 32, is needed)")
     return configs
 
 
@@ -232,7 +257,8 @@ def block_m(rows: int) -> int:
 
 
 def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0,
-                   group_size: int = 0, offset: torch.Tensor | None = None) -> torch.Tensor:
+                   group_size: int = 0, offset: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized from codes c in registers:
     W = (c - zero) * scale (+ offset), with a scale (and zero point, offset) per group of
     `group_size` input features ([N, K / group_size]), or per output channel ([N]) for group 0.
@@ -240,12 +266,17 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     `weight`: uint8 [N, K / 2], two 4-bit codes a byte (k = 2j in byte j's low nibble, 2j + 1 in
     its high one); or one 8-bit code an element, [N, K] (int8 or float8_e4m3fn). `zero`: uint8
     [N, K / group_size], or one integer for every group. `offset`: [N, K / group_size], strided
-    as `scale` (GGUF's block minimums).
+    as `scale` (GGUF's block minimums). `out`: where to write ([M, N] with unit column stride,
+    e.g. some columns of a wider output); default a new tensor.
     """
     rows, k = x.shape
     n = weight.shape[0]
     x = x.contiguous()
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (rows, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {n}] with unit column stride, not {tuple(out.shape)} "
+                         f"strided {out.stride()}")
     if rows == 0:
         return out
     per_group = _whole_group_tiles(group_size)
@@ -265,7 +296,9 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, bm))  # noqa: E731
         _tuned_kernel[grid](*args, **layout, IEEE=x.dtype == torch.float32, BLOCK_M=bm)
     else:  # Triton's interpreter (TRITON_INTERPRET=1): the tests' small shapes, one fixed tile
-        block_k = 32 if group_size == 0 else min(group_size, 32)
+        block_k = 64 if rows > 16 else 32  # both tile kinds: within a group, or several groups
+        if group_size and group_size % block_k and block_k % group_size:
+            block_k = 32
         grid = (triton.cdiv(n, 16), triton.cdiv(rows, bm))
         _dequant_matmul_kernel[grid](*args, **layout, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=16,
                                      BLOCK_K=block_k)

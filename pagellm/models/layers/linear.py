@@ -109,6 +109,11 @@ class _ParallelLinear(nn.Module, ABC):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         """Copy this rank's slice of the full checkpoint tensor `loaded_weight` into `param`."""
 
+    def parts(self) -> list[tuple[object, int, int]]:
+        """(shard_id, first row, rows) of each checkpoint tensor this rank's weight is stacked
+        from, in order: one part (shard_id None) but for fused layers."""
+        return [(None, 0, self.output_size)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
@@ -150,9 +155,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if dim is None:  # the same for every part (GPTQ's g_idx)
             copy_weight(param.data, loaded_weight)
             return
-        offset, size = _along(param, dim, self.output_size, sum(self.shard_sizes[:shard_id]),
-                              self.shard_sizes[shard_id])
+        _, offset, size = self.parts()[shard_id]
+        offset, size = _along(param, dim, self.output_size, offset, size)
         copy_weight(param.data.narrow(dim, offset, size), loaded_weight.narrow(dim, get_tp_rank() * size, size))
+
+    def parts(self) -> list[tuple[object, int, int]]:
+        return [(i, sum(self.shard_sizes[:i]), size) for i, size in enumerate(self.shard_sizes)]
 
 
 class QKVParallelLinear(_ParallelLinear):
@@ -183,20 +191,21 @@ class QKVParallelLinear(_ParallelLinear):
         self.kv_size = kv_heads * head_dim
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
-        rank = get_tp_rank()
-        if shard_id == "q":
-            offset, size, src_start = 0, self.q_size, rank * self.q_size
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, src_start = self.kv_size, (rank // self.kv_replicas) * self.kv_size
-        else:
+        part = next((p for p in self.parts() if p[0] == shard_id), None)
+        if part is None:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        _, offset, size = part
+        rank = get_tp_rank()
+        src_start = rank * size if shard_id == "q" else (rank // self.kv_replicas) * size
         dim = output_dim(param)
         if dim is None:  # the same for every part (GPTQ's g_idx)
             copy_weight(param.data, loaded_weight)
             return
         offset, size, src_start = _along(param, dim, self.output_size, offset, size, src_start)
         copy_weight(param.data.narrow(dim, offset, size), loaded_weight.narrow(dim, src_start, size))
+
+    def parts(self) -> list[tuple[object, int, int]]:
+        return [("q", 0, self.q_size), ("k", self.q_size, self.kv_size), ("v", self.q_size + self.kv_size, self.kv_size)]
 
 
 class RowParallelLinear(_ParallelLinear):
