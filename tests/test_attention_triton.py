@@ -152,6 +152,27 @@ def test_full_size_long_contexts_on_gpu(num_heads: int, num_kv_heads: int) -> No
     check(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_cache_scales_divide_what_is_stored(backend: str) -> None:
+    """A layer's per-tensor KV scales (a checkpoint's calibrated k_scale / v_scale): the float8
+    cache holds key / k_scale and value / v_scale, and attention equals attention over a cache in
+    the model's dtype holding what was stored times the scales."""
+    from pagellm.attention.layer import Attention
+
+    dtype, (num_heads, num_kv_heads, head_dim) = DTYPES[0], (8, 2, 64)
+    md, query, key, value, cache = random_paged_batch(MIXED, 16, num_heads, num_kv_heads, head_dim, dtype, seed=3)
+    layer = Attention(num_heads, num_kv_heads, head_dim, 0.125, get_attn_backend(backend))
+    layer.load_kv_scale("k_scale", torch.tensor(0.37))
+    layer.load_kv_scale("v_scale", torch.tensor([2.5]))
+    layer.kv_cache = tuple(c.to(torch.float8_e4m3fn) for c in cache)
+    out = layer(query, key, value, md).view_as(query)
+    stored = (layer.kv_cache[0].to(dtype) * 0.37, layer.kv_cache[1].to(dtype) * 2.5)
+    rows = [c.view(-1, num_kv_heads, head_dim)[md.slot_mapping.long()] for c in stored]
+    assert relative_error(rows[0], key) < 0.1 and relative_error(rows[1], value) < 0.1  # the step's rows, divided
+    ref = get_attn_backend("torch").forward(query, *rows, stored, md, 0.125)
+    check(out, ref, dtype)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 2)])
 def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads) -> None:
     """--kv-cache-dtype fp8: both backends write the step's K/V rounded to float8 and attend over

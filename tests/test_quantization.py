@@ -438,6 +438,41 @@ def test_fp8_kv_cache_holds_more_blocks_and_keeps_the_greedy_start(smollm2_path)
         assert abs(first_full.logprobs[0][token].logprob - first_fp8.logprobs[0][token].logprob) < 0.1
 
 
+def test_checkpoint_kv_scales_reach_the_layers(tmp_path) -> None:
+    """Per-tensor KV scales in a checkpoint (llm-compressor's k_scale/v_scale, AutoFP8's
+    k_proj/v_proj.output_scale) land on their layers' attention; a float8 cache applies them (what
+    they do is checked per layer in test_attention_triton), a cache in the model's dtype ignores them."""
+    from pagellm.eval.quality import bind_window_cache
+
+    hf = _tiny_hf()
+    scales = {"model.layers.0.self_attn.k_scale": 0.05, "model.layers.0.self_attn.v_scale": 0.02,
+              "model.layers.1.self_attn.k_proj.output_scale": 0.04, "model.layers.1.self_attn.v_proj.output_scale": 0.03}
+    hf.save_pretrained(tmp_path / "plain")
+    (tmp_path / "scaled").mkdir()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    save_file(state | {k: torch.tensor([v]) for k, v in scales.items()}, str(tmp_path / "scaled" / "model.safetensors"))
+    (tmp_path / "scaled" / "config.json").write_text(json.dumps(hf.config.to_dict()))
+    plain, _ = _load(str(tmp_path / "plain"))
+    scaled, _ = _load(str(tmp_path / "scaled"))
+    attn = [layer.self_attn.attn for layer in scaled.model.layers]
+    assert [a.k_scale for a in attn] + [a.v_scale for a in attn] == pytest.approx([0.05, 0.04, 0.02, 0.03], rel=1e-6)
+    ids = torch.randint(TINY["vocab_size"], (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    results = {}
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        for name, model in (("plain", plain), ("scaled", scaled)):
+            bind_window_cache(model, 64, dtype, CPU)
+            results[name, dtype] = log_probs(model, ids, CPU)
+    assert torch.equal(results["scaled", torch.float32], results["plain", torch.float32])
+    fp8 = results["scaled", torch.float8_e4m3fn]
+    assert not torch.allclose(fp8, results["plain", torch.float8_e4m3fn], atol=1e-6, rtol=0)
+    # As far from the float32 cache as the unscaled float8 cache is (a misapplied scale is far off).
+    error = {name: (results[name, torch.float8_e4m3fn] - results["plain", torch.float32]).abs().max().item()
+             for name in ("plain", "scaled")}
+    assert error["scaled"] < 2 * error["plain"], error
+    with pytest.raises(ValueError, match="per-tensor"):
+        attn[0].load_kv_scale("k_scale", torch.ones(4))
+
+
 def test_kv_cache_dtype_errors_name_the_flag(smollm2_path) -> None:
     with pytest.raises(ValueError, match=r"--kv-cache-dtype\) must be one of auto, fp8, fp8_e4m3"):
         EngineArgs(kv_cache_dtype="int4").validate()

@@ -12,6 +12,10 @@ class Attention(nn.Module):
 
     `kv_cache` stays None until the worker allocates the cache and binds this layer's
     (key_cache, value_cache); until then the backend attends within the batch only.
+
+    A float8 cache stores key / k_scale and value / v_scale (per-tensor scales a checkpoint may
+    calibrate; 1.0 otherwise): k_scale folds into the softmax scale, v_scale multiplies the output,
+    so every backend reads the cache as stored.
     """
 
     def __init__(
@@ -26,17 +30,35 @@ class Attention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.kv_cache: KVCache | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         """query [T, H*D] (or [T, H, D]), key/value [T, Hkv*D] (or [T, Hkv, D]) -> [T, H*D]."""
+        key = key.view(-1, self.num_kv_heads, self.head_dim)
+        value = value.view(-1, self.num_kv_heads, self.head_dim)
+        scaled = self.kv_cache is not None and self.kv_cache[0].dtype == torch.float8_e4m3fn and (
+            self.k_scale != 1.0 or self.v_scale != 1.0)
+        if scaled:
+            key, value = key / self.k_scale, value / self.v_scale
         out = self.backend.forward(
-            query.view(-1, self.num_heads, self.head_dim),
-            key.view(-1, self.num_kv_heads, self.head_dim),
-            value.view(-1, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            attn_metadata,
-            self.scale,
+            query.view(-1, self.num_heads, self.head_dim), key, value, self.kv_cache, attn_metadata,
+            self.scale * self.k_scale if scaled else self.scale,
         )
+        if scaled:
+            out *= self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)
+
+    def load_kv_scale(self, name: str, value: torch.Tensor) -> None:
+        """A checkpoint's float8 KV-cache scale: `name` k_scale, v_scale or kv_scale (both)."""
+        if value.numel() != 1:
+            raise ValueError(f"a KV-cache {name} of {value.numel()} values: pagellm reads per-tensor scales (one)")
+        scale = float(value.reshape(()).float())
+        if not scale > 0 or scale == float("inf"):
+            raise ValueError(f"a KV-cache {name} of {scale}: it must be positive and finite")
+        if name in ("k_scale", "kv_scale"):
+            self.k_scale = scale
+        if name in ("v_scale", "kv_scale"):
+            self.v_scale = scale

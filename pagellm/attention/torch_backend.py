@@ -240,6 +240,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The cache's `blocks` in `dtype` (a float8 cache's entries widened, unscaled)."""
+    """The cache's `blocks` in `dtype` (a float8 cache's entries widened as stored; the layer applies its scales)."""
     # index_select copies whole blocks; advanced indexing is several times slower on CPU.
     return _bytes(cache).index_select(0, blocks).view(cache.dtype).to(dtype)

@@ -53,7 +53,7 @@ def _write_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    # The cache's type (a float8 cache: rounded to nearest, unscaled).
+    # The cache's type (a float8 cache: rounded to nearest; the layer has divided by its scales).
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

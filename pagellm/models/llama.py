@@ -33,6 +33,9 @@ _STACKED_PARAMS = (
 )
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
+                       r"(?:(k_scale|v_scale|kv_scale)|(k_proj\.output_scale|v_proj\.output_scale))$")
+"""A float8 KV cache's per-tensor scales as checkpoints store them (llm-compressor's, AutoFP8's older names)."""
 
 IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
 """(hidden, residual) [T, hidden_size] each: what one pipeline stage hands the next."""
@@ -249,6 +252,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
                 name = "lm_head.weight"  # a last stage without the embedding holds the tied head alone
+            kv_scale = _KV_SCALE.match(name)
+            if kv_scale is not None:
+                kind = kv_scale.group(2) or kv_scale.group(3).replace("_proj.output_scale", "_scale")
+                self.model.layers[int(kv_scale.group(1))].self_attn.attn.load_kv_scale(kind, tensor)
+                continue
             target, shard_id = name, None
             for hf_part, fused_part, part_id in _STACKED_PARAMS:
                 if hf_part in name:

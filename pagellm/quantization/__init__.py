@@ -125,9 +125,10 @@ def _weights(qc: dict[str, Any]) -> dict[str, Any]:
     if len(groups) != 1:
         raise ValueError(f"{_FLAG} compressed-tensors: {len(groups)} config groups; pagellm loads checkpoints "
                          "with one (every Linear layer the same way)")
-    if qc.get("kv_cache_scheme"):
-        raise ValueError(f"{_FLAG} compressed-tensors: a kv_cache_scheme (calibrated KV scales) is not supported; "
-                         "--kv-cache-dtype fp8 stores the KV cache unscaled")
+    kv = qc.get("kv_cache_scheme")
+    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy") != "tensor"):
+        raise ValueError(f"{_FLAG} compressed-tensors: kv_cache_scheme {kv}; pagellm reads float8 KV caches with "
+                         "per-tensor scales (type float, num_bits 8, strategy tensor)")
     weights = groups[0].get("weights") or {}
     if weights.get("num_bits") not in (4, 8):
         raise ValueError(f"{_FLAG} compressed-tensors: {weights.get('num_bits')}-bit weights are not supported; "
