@@ -2,7 +2,7 @@
 Face, and an 8B-shaped file against bf16, in one run.
 
 Phases (each optional, `--phases`; a failure is recorded and the rest still run):
-  kernels    per block type (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; random blocks) and Llama-3.1-8B projection
+  kernels    per block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; random blocks) and Llama-8B projection
              shape, M rows: the Triton kernel on the type's grouped layout against bf16 `F.linear`
              (cuBLAS) on the same shape; error against float32 dequantize-then-matmul; at M = 1 the
              fraction of the measured copy bandwidth its bytes reach
@@ -45,13 +45,16 @@ from pagellm.tokenizer.gguf_tokenizer import byte_to_unicode
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 """Llama-3.1-8B projections: (N, K)."""
-TYPE_NAMES = {gguf_blocks.Q4_0: "Q4_0", gguf_blocks.Q4_1: "Q4_1", gguf_blocks.Q8_0: "Q8_0",
-              gguf_blocks.Q4_K: "Q4_K", gguf_blocks.Q6_K: "Q6_K"}
+TYPE_NAMES = {gguf_blocks.Q4_0: "Q4_0", gguf_blocks.Q4_1: "Q4_1", gguf_blocks.Q5_0: "Q5_0", gguf_blocks.Q5_1: "Q5_1",
+              gguf_blocks.Q8_0: "Q8_0", gguf_blocks.Q4_K: "Q4_K", gguf_blocks.Q5_K: "Q5_K", gguf_blocks.Q6_K: "Q6_K"}
 _FP16_FIELDS = {  # byte offset of each float16 field in a block -> the range its random values take
     gguf_blocks.Q4_0: {0: (2e-3, 6e-3)},
     gguf_blocks.Q4_1: {0: (2e-3, 6e-3), 2: (-5e-2, -2e-2)},
+    gguf_blocks.Q5_0: {0: (1e-3, 3e-3)},
+    gguf_blocks.Q5_1: {0: (1e-3, 3e-3), 2: (-5e-2, -2e-2)},
     gguf_blocks.Q8_0: {0: (2e-4, 5e-4)},
     gguf_blocks.Q4_K: {0: (5e-5, 1.5e-4), 2: (0.0, 1.5e-4)},
+    gguf_blocks.Q5_K: {0: (3e-5, 7e-5), 2: (0.0, 1.5e-4)},
     gguf_blocks.Q6_K: {208: (1e-5, 3e-5)},
 }
 """Random codes under these scales give weights of a few hundredths, like a trained model's."""
@@ -145,7 +148,8 @@ def smollm2_phase(path: str, max_tokens: int) -> dict[str, Any]:
     _free()
 
     def agreement(a: str, b: str) -> dict[str, Any]:
-        first = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(tokens[a], tokens[b])]
+        first = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p))
+                 for p, q in zip(tokens[a], tokens[b])]
         return {"prompts_equal": sum(f == max_tokens for f in first), "prompts": len(first),
                 "first_difference": first}
 
@@ -196,7 +200,8 @@ def write_synthetic_gguf(path: str, config: dict[str, Any], types: dict[str, int
 
     def add(name: str, rows: int, cols: int) -> None:
         qtype = types[name.split(".")[-1]]
-        writer.add_tensor(f"{name}.weight", random_blocks(qtype, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType(qtype))
+        writer.add_tensor(f"{name}.weight", random_blocks(qtype, rows, cols, rng),
+                          raw_dtype=gguf.GGMLQuantizationType(qtype))
 
     ones = np.ones(hidden, dtype=np.float32)
     for i in range(config["num_hidden_layers"]):
@@ -252,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     payload: dict[str, Any] = {"metadata": run_metadata(args.commit), "args": vars(args)}
     payload["ceilings"] = measure_ceilings(torch.device("cuda"), 1 << 30, 8192, torch.bfloat16)[1]
-    phases = {"kernels": lambda: kernel_phase(args.rows), "smollm2": lambda: smollm2_phase(args.smollm2, args.max_tokens),
+    phases = {"kernels": lambda: kernel_phase(args.rows),
+              "smollm2": lambda: smollm2_phase(args.smollm2, args.max_tokens),
               "synthetic": lambda: synthetic_phase(args.preset)}
     for name in args.phases:
         try:
@@ -293,7 +299,8 @@ def summary(payload: dict[str, Any]) -> str:
     if "gguf_batch1_tok_s" in synth:
         blocks = {k: (synth.get(f"{k}_engine") or {}).get("num_kv_blocks") for k in ("gguf", "bf16")}
         lines.append(f"{synth['preset']} batch-1: Q4_K_M kept {synth['gguf_batch1_tok_s']:.1f} tok/s, bf16 "
-                     f"{synth['bf16_batch1_tok_s']:.1f} tok/s: {synth['gguf_batch1_tok_s'] / synth['bf16_batch1_tok_s']:.2f}x;"
+                     f"{synth['bf16_batch1_tok_s']:.1f} tok/s: "
+                     f"{synth['gguf_batch1_tok_s'] / synth['bf16_batch1_tok_s']:.2f}x;"
                      f" KV blocks {blocks['gguf']} vs {blocks['bf16']}")
     return "\n\n".join(lines)
 

@@ -22,14 +22,14 @@ from pagellm.worker.loading import build_model
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K]
+QTYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def blocks(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
     """uint8 [rows, bytes per row]: weights quantized by the gguf package where it can (Q4_0, Q4_1,
-    Q8_0), else random codes and sub-block scales under float16 scales of a sensible size."""
+    Q5_0, Q5_1, Q8_0), else random codes and sub-block scales under float16 scales of a sensible size."""
     rng = np.random.default_rng(seed)
-    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    if qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0):
         return gguf_quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
     return random_blocks(int(qtype), rows, cols, rng)
 
@@ -69,13 +69,13 @@ def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows):
 
 TINY = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
-EVERY_TYPE = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1,
-              "ffn_up": Q.Q4_1, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0, "output": Q.Q6_K}
+MODEL_TYPES = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1,
+               "ffn_up": Q.Q4_1, "ffn_down": Q.Q6_K, "token_embd": Q.Q8_0, "output": Q.Q6_K}
 
 
 def write_tiny(tmp_path) -> str:
     path = str(tmp_path / "tiny.gguf")
-    write_synthetic_gguf(path, TINY, {k: int(v) for k, v in EVERY_TYPE.items()})
+    write_synthetic_gguf(path, TINY, {k: int(v) for k, v in MODEL_TYPES.items()})
     return path
 
 
@@ -110,7 +110,7 @@ def test_gpu_runs_every_block_type_as_dequantized_at_load(tmp_path):
     methods = [m.quant_method for m in blocks.modules() if isinstance(getattr(m, "quant_method", None),
                                                                        GGUFLinearMethod)]
     assert {t for m in methods for t in ((m.qtype,) if m.part_types is None else m.part_types.values())} == \
-        {int(q) for q in QTYPES}
+        {int(q) for q in MODEL_TYPES.values()}
     qkv = blocks.model.layers[0].self_attn.qkv_proj.quant_method  # q and k Q4_K, v Q6_K: two runs
     assert qkv.part_types == {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K}
     assert [(start, rows) for start, rows, _ in qkv.runs] == [(0, 256 + 128), (256 + 128, 128)]

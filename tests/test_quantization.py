@@ -446,7 +446,8 @@ def test_checkpoint_kv_scales_reach_the_layers(tmp_path) -> None:
 
     hf = _tiny_hf()
     scales = {"model.layers.0.self_attn.k_scale": 0.05, "model.layers.0.self_attn.v_scale": 0.02,
-              "model.layers.1.self_attn.k_proj.output_scale": 0.04, "model.layers.1.self_attn.v_proj.output_scale": 0.03}
+              "model.layers.1.self_attn.k_proj.output_scale": 0.04,
+              "model.layers.1.self_attn.v_proj.output_scale": 0.03}
     hf.save_pretrained(tmp_path / "plain")
     (tmp_path / "scaled").mkdir()
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}

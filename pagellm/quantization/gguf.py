@@ -2,8 +2,9 @@
 
 A layer is kept quantized when every checkpoint tensor it is assembled from (q, k and v for the
 fused qkv projection) has the same block type with a kernel on the model's device (CPU: Q4_0,
-Q4_1, Q8_0; GPU: those and Q4_K, Q6_K), and this rank's share of its input features is whole
-blocks; other layers (and the norms) are dequantized at load as before. GGUF blocks are
+Q4_1, Q8_0; GPU: those and Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; on the GPU a fused layer's parts may also
+differ in type), and this rank's share of its input features is whole blocks; other layers (and
+the norms) are dequantized at load as before. GGUF blocks are
 row-major, so the layers' own weight loaders slice them for tensor parallelism and the loader's
 q/k row permutation moves whole rows. On the GPU the loaded blocks are then converted into the
 Triton kernel's grouped layout (`gguf_blocks`).
@@ -63,8 +64,8 @@ class GGUFLinearMethod(LinearMethod):
         if not self.runs:
             raw = layer.weight.data
             for start, rows, qtype in self._type_runs(layer):
-                g = gguf_blocks.to_grouped(qtype, raw[start:start + rows, :gguf_blocks.row_bytes(qtype, self.input_size)],
-                                           self.input_size)
+                blocks = raw[start:start + rows, :gguf_blocks.row_bytes(qtype, self.input_size)]
+                g = gguf_blocks.to_grouped(qtype, blocks, self.input_size)
                 frozen = lambda t: None if t is None else nn.Parameter(t, requires_grad=False)  # noqa: E731
                 self.runs.append((start, rows, gguf_blocks.GroupedWeight(
                     frozen(g.codes), frozen(g.scale), frozen(g.offset), g.zero, g.group)))

@@ -6,8 +6,8 @@ two a byte, 6- and 8-bit one a byte) with a scale, and where the type has one an
 of 16 or 32 inputs: W = (code - zero) * scale + offset, the same float32 values the gguf package's
 `dequantize` gives (a code times a scale is exact in float32, and the one addition rounds as it
 does there). Bits a weight on the GPU: Q4_0 4.5, Q4_1 5, Q8_0 8.5 (as in the file); Q4_K 6 (4.5 in
-the file: its 6-bit sub-block scales and minimums multiplied out into float32), Q6_K 10 (6.6:
-6-bit codes a byte).
+the file: its 6-bit sub-block scales and minimums multiplied out into float32); 5- and 6-bit codes
+take a byte each: Q5_0 8.5 (5.5), Q5_1 9 (6), Q5_K 10 (5.5), Q6_K 10 (6.6).
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import torch
 
 from pagellm.quantization.int4 import pack_pairs
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 """GGML type ids."""
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q6_K: (256, 210)}
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
+          Q5_K: (256, 176), Q6_K: (256, 210)}
 """GGML type id -> (weights, bytes) per block, for the types kept quantized on some device."""
 
 
@@ -58,17 +59,31 @@ def to_grouped(qtype: int, raw: torch.Tensor, in_features: int) -> GroupedWeight
     if qtype == Q8_0:
         codes = b[..., 2:].contiguous().view(torch.int8).reshape(rows, in_features)
         return GroupedWeight(codes, _f16(b[..., 0:2]), None, 0, 32)
-    if qtype == Q4_K:
+    if qtype in (Q5_0, Q5_1):
+        d = _f16(b[..., 0:2])
+        first = 2 if qtype == Q5_0 else 4  # Q5_1: the minimum, then the high bits
+        high = _bits(b[..., first:first + 4], 32)  # bit j of the little-endian word: value j's fifth bit
+        qs = b[..., first + 4:]
+        q = (torch.cat((qs & 0xF, qs >> 4), dim=-1) | (high << 4)).to(torch.int8).reshape(rows, in_features)
+        if qtype == Q5_0:
+            return GroupedWeight(q - 16, d, None, 0, 32)
+        return GroupedWeight(q, d, _f16(b[..., 2:4]), 0, 32)
+    if qtype in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()
         packed = b[..., 4:16].reshape(rows, -1, 3, 4)  # 8 sub-blocks' 6-bit scales and minimums
         low, mid, high = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
         sc = torch.cat((low & 0x3F, (high & 0xF) | ((low >> 2) & 0x30)), dim=-1)
         mn = torch.cat((mid & 0x3F, (high >> 4) | ((mid >> 2) & 0x30)), dim=-1)
-        qs = b[..., 16:].reshape(rows, -1, 4, 1, 32)  # sub-block 2i: chunk i's low nibbles; 2i + 1: high
-        q = torch.cat((qs & 0xF, qs >> 4), dim=-2).reshape(rows, in_features)
         scale = (d[..., None] * sc.float()).reshape(rows, -1)
         offset = -(dmin[..., None] * mn.float()).reshape(rows, -1)
-        return GroupedWeight(pack_pairs(q), scale, offset, 0, 32)
+        qs = b[..., 16 if qtype == Q4_K else 48:].reshape(rows, -1, 4, 1, 32)  # sub-block 2i: chunk i's low nibbles
+        q = torch.cat((qs & 0xF, qs >> 4), dim=-2).reshape(rows, -1, 8, 32)
+        if qtype == Q4_K:
+            return GroupedWeight(pack_pairs(q.reshape(rows, in_features)), scale, offset, 0, 32)
+        # Q5_K: byte l of 32 high-bit bytes holds bit 4 of value l of each sub-block (sub-block j: bit j).
+        qh = b[..., 16:48].reshape(rows, -1, 1, 32)
+        high = torch.cat([(qh >> j) & 1 for j in range(8)], dim=-2)
+        return GroupedWeight((q | (high << 4)).to(torch.int8).reshape(rows, in_features), scale, offset, 0, 32)
     if qtype == Q6_K:
         ql = b[..., :128].reshape(rows, -1, 2, 1, 64)
         ql = torch.cat((ql & 0xF, ql >> 4), dim=-2).reshape(rows, -1, 8, 32)
@@ -90,6 +105,12 @@ def dequantize(w: GroupedWeight) -> torch.Tensor:
     if w.offset is not None:
         values += w.offset.float().repeat_interleave(w.group, dim=1)
     return values
+
+
+def _bits(word_bytes: torch.Tensor, count: int) -> torch.Tensor:
+    """uint8 [..., count / 8] (a little-endian bit field) -> uint8 [..., count], bit j at j."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=word_bytes.device)
+    return ((word_bytes[..., :, None] >> shifts) & 1).reshape(*word_bytes.shape[:-1], count)
 
 
 def _f16(two_bytes: torch.Tensor) -> torch.Tensor:

@@ -205,7 +205,8 @@ class QKVParallelLinear(_ParallelLinear):
         copy_weight(param.data.narrow(dim, offset, size), loaded_weight.narrow(dim, src_start, size))
 
     def parts(self) -> list[tuple[object, int, int]]:
-        return [("q", 0, self.q_size), ("k", self.q_size, self.kv_size), ("v", self.q_size + self.kv_size, self.kv_size)]
+        q, kv = self.q_size, self.kv_size
+        return [("q", 0, q), ("k", q, kv), ("v", q + kv, kv)]
 
 
 class RowParallelLinear(_ParallelLinear):
