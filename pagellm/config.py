@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field, fields
 
@@ -13,6 +14,8 @@ from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
 from pagellm.model_arch import ModelArchConfig
 from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
 from pagellm.spec_decode import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -30,7 +33,7 @@ class EngineArgs:
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
-    quantization: str | None = _arg(None, "How linear layers' weights are stored and multiplied: fp8 (float8 e4m3, a scale per output channel: a dense checkpoint quantized at load, or an fp8 checkpoint; 8-bit activations per token in steps of more than 16 rows) | int8 (the same in int8, quantized at load) | compressed-tensors (llm-compressor float8/int8 checkpoints) | gptq | awq (int4 checkpoints: a scale and zero point per group, GPTQ act-order too) | rtn (int4 groups of 128 rounded to nearest at load, GPTQ/AWQ's kernels) | gguf (a GGUF file's blocks kept quantized: Q4_0/Q4_1/Q8_0 on the CPU, those and Q5_0/Q5_1/Q4_K/Q5_K/Q6_K on the GPU; other types dequantized at load) | none (dense in --dtype). None: the checkpoint's quantization_config; gguf for a GGUF model on a GPU, or on the CPU when the kernels can run there (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
+    quantization: str | None = _arg(None, "How linear layers' weights are stored and multiplied: fp8 (float8 e4m3, a scale per output channel: a dense checkpoint quantized at load, or an fp8 checkpoint; 8-bit activations per token in steps of more than 16 rows) | int8 (the same in int8, quantized at load) | compressed-tensors (llm-compressor float8/int8 checkpoints) | gptq | awq (int4 checkpoints: a scale and zero point per group, GPTQ act-order too) | rtn (int4 groups of 128 rounded to nearest at load, GPTQ/AWQ's kernels) | gguf (a GGUF file's blocks kept quantized: Q4_0/Q4_1/Q8_0 on the CPU, those and Q5_0/Q5_1/Q4_K/Q5_K/Q6_K on the GPU, where it decodes faster than dense weights but prefills slower; other types dequantized at load) | none (dense in --dtype). None: the checkpoint's quantization_config; gguf for a GGUF model on a GPU, or on the CPU when the kernels can run there (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
     kv_cache_dtype: str = _arg("auto", "How KV-cache entries are stored: auto (the model's dtype) | fp8 (float8 e4m3, also fp8_e4m3: one byte an entry, so about twice the KV blocks of 16-bit entries; an entry is stored divided by its layer's per-tensor k/v scale where the checkpoint has calibrated ones (k_scale / v_scale), else as it is, as vLLM does without them; attention computes in the model's dtype). fp8 needs a GPU of compute capability 8.9+ (Ada, Hopper), or on the CPU the torch attention backend.")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
@@ -149,6 +152,8 @@ class EngineArgs:
             if attention_backend == "cpu":
                 raise ValueError(f"{_flag('kv_cache_dtype')} fp8: the cpu attention backend reads float32 caches; "
                                  "use --attention-backend torch")
+        elif _has_kv_scales(arch.hf_config):
+            logger.info("the checkpoint calibrated float8 KV-cache scales; they apply with --kv-cache-dtype fp8")
         # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU: the tests use it.
         if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
@@ -389,3 +394,9 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None
     if checkpoint_dtype in ("float16", "bfloat16"):
         return _DTYPES[checkpoint_dtype]
     return torch.bfloat16
+
+
+def _has_kv_scales(hf_config: dict) -> bool:
+    """Whether a checkpoint's quantization_config declares calibrated KV-cache scales."""
+    qc = hf_config.get("quantization_config")
+    return isinstance(qc, dict) and isinstance(qc.get("kv_cache_scheme"), dict)

@@ -128,3 +128,29 @@ def test_synthetic_file_serves_on_the_cpu(tmp_path):
     llm = LLM(path, device="cpu", dtype="float32")
     out = llm.generate(["t12 t7"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 5 and isinstance(out.outputs[0].text, str)
+
+
+def test_fused_layer_of_mixed_types_writes_each_run_into_its_columns():
+    """A fused layer whose parts differ in type (GPU only in the engine; here its conversion and
+    the kernel run on the CPU, in Triton's interpreter): each part's blocks go into its rows of one
+    padded buffer, consecutive parts of one type make one run, and each run's product lands in its
+    columns of the output."""
+    pytest.importorskip("triton")
+    from pagellm.models.layers.linear import QKVParallelLinear
+    from pagellm.quantization.gguf import GGUFLinearMethod
+
+    types = {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K}
+    layer = QKVParallelLinear(256, 64, 4, 2)  # q 256 rows, k and v 128 each
+    layer.set_quant_method(GGUFLinearMethod(None, {shard: int(t) for shard, t in types.items()}))
+    dense = []
+    for seed, (shard, rows) in enumerate((("q", 256), ("k", 128), ("v", 128))):
+        raw = blocks(types[shard], rows, 256, seed)
+        layer.weight.weight_loader(layer.weight, torch.from_numpy(raw), shard)
+        dense.append(torch.from_numpy(gguf_dequantize(raw, types[shard]).astype(np.float32)))
+    assert layer.weight.shape == (512, 256 // 256 * 210)  # as wide as a Q6_K row
+    layer.quant_method.convert(layer)
+    assert [(start, rows) for start, rows, _ in layer.quant_method.runs] == [(0, 384), (384, 128)]
+    assert not hasattr(layer, "weight") and layer.weight_0.dtype == torch.uint8 and layer.weight_1.dtype == torch.int8
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    expected = x.double() @ torch.cat(dense).double().t()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=0, atol=1e-4 * expected.abs().max().item())

@@ -131,3 +131,47 @@ def test_cuda_allocator_rounding():
     assert cuda_allocated_bytes(3 << 20) == 3 << 20  # below 10 MiB: its segment is split
     assert cuda_allocated_bytes((31 << 20) + (1 << 19)) == 32 << 20  # 0.5 MiB left over: charged
     assert cuda_allocated_bytes((28 << 20) + (1 << 19)) == (28 << 20) + (1 << 19)  # 1.5 MiB left: split
+
+
+def test_gguf_weights_count_the_blocks_the_engine_keeps(tmp_path, capsys):
+    """A GGUF model's weights as the engine keeps them: on the CPU the loaded model's own bytes (its
+    C kernels' types as stored, Q4_K and Q6_K dequantized); on a GPU every kept tensor's converted
+    layout, summed from the real conversion of the file's blocks."""
+    from benchmarks.gguf_gpu import write_synthetic_gguf
+    from pagellm.loader.gguf_loader import iter_gguf_weights
+    from pagellm.quantization import gguf_blocks
+    from pagellm.quantization.gguf import GGUFConfig
+    from pagellm.worker.loading import build_model
+
+    types = {"attn_q": gguf_blocks.Q4_K, "attn_k": gguf_blocks.Q4_K, "attn_v": gguf_blocks.Q6_K,
+             "attn_output": gguf_blocks.Q4_0, "ffn_gate": gguf_blocks.Q4_1, "ffn_up": gguf_blocks.Q4_1,
+             "ffn_down": gguf_blocks.Q5_K, "token_embd": gguf_blocks.Q8_0, "output": gguf_blocks.Q6_K}
+    config = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    path = str(tmp_path / "tiny.gguf")
+    write_synthetic_gguf(path, config, types)
+
+    engine = EngineArgs(path, device="cpu").create_engine_config()
+    assert engine.quantization == "gguf"
+    model = build_model(engine.source, engine.quantization, engine.dtype, torch.device("cpu"), "torch", 0)
+    loaded = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    cpu = _plan_json([path, "--device", "cpu"], capsys)
+    assert cpu["weights_bytes"] == loaded
+
+    qtypes = GGUFConfig.from_file(path).qtypes
+    gpu_bytes = 0
+    blocks = {name for name, qtype in qtypes.items() if qtype in gguf_blocks.BLOCKS}  # all but the norms
+    for name, tensor in iter_gguf_weights(path, keep_quantized=blocks):
+        if name in blocks:  # every block type here is kept on a GPU
+            values, nbytes = gguf_blocks.BLOCKS[qtypes[name]]
+            g = gguf_blocks.to_grouped(qtypes[name], tensor, tensor.shape[1] // nbytes * values)
+            gpu_bytes += sum(t.numel() * t.element_size() for t in (g.codes, g.scale, g.offset) if t is not None)
+        else:  # the float32 norms, in the GPU's bfloat16
+            gpu_bytes += tensor.numel() * 2
+    gpu = _plan_json([path, "--device", "cuda", "--gpu-memory-gib", "80"], capsys)
+    assert gpu["weights_bytes"] == gpu_bytes
+    dense = _plan_json([path, "--device", "cuda", "--gpu-memory-gib", "80", "--quantization", "none"], capsys)
+    assert dense["weights_bytes"] > 2 * gpu_bytes
+    args = ["plan", "llama-3.1-8b", "--device", "cuda", "--gpu-memory-gib", "80", "--quantization", "gguf"]
+    assert cli_main(args) == 2
+    assert "--quantization gguf plans a .gguf model" in capsys.readouterr().err

@@ -472,6 +472,15 @@ def test_checkpoint_kv_scales_reach_the_layers(tmp_path) -> None:
     assert error["scaled"] < 2 * error["plain"], error
     with pytest.raises(ValueError, match="per-tensor"):
         attn[0].load_kv_scale("k_scale", torch.ones(4))
+    # llm-compressor's scheme for such scales is accepted; a dynamic or integer one is not.
+    from pagellm.quantization import _weights
+
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    qc = {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}, "kv_cache_scheme": scheme}
+    assert _weights(qc)["type"] == "float"
+    for bad in ({"dynamic": True}, {"type": "int"}):
+        with pytest.raises(ValueError, match="kv_cache_scheme"):
+            _weights(qc | {"kv_cache_scheme": scheme | bad})
 
 
 def test_kv_cache_dtype_errors_name_the_flag(smollm2_path) -> None:

@@ -184,9 +184,11 @@ def add_plan_parser(sub: argparse._SubParsersAction,
                       help="auto: cuda if --gpu-memory-gib is given or a GPU is present, else cpu")
     plan.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                       help="the GPU's total memory in GiB (an H200: 139.8); default: the present GPU's")
-    plan.add_argument("--quantization", choices=QUANTIZATION_METHODS, default="none",
+    plan.add_argument("--quantization", choices=(*QUANTIZATION_METHODS, "gguf"), default=None,
                       help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq/rtn (0.5 byte + "
-                           "a scale and zero point per group of 128), as the engine's --quantization stores them")
+                           "a scale and zero point per group of 128), as the engine's --quantization stores them; "
+                           "gguf: a .gguf model's blocks as the engine keeps them on the device. Default: as the "
+                           "engine does (gguf for a .gguf model where its kernels run, else none)")
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
                            "--kv-cache-dtype stores them")

@@ -61,6 +61,8 @@ class PlanSpec:
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     quantization: str = "none"
+    gguf_types: dict[str, int] | None = None
+    """quantization gguf: the file's block type per checkpoint tensor (Hugging Face names)."""
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     kv_cache_memory_bytes: int | None = None
@@ -192,7 +194,13 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
 
     from pagellm.attention import get_attn_backend
     from pagellm.models import get_model_class
-    from pagellm.models.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from pagellm.models.layers import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+    from pagellm.quantization.gguf import GGUFConfig, kept_weight_bytes
 
     linear_layers = (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
     try:
@@ -203,14 +211,20 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
             raise
         # The layers cannot be split over that many ranks.
         raise ValueError(f"--tensor-parallel-size {spec.tensor_parallel_size}: {e}") from None
-    per_weight = quantized_weight_bytes(spec.quantization, spec.dtype_bytes)
+    gguf = GGUFConfig(spec.gguf_types or {}) if spec.quantization == "gguf" else None
+    per_weight = spec.dtype_bytes if gguf else quantized_weight_bytes(spec.quantization, spec.dtype_bytes)
     sizes: list[int] = []
     seen: set[int] = set()
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
+            kept = gguf.method_for(module, model.checkpoint_names(f"{prefix}.{name}"), spec.device == "cuda") \
+                if gguf and name == "weight" and isinstance(module, (*linear_layers, VocabParallelEmbedding)) else None
+            if kept is not None:  # the file's blocks (the CPU's kernels) or their GPU layout
+                sizes.append(kept_weight_bytes(kept, module, spec.device == "cuda"))
+                continue
             # Quantization methods store linear layers' weights; embeddings, norms and biases stay.
             quantized = isinstance(module, linear_layers) and name == "weight"
             sizes.append(math.ceil(param.numel() * (per_weight if quantized else spec.dtype_bytes)))

@@ -16,8 +16,8 @@ _GiB = 1 << 30
 
 
 def run_cli(ns: argparse.Namespace) -> int:
-    name, arch = resolve_arch(ns.model)
-    ledger = compute_ledger(spec_from_args(ns, arch))
+    name, arch, path = resolve_arch(ns.model)
+    ledger = compute_ledger(spec_from_args(ns, arch, path))
     tips = advice(ledger)
     if ns.json:
         print(json.dumps(ledger_json(name, ledger, tips), indent=2))
@@ -26,21 +26,22 @@ def run_cli(ns: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_arch(model: str | None) -> tuple[str, ModelArchConfig]:
-    """The architecture of a model path (GGUF file, Hugging Face directory), a config.json file or a
-    preset name; None: the embedded default model. Only the shape is read, never the weights."""
+def resolve_arch(model: str | None) -> tuple[str, ModelArchConfig, str | None]:
+    """(name, architecture, path) of a model path (GGUF file, Hugging Face directory), a
+    config.json file or a preset name (path None); None: the embedded default model. Only the
+    shape is read, never the weights."""
     from pagellm.loader import resolve_model
     from pagellm.loader.source import read_json
 
     if model is not None and model.endswith(".json") and os.path.isfile(model):
-        return model, ModelArchConfig.from_hf_dict(read_json(model))
+        return model, ModelArchConfig.from_hf_dict(read_json(model)), None
     source = resolve_model(model, "dummy")
-    return model or os.path.basename(source.path), source.arch
+    return model or os.path.basename(source.path), source.arch, source.path
 
 
-def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig) -> PlanSpec:
+def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | None = None) -> PlanSpec:
     """The plan's inputs from the command line: the device and its memory, dtype and defaults as
-    the engine would resolve them."""
+    the engine would resolve them (a GGUF file's blocks kept where the engine keeps them)."""
     import torch
 
     from pagellm.config import EngineArgs, EngineConfig, default_max_num_batched_tokens, resolve_dtype
@@ -66,16 +67,30 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig) -> PlanSpec:
         raise ValueError(f"--max-model-len ({max_model_len}) is larger than the model's max_position_embeddings "
                          f"({arch.max_position_embeddings})")
     torch_device = torch.device(device)
+    quantization, gguf_types = _quantization(ns.quantization, path, torch_device)
     return PlanSpec(
         arch=arch, device=device, dtype_bytes=resolve_dtype(ns.dtype, torch_device, arch.torch_dtype).itemsize,
         max_model_len=max_model_len, max_num_seqs=ns.max_num_seqs,
         max_num_batched_tokens=ns.max_num_batched_tokens or default_max_num_batched_tokens(torch_device,
                                                                                            ns.max_num_seqs),
         input_len=ns.input_len, output_len=ns.output_len, total_memory_bytes=total,
-        gpu_memory_utilization=ns.gpu_memory_utilization, block_size=ns.block_size, quantization=ns.quantization,
-        kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
+        gpu_memory_utilization=ns.gpu_memory_utilization, block_size=ns.block_size, quantization=quantization,
+        gguf_types=gguf_types, kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes, cpu_kv_cache_bytes=EngineConfig.default_cpu_kv_cache_bytes(),
         enforce_eager=ns.enforce_eager)
+
+
+def _quantization(requested: str | None, path: str | None, device) -> tuple[str, dict[str, int] | None]:
+    """(method, a GGUF file's block types) as the engine resolves --quantization (None: its default)."""
+    from pagellm.quantization import resolve_quantization
+    from pagellm.quantization.gguf import GGUFConfig
+
+    is_gguf = path is not None and path.endswith(".gguf")
+    if requested == "gguf" and not is_gguf:
+        raise ValueError("--quantization gguf plans a .gguf model's blocks; this model is not one")
+    if is_gguf and requested in (None, "gguf") and resolve_quantization(requested, "gguf", path, device) == "gguf":
+        return "gguf", GGUFConfig.from_file(path).qtypes
+    return requested or "none", None
 
 
 def advice(ledger: Ledger) -> list[str]:

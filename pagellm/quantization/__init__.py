@@ -86,7 +86,15 @@ def _resolve_gguf(requested: str | None, load_format: str, model_path: str, devi
     if load_format != "gguf":
         raise ValueError(f"{_FLAG} 'gguf' needs a .gguf model, but {model_path!r} is loaded as {load_format}")
     if device.type != "cpu":  # the Triton kernel
-        return "gguf"
+        from pagellm.quantization import gguf  # noqa: PLC0415
+
+        if gguf.triton_matmul is not None:
+            return "gguf"
+        if requested is None:
+            logger.warning("Triton cannot be imported; the GGUF weights are dequantized at load instead")
+            return None
+        raise ValueError(f"{_FLAG} 'gguf' on {device} needs Triton, which cannot be imported here; pass "
+                         "--quantization none")
     from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
 
     reason = ggml_cpu.unavailable_reason()
@@ -126,9 +134,10 @@ def _weights(qc: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"{_FLAG} compressed-tensors: {len(groups)} config groups; pagellm loads checkpoints "
                          "with one (every Linear layer the same way)")
     kv = qc.get("kv_cache_scheme")
-    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy") != "tensor"):
+    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy") != "tensor"
+               or kv.get("dynamic")):
         raise ValueError(f"{_FLAG} compressed-tensors: kv_cache_scheme {kv}; pagellm reads float8 KV caches with "
-                         "per-tensor scales (type float, num_bits 8, strategy tensor)")
+                         "static per-tensor scales (type float, num_bits 8, strategy tensor)")
     weights = groups[0].get("weights") or {}
     if weights.get("num_bits") not in (4, 8):
         raise ValueError(f"{_FLAG} compressed-tensors: {weights.get('num_bits')}-bit weights are not supported; "

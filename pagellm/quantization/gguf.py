@@ -59,17 +59,22 @@ class GGUFLinearMethod(LinearMethod):
         """The model's dtype (what an embedding lookup returns)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if not layer.weight.is_cuda:
-            return
+        if layer.weight.is_cuda:
+            self.convert(layer)
+
+    def convert(self, layer: nn.Module) -> None:
+        """The loaded blocks -> the Triton kernel's layout, one per run of parts of one type (the
+        GPU's form; `apply` then takes the kernel on any device: the CPU's tests run it in Triton's
+        interpreter)."""
         if not self.runs:
             raw = layer.weight.data
             for start, rows, qtype in self._type_runs(layer):
                 blocks = raw[start:start + rows, :gguf_blocks.row_bytes(qtype, self.input_size)]
                 g = gguf_blocks.to_grouped(qtype, blocks, self.input_size)
-                frozen = lambda t: None if t is None else nn.Parameter(t, requires_grad=False)  # noqa: E731
                 self.runs.append((start, rows, gguf_blocks.GroupedWeight(
-                    frozen(g.codes), frozen(g.scale), frozen(g.offset), g.zero, g.group)))
-        delattr(layer, "weight")
+                    _frozen(g.codes), _frozen(g.scale), _frozen(g.offset), g.zero, g.group)))
+        if "weight" in layer._parameters:  # (a tied table's second module: its own name for the blocks)
+            delattr(layer, "weight")
         for i, (_, _, g) in enumerate(self.runs):
             suffix = "" if len(self.runs) == 1 else f"_{i}"
             setattr(layer, f"weight{suffix}", g.codes)
@@ -92,7 +97,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, self.input_size)
-        if not x.is_cuda:
+        if not self.runs:  # the CPU's kernels
             # Every batch size takes the kernel: each row is summed alone, in the same order, so a
             # row's result never depends on its batch.
             out = ggml_cpu.gemm(self.qtype, x2.float(), layer.weight, self.output_size).to(x.dtype)
@@ -110,12 +115,16 @@ class GGUFLinearMethod(LinearMethod):
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.reshape(-1)
-        if ids.is_cuda:
+        if self.runs:
             g = self.runs[0][2]  # a table is one tensor
             rows = gguf_blocks.GroupedWeight(g.codes[ids], g.scale[ids], None if g.offset is None else g.offset[ids],
                                              g.zero, g.group)
             return gguf_blocks.dequantize(rows).to(self.dtype)
         return ggml_cpu.dequantize(self.qtype, layer.weight.index_select(0, ids), self.input_size).to(self.dtype)
+
+
+def _frozen(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
 def _padding_loader(layer: nn.Module):
@@ -150,7 +159,6 @@ class GGUFConfig(QuantizationConfig):
         from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415
 
         on_gpu = next(model.parameters()).is_cuda
-        types = tuple(gguf_blocks.BLOCKS) if on_gpu else CPU_TYPES
         kept: set[str] = set()
         methods: dict[int, nn.Module] = {}  # id(original weight) -> the module that re-created it (tied tables)
         counts: Counter[str] = Counter()
@@ -162,7 +170,7 @@ class GGUFConfig(QuantizationConfig):
                 module.set_quant_method(shared.quant_method, shared=shared)
                 continue
             names = model.checkpoint_names(f"{prefix}.weight")
-            method = self._method(module, names, types, on_gpu)
+            method = self.method_for(module, names, on_gpu)
             if method is None:
                 counts["dequantized"] += 1
                 continue
@@ -173,13 +181,13 @@ class GGUFConfig(QuantizationConfig):
         logger.info("GGUF layers: %s", ", ".join(f"{n} {what}" for what, n in counts.items()))
         return kept
 
-    def _method(self, module: nn.Module, names: list[str], kernel_types: tuple[int, ...],
-                on_gpu: bool) -> GGUFLinearMethod | None:
-        """The method of a layer stacked from checkpoint tensors `names`, if the device's kernels
-        take their block types (one type; on the GPU also one per fused part) and this rank's
-        input features are whole blocks; else None (dequantized at load)."""
+    def method_for(self, module: nn.Module, names: list[str], on_gpu: bool) -> GGUFLinearMethod | None:
+        """The method of a layer (or vocabulary table) stacked from checkpoint tensors `names`, if
+        the device's kernels take their block types (one type; on the GPU also one per fused part)
+        and this rank's input features are whole blocks; else None (dequantized at load)."""
         from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415 (layers import this package)
 
+        kernel_types = tuple(gguf_blocks.BLOCKS) if on_gpu else CPU_TYPES
         types = [self.qtypes.get(name) for name in names]
         input_size = module.input_size if isinstance(module, _ParallelLinear) else module.embedding_dim
         if not all(t in kernel_types and input_size % gguf_blocks.BLOCKS[t][0] == 0 for t in types):
@@ -190,3 +198,12 @@ class GGUFConfig(QuantizationConfig):
             return None
         parts = module.parts()  # in the order of `names` (the model's stacking order)
         return GGUFLinearMethod(None, {shard_id: t for (shard_id, _, _), t in zip(parts, types, strict=True)})
+
+
+def kept_weight_bytes(method: GGUFLinearMethod, module: nn.Module, on_gpu: bool) -> int:
+    """Bytes of `module`'s dense [rows, inputs] weight once `method` keeps it (not yet given to the
+    module) on the CPU (the file's blocks) or the GPU."""
+    rows, inputs = module.weight.shape
+    parts = [(rows, method.qtype)] if method.part_types is None else \
+        [(part_rows, method.part_types[shard_id]) for shard_id, _, part_rows in module.parts()]
+    return sum(round(n * inputs * gguf_blocks.bytes_per_weight(t, on_gpu)) for n, t in parts)

@@ -14,14 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from pagellm.quantization.int4 import pack_pairs
+from pagellm.quantization.int4 import pack_pairs, unpack_pairs
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 """GGML type ids."""
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34), Q4_K: (256, 144),
-          Q5_K: (256, 176), Q6_K: (256, 210)}
-"""GGML type id -> (weights, bytes) per block, for the types kept quantized on some device."""
+BLOCKS = {t: GGML_QUANT_SIZES[GGMLQuantizationType(t)] for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
+"""GGML type id -> (weights, bytes) per block (the gguf package's table), for the types kept
+quantized on some device."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +97,18 @@ def to_grouped(qtype: int, raw: torch.Tensor, in_features: int) -> GroupedWeight
     raise ValueError(f"GGML type {qtype} has no GPU layout")
 
 
+def bytes_per_weight(qtype: int, gpu: bool) -> float:
+    """What one weight of `qtype` blocks takes as kept: the file's blocks (CPU), or the GPU layout."""
+    values, nbytes = BLOCKS[qtype]
+    if not gpu:
+        return nbytes / values
+    g = to_grouped(qtype, torch.zeros(1, nbytes, dtype=torch.uint8), values)
+    return sum(t.numel() * t.element_size() for t in (g.codes, g.scale, g.offset) if t is not None) / values
+
+
 def dequantize(w: GroupedWeight) -> torch.Tensor:
     """The float32 weight [N, K] (what the gguf package's dequantize gives)."""
-    q = w.codes
-    if q.dtype == torch.uint8:
-        q = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(q.shape[0], -1)
+    q = unpack_pairs(w.codes) if w.codes.dtype == torch.uint8 else w.codes
     values = (q.float() - w.zero) * w.scale.float().repeat_interleave(w.group, dim=1)
     if w.offset is not None:
         values += w.offset.float().repeat_interleave(w.group, dim=1)

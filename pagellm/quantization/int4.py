@@ -231,9 +231,14 @@ def pack_pairs(q: torch.Tensor) -> torch.Tensor:
     return q[:, 0::2] | (q[:, 1::2] << 4)
 
 
+def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_pairs`: [N, K / 2] -> uint8 [N, K]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
     """The float32 weight [N, K] of the kernel's layout."""
-    q = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
+    q = unpack_pairs(qweight)
     zero = zeros.repeat_interleave(group, dim=1).float()
     return (q.float() - zero) * scales.float().repeat_interleave(group, dim=1)
 

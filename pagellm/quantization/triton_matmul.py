@@ -3,9 +3,11 @@
 The weight stays in memory as stored (8-bit codes [N, K], or 4-bit codes two per byte [N, K / 2])
 and is read once per tile of activation rows, so a decode step reads half (8-bit) or a quarter
 (4-bit) of the bytes of a 16-bit weight. Each tile's product runs on the tensor cores in the
-activations' dtype: an fp8 or int8 code, and a 4-bit code minus its zero point, are exact there;
-the scales (and GGUF's per-block offsets, times the activations' sum) are applied to the float32
-sums, per group of K (int4, GGUF) or per output channel at the end (fp8, int8).
+activations' dtype. A tile within one group of K multiplies the codes (minus zero points: small
+integers, exact there) and applies the group's scale (and GGUF's offset, times the activations'
+sum) to the float32 product; per-channel scales apply at the end. A tile of several groups (the
+autotuner's choice where groups are small, e.g. GGUF's 16 and 32) dequantizes each weight in
+float32 and rounds it to the activations' type, as a dense model's weights are rounded.
 """
 from __future__ import annotations
 
@@ -282,6 +284,8 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     per_group = _whole_group_tiles(group_size)
     if (isinstance(zero, torch.Tensor) or zero or offset is not None) and not group_size:
         raise ValueError("zero points and offsets go with groups of K (group_size > 0)")
+    if offset is not None and (offset.shape != scale.shape or offset.stride() != scale.stride()):
+        raise ValueError("offset must have scale's shape and strides")
     if offset is not None and not per_group:
         raise ValueError(f"offsets need groups of a power of two up to 256 input features, not {group_size}")
     zero_arg, zero_const = (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
