@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks.quant_gpu import SHAPES, bench_us
 from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.latency import measure_latency
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
@@ -43,8 +44,6 @@ from pagellm.loader.presets import get_preset
 from pagellm.quantization import gguf_blocks
 from pagellm.tokenizer.gguf_tokenizer import byte_to_unicode
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-"""Llama-3.1-8B projections: (N, K)."""
 TYPE_NAMES = {gguf_blocks.Q4_0: "Q4_0", gguf_blocks.Q4_1: "Q4_1", gguf_blocks.Q5_0: "Q5_0", gguf_blocks.Q5_1: "Q5_1",
               gguf_blocks.Q8_0: "Q8_0", gguf_blocks.Q4_K: "Q4_K", gguf_blocks.Q5_K: "Q5_K", gguf_blocks.Q6_K: "Q6_K"}
 _FP16_FIELDS = {  # byte offset of each float16 field in a block -> the range its random values take
@@ -75,14 +74,6 @@ def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator) ->
     return blocks.reshape(rows, -1)
 
 
-def _bench_us(fn) -> float:
-    import triton.testing
-
-    fn()  # compile / autotune outside the graph
-    torch.cuda.synchronize()
-    return 1000 * triton.testing.do_bench_cudagraph(fn, rep=50)
-
-
 def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
     from pagellm.quantization.triton_matmul import dequant_matmul
 
@@ -91,7 +82,7 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
     for name, (n, k) in SHAPES.items():
         w16 = (torch.randn(n, k, device="cuda") * 0.02).bfloat16()
         xs = {rows: torch.randn(rows, k, device="cuda").bfloat16() for rows in rows_list}
-        bf16_us = {rows: _bench_us(lambda x=x: F.linear(x, w16)) for rows, x in xs.items()}
+        bf16_us = {rows: bench_us(lambda x=x: F.linear(x, w16)) for rows, x in xs.items()}
         for qtype, type_name in TYPE_NAMES.items():
             g = gguf_blocks.to_grouped(qtype, torch.from_numpy(random_blocks(qtype, n, k, rng)).cuda(), k)
             reference = gguf_blocks.dequantize(g)
@@ -101,7 +92,7 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
                           "bf16_us": bf16_us[rows]}
                 run = lambda x=x, g=g: dequant_matmul(x, g.codes, g.scale, g.zero, g.group, g.offset)  # noqa: E731
                 try:
-                    record["us"] = _bench_us(run)
+                    record["us"] = bench_us(run)
                     expected = x.float() @ reference.t()
                     record["max_rel_error"] = ((run().float() - expected).abs().max() / expected.abs().max()).item()
                 except Exception as e:  # noqa: BLE001 (recorded, the other cases still run)

@@ -44,7 +44,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 """Llama-3.1-8B projections: (N, K)."""
 
 
-def _bench_us(fn) -> float:
+def bench_us(fn) -> float:
+    """Microseconds of `fn` by CUDA-graph replay, compiled and autotuned first."""
     import triton.testing
 
     fn()  # compile / autotune outside the graph
@@ -79,7 +80,7 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
             for method, (fn, ref, weight_bytes) in cases.items():
                 record = {"layer": name, "n": n, "k": k, "rows": rows, "method": method, "weight_bytes": weight_bytes}
                 try:
-                    record["us"] = _bench_us(fn)
+                    record["us"] = bench_us(fn)
                     if ref is not None:
                         out = fn().float()
                         record["max_rel_error"] = ((out - ref).abs().max() / ref.abs().max()).item()
