@@ -213,6 +213,7 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
         raise ValueError(f"--tensor-parallel-size {spec.tensor_parallel_size}: {e}") from None
     gguf = GGUFConfig(spec.gguf_types or {}) if spec.quantization == "gguf" else None
     per_weight = spec.dtype_bytes if gguf else quantized_weight_bytes(spec.quantization, spec.dtype_bytes)
+    on_gpu = spec.device == "cuda"
     sizes: list[int] = []
     seen: set[int] = set()
     for prefix, module in model.named_modules():
@@ -220,10 +221,11 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            kept = gguf.method_for(module, model.checkpoint_names(f"{prefix}.{name}"), spec.device == "cuda") \
-                if gguf and name == "weight" and isinstance(module, (*linear_layers, VocabParallelEmbedding)) else None
+            table = isinstance(module, (*linear_layers, VocabParallelEmbedding)) and name == "weight"
+            kept = gguf.method_for(module, model.checkpoint_names(f"{prefix}.{name}"), on_gpu) if gguf and table \
+                else None
             if kept is not None:  # the file's blocks (the CPU's kernels) or their GPU layout
-                sizes.append(kept_weight_bytes(kept, module, spec.device == "cuda"))
+                sizes.append(kept_weight_bytes(kept, module, on_gpu))
                 continue
             # Quantization methods store linear layers' weights; embeddings, norms and biases stay.
             quantized = isinstance(module, linear_layers) and name == "weight"

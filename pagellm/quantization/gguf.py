@@ -101,10 +101,7 @@ class GGUFLinearMethod(LinearMethod):
             # Every batch size takes the kernel: each row is summed alone, in the same order, so a
             # row's result never depends on its batch.
             out = ggml_cpu.gemm(self.qtype, x2.float(), layer.weight, self.output_size).to(x.dtype)
-        elif len(self.runs) == 1:
-            g = self.runs[0][2]
-            out = triton_matmul.dequant_matmul(x2, g.codes, g.scale, g.zero, g.group, g.offset)
-        else:
+        else:  # the Triton kernel, each run of one type into its columns
             out = torch.empty(x2.shape[0], self.output_size, dtype=x.dtype, device=x.device)
             for start, rows, g in self.runs:
                 triton_matmul.dequant_matmul(x2, g.codes, g.scale, g.zero, g.group, g.offset,
