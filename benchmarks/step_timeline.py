@@ -1,0 +1,203 @@
+"""Host and device timeline of decode steps: does the host's work hide under the GPU's?
+
+For each batch size, `LLM.generate` of that many greedy requests (ignore_eos) runs under the torch
+profiler with the engine's host phases marked (`schedule`, `launch_step`, `wait_result`,
+`update_from_output`, `process_outputs`). Over the last half of the decode steps it reports the
+wall time per step, the GPU's busy and idle time per step (union of kernel intervals), each host
+phase's time per step, the CUDA runtime calls that cost the host most, and the replay time of the
+captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
+step N+1 should fit under step N's kernels: GPU idle near zero, step close to the replay.
+
+On the GPU machine, from the repository root:
+    python3 -m benchmarks.step_timeline --out-dir "$OUT"
+On the CPU (a tiny model; the host phases only):
+    .venv/bin/python -m benchmarks.step_timeline --model tests/... --device cpu --batch-sizes 1 64 256
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
+
+PHASES = ("schedule", "launch_step", "wait_result", "update_from_output", "process_outputs")
+
+
+def mark_phases(llm: LLM) -> None:
+    """Wrap the engine's host phases in profiler ranges (instance attributes, this engine only)."""
+    engine = llm.llm_engine
+    core = engine.engine_core
+    runner = core.executor.worker.runner
+
+    def marked(name: str, fn):
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    core.scheduler.schedule = marked("schedule", core.scheduler.schedule)
+    core.scheduler.update_from_output = marked("update_from_output", core.scheduler.update_from_output)
+    engine.output_processor.process = marked("process_outputs", engine.output_processor.process)
+    launch = runner.launch_step
+
+    def launch_marked(so):
+        with torch.profiler.record_function("launch_step"):
+            step = launch(so)
+        step.result = marked("wait_result", step.result)
+        return step
+
+    runner.launch_step = launch_marked
+
+
+def prompts_for(batch: int, input_len: int, salt: int) -> list[dict]:
+    return [{"prompt_token_ids": [(7 * i + 13 * salt + j) % 30000 + 100 for j in range(input_len)]}
+            for i in range(batch)]
+
+
+def generate_s(llm: LLM, batch: int, input_len: int, output_len: int, salt: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    _sync(llm)
+    start = time.perf_counter()
+    llm.generate(prompts_for(batch, input_len, salt), params, use_tqdm=False)
+    _sync(llm)
+    return time.perf_counter() - start
+
+
+def _sync(llm: LLM) -> None:
+    if torch.cuda.is_available() and llm.llm_engine.config.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by a set of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path | None) -> dict[str, Any]:
+    """Profile one generate; summarize its last output_len // 2 steps."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if llm.llm_engine.config.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        generate_s(llm, batch, input_len, output_len, salt=3)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    events = list(prof.events())
+    launches = sorted(e.time_range.start for e in events if e.name == "launch_step")
+    num_steps = max(1, min(output_len // 2, len(launches) - 1))
+    start = launches[-num_steps - 1]  # the window: from the launch before its first step to the end
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= start]
+    end = max([k[1] for k in kernels] + [e.time_range.end for e in events if e.time_range.start >= start])
+    window = end - start
+    busy = union_us([(max(s, start), e) for s, e in kernels])
+    phases = collections.defaultdict(float)
+    runtime = collections.defaultdict(float)
+    for e in events:
+        if e.time_range.start < start or e.device_type == torch.autograd.DeviceType.CUDA:
+            continue
+        if e.name in PHASES:
+            phases[e.name] += e.time_range.end - e.time_range.start
+        elif e.name.startswith("cuda"):  # runtime API calls: how long the host sat in each kind
+            runtime[e.name] += e.time_range.end - e.time_range.start
+    per_step = 1e-3 / num_steps
+    top_runtime = sorted(runtime.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "steps_in_window": num_steps,
+        "step_ms": window * per_step,
+        "gpu_busy_ms": busy * per_step,
+        "gpu_idle_ms": (window - busy) * per_step,
+        "host_phase_ms": {name: phases[name] * per_step for name in PHASES},
+        "cuda_runtime_ms": {name: us * per_step for name, us in top_runtime},
+    }
+
+
+def replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
+    """GPU time of one replay of the captured decode graph that takes `batch` sequences."""
+    graphs = llm.llm_engine.engine_core.executor.worker.runner.graphs
+    if graphs is None or batch > graphs.max_size:
+        return None
+    size = next(s for s in graphs.sizes if s >= batch)
+    graph = graphs.graph(size)
+    graph.replay()
+    torch.cuda.synchronize()
+    begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        graph.replay()
+    finish.record()
+    finish.synchronize()
+    return begin.elapsed_time(finish) / iters
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--device", default=None, help="default: the engine's (cuda when there is a GPU)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 512])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--async-scheduling", choices=("on", "off"), default=None, help="default: the engine's")
+    p.add_argument("--trace-batch", type=int, default=None, help="also write the chrome trace of this batch size")
+    p.add_argument("--out-dir", default=None, help="where step_timeline.json goes; default benchmarks/results/")
+    args = p.parse_args()
+
+    engine_args: dict[str, Any] = {"load_format": args.load_format, "max_model_len": args.max_model_len,
+                                   "max_num_seqs": max(args.batch_sizes)}
+    if args.device:
+        engine_args["device"] = args.device
+    if args.async_scheduling:
+        engine_args["async_scheduling"] = args.async_scheduling == "on"
+    started = time.perf_counter()
+    llm = LLM(args.model, **engine_args)
+    startup_s = time.perf_counter() - started
+    mark_phases(llm)
+    rows, results = [], []
+    for batch in args.batch_sizes:
+        generate_s(llm, batch, args.input_len, 2, salt=0)  # warm-up
+        # The decode step's wall time: the difference of two runs cancels start-up and prefill.
+        full = statistics.median(generate_s(llm, batch, args.input_len, args.output_len, salt=1 + r) for r in range(2))
+        one = statistics.median(generate_s(llm, batch, args.input_len, 1, salt=1 + r) for r in range(2))
+        step_ms = (full - one) / (args.output_len - 1) * 1e3
+        trace = None
+        if args.trace_batch == batch and args.out_dir:
+            trace = Path(args.out_dir) / f"step_timeline_trace_b{batch}.json"
+        found = timeline(llm, batch, args.input_len, args.output_len, trace)
+        replay = replay_ms(llm, batch) if llm.llm_engine.config.device.type == "cuda" else None
+        result = {"batch": batch, "engine_step_ms": step_ms, "replay_ms": replay,
+                  "step_over_replay": step_ms / replay if replay else None, "profiled": found}
+        results.append(result)
+        host = found["host_phase_ms"]
+        rows.append([batch, f"{step_ms:.2f}", "-" if replay is None else f"{replay:.2f}",
+                     "-" if replay is None else f"{step_ms / replay:.2f}", f"{found['step_ms']:.2f}",
+                     f"{found['gpu_idle_ms']:.2f}", *(f"{host[name]:.2f}" for name in PHASES)])
+        print(f"batch {batch}: cuda runtime per step {found['cuda_runtime_ms']}", flush=True)
+    payload = {"benchmark": "step_timeline", **run_metadata(), "model": args.model, "parameters": vars(args),
+               "startup_s": startup_s, "async_scheduling": llm.llm_engine.engine_core.overlap, "results": results}
+    out = Path(args.out_dir) / "step_timeline.json" if args.out_dir else default_result_path("step_timeline")
+    print(format_table(["batch", "step ms", "replay ms", "step/replay", "profiled step ms", "GPU idle ms",
+                        *(f"{name} ms" for name in PHASES)], rows))
+    print("wrote", write_json(payload, out))
+
+
+if __name__ == "__main__":
+    main()
