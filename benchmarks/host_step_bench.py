@@ -1,19 +1,24 @@
-"""Host time of one decode step without the model: what async scheduling must hide under the GPU's step.
+"""Host time of one decode step, the whole engine path but the model: what async scheduling must hide.
 
-For each batch size, that many requests with `--context-len`-token prompts are admitted and
-prefilled (untimed); then each timed decode step runs what the host does around the forward:
-`Scheduler.schedule`, the worker's `RequestStates.update` and `build` (flat batch, block table,
-slot mapping, copies to the device), the logits processors and sampling metadata, and `Scheduler.update_from_output` with
-one sampled token per request. Greedy requests with ignore_eos, as in `pagellm bench throughput`.
+The real `LLMEngine` (scheduler, worker batch, sampling, token update, output processing) runs a
+tiny dummy Llama whose forward is replaced by a stub that returns zero hidden states, so what is
+timed is the Python and numpy around the forward, on this machine's CPU. For each batch size,
+that many greedy requests (ignore_eos) of `--context-len` tokens are prefilled (untimed); each
+timed step is one `LLMEngine.step()` with every request decoding, split into phases:
+`schedule`, `launch_step` (worker batch and sampling, the stub forward excluded),
+`update_from_output` and `process_outputs`.
 
-    .venv/bin/python -m benchmarks.host_step_bench --batch-sizes 1 64 256 384
+    .venv/bin/python -m benchmarks.host_step_bench --batch-sizes 1 64 256 512
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -21,78 +26,109 @@ if __package__ in (None, ""):
 
 import torch
 
+from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
-from pagellm.core.outputs import ModelRunnerOutput
-from pagellm.core.request import Request
-from pagellm.core.scheduler import Scheduler, SchedulerLimits
-from pagellm.sample.logits_processors import LogitsProcessors
-from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sampling_params import SamplingParams
-from pagellm.worker.batch import RequestStates
 
-BLOCK_SIZE = 16
-VOCAB = 128256
+VOCAB = 4096
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+PHASES = ("schedule", "launch_step", "update_from_output", "process_outputs")
 
 
-def host_step_ms(batch: int, context_len: int, steps: int, device: torch.device) -> list[float]:
-    """Per decode step, milliseconds of host work at `batch` running requests."""
-    # Room for the timed steps plus the tokens early requests decode while later ones prefill.
-    max_model_len = context_len + 2 * steps + batch
-    blocks = batch * (-(-max_model_len // BLOCK_SIZE)) + 1
-    scheduler = Scheduler(SchedulerLimits(max_num_batched_tokens=max(8192, batch), max_num_seqs=batch,
-                                          max_model_len=max_model_len, block_size=BLOCK_SIZE, num_blocks=blocks,
-                                          enable_prefix_caching=True))
-    states = RequestStates(BLOCK_SIZE, device)
-    max_tokens = max_model_len - context_len
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+class PhaseClock:
+    """Accumulates the wall time of wrapped calls by phase name."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        seconds = self.seconds
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - start
+        return timed
+
+
+def stub_engine(max_num_seqs: int, max_model_len: int) -> tuple[LLM, PhaseClock]:
+    """The engine around a tiny model whose forward returns zeros, its phases on a clock (the
+    stub's own time is counted as `forward` and left out of `launch_step`)."""
+    folder = Path(tempfile.mkdtemp(prefix="host-step-"))
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    llm = LLM(str(folder), load_format="dummy", device="cpu", dtype="float32", max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=max(8192, max_num_seqs),
+              kv_cache_memory_bytes=256 << 20)
+    engine = llm.llm_engine
+    core = engine.engine_core
+    runner = core.executor.worker.runner
+    clock = PhaseClock()
+
+    def stub_forward(input_ids, positions, md, *rest):
+        return torch.zeros((md.num_tokens, TINY_LLAMA["hidden_size"]))
+
+    runner._run_stage = clock.wrap("forward", stub_forward)
+    runner.model.compute_logits = clock.wrap("forward", runner.model.compute_logits)
+    core.scheduler.schedule = clock.wrap("schedule", core.scheduler.schedule)
+    core.scheduler.update_from_output = clock.wrap("update_from_output", core.scheduler.update_from_output)
+    engine.output_processor.process = clock.wrap("process_outputs", engine.output_processor.process)
+    runner.launch_step = clock.wrap("launch_step", runner.launch_step)
+    return llm, clock
+
+
+def host_step_ms(llm: LLM, clock: PhaseClock, batch: int, context_len: int, steps: int) -> dict[str, float]:
+    """Median milliseconds per decode step of `batch` requests: the whole step and each phase."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch):
-        prompt = [(i * 7919 + j) % (VOCAB - 1) + 1 for j in range(context_len)]
-        scheduler.add_request(Request(f"r{i}", prompt, params, frozenset({0}), max_tokens=max_tokens))
-
-    def step() -> int:
-        so = scheduler.schedule()
-        states.update(so)
-        flat = states.build(so)
-        rows = [states.states[r] for r in flat.sampling_req_ids]
-        row_params = [s.sampling_params for s in rows]
-        processors = LogitsProcessors.build(row_params, [s.token_ids for s in rows], [s.num_prompt_tokens for s in rows],
-                                            [s.eos_token_ids for s in rows], VOCAB, device)
-        SamplingMetadata.build(row_params, flat.num_generated, VOCAB, device, None, processors)
-        sampled = [[1] for _ in flat.sampling_req_ids]
-        states.append_sampled(flat.sampling_req_ids, sampled)
-        scheduler.update_from_output(ModelRunnerOutput(flat.sampling_req_ids, sampled))
-        return so.total_num_scheduled_tokens
-
-    while scheduler.waiting or any(r.num_tokens == r.num_prompt_tokens for r in scheduler.running):
-        step()  # prefill until every request has its first token, untimed
-    times = []
+        prompt = [(i * 7919 + j) % (VOCAB - 3) + 3 for j in range(context_len)]
+        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": prompt}, params)
+    scheduler = engine.engine_core.scheduler
+    while scheduler.waiting or any(r.num_output_tokens == 0 for r in scheduler.running):
+        engine.step()  # prefill until every request has its first token, untimed
+    samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(steps):
+        clock.seconds.clear()
+        before = sum(r.num_output_tokens for r in scheduler.running)
         start = time.perf_counter()
-        num_tokens = step()
-        times.append((time.perf_counter() - start) * 1e3)
-        if num_tokens != batch:
-            raise RuntimeError(f"a timed step scheduled {num_tokens} tokens, not one per request ({batch})")
-    return times
+        engine.step()
+        wall = time.perf_counter() - start
+        if sum(r.num_output_tokens for r in scheduler.running) - before != batch:
+            raise RuntimeError(f"a timed step did not decode one token for each of the {batch} requests")
+        forward = clock.seconds["forward"]
+        samples["step"].append((wall - forward) * 1e3)
+        samples["launch_step"].append((clock.seconds["launch_step"] - forward) * 1e3)
+        for name in PHASES[:1] + PHASES[2:]:
+            samples[name].append(clock.seconds[name] * 1e3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 384])
-    p.add_argument("--context-len", type=int, default=1024)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 512])
+    p.add_argument("--context-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--device", default="cpu", help="where the step's input tensors go")
     p.add_argument("--output", default=None, help="JSON path; default: benchmarks/results/host_step_<UTC time>.json")
     args = p.parse_args()
-    device = torch.device(args.device)
+    llm, clock = stub_engine(max(args.batch_sizes), args.context_len + args.steps + 8)
     rows, results = [], []
     for batch in args.batch_sizes:
-        times = host_step_ms(batch, args.context_len, args.steps, device)
-        median = statistics.median(times)
-        results.append({"batch": batch, "median_ms": median, "p90_ms": sorted(times)[int(0.9 * len(times))],
-                        "us_per_request": median * 1e3 / batch})
-        rows.append([batch, f"{median:.2f}", f"{results[-1]['p90_ms']:.2f}", f"{median * 1e3 / batch:.1f}"])
+        host_step_ms(llm, clock, batch, args.context_len, 5)  # warm-up
+        found = host_step_ms(llm, clock, batch, args.context_len, args.steps)
+        results.append({"batch": batch, "step_ms": found["step"], "us_per_request": found["step"] * 1e3 / batch,
+                        "phase_ms": {name: found[name] for name in PHASES}})
+        rows.append([batch, f"{found['step']:.3f}", f"{found['step'] * 1e3 / batch:.1f}",
+                     *(f"{found[name]:.3f}" for name in PHASES)])
     payload = {"benchmark": "host_step", **run_metadata(), "parameters": vars(args), "results": results}
-    print(format_table(["batch", "host ms / step (median)", "p90", "us per request"], rows))
+    print(format_table(["batch", "host ms / step", "us / request", *(f"{name} ms" for name in PHASES)], rows))
     print("wrote", write_json(payload, args.output or default_result_path("host_step")))
 
 
