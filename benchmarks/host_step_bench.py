@@ -29,7 +29,7 @@ import torch
 from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 
-VOCAB = 4096
+VOCAB = 512
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": VOCAB,
@@ -85,7 +85,9 @@ def stub_engine(max_num_seqs: int, max_model_len: int) -> tuple[LLM, PhaseClock]
 def host_step_ms(llm: LLM, clock: PhaseClock, batch: int, context_len: int, steps: int) -> dict[str, float]:
     """Median milliseconds per decode step of `batch` requests: the whole step and each phase."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    # Room for the tokens early requests decode while later ones prefill, then for the timed steps.
+    max_tokens = engine.config.max_model_len - context_len
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         prompt = [(i * 7919 + j) % (VOCAB - 3) + 3 for j in range(context_len)]
         engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": prompt}, params)
@@ -106,8 +108,7 @@ def host_step_ms(llm: LLM, clock: PhaseClock, batch: int, context_len: int, step
         samples["launch_step"].append((clock.seconds["launch_step"] - forward) * 1e3)
         for name in PHASES[:1] + PHASES[2:]:
             samples[name].append(clock.seconds[name] * 1e3)
-    while engine.has_unfinished_requests():
-        engine.step()
+    engine.abort_request([f"b{batch}-{i}" for i in range(batch)])
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
@@ -118,7 +119,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--output", default=None, help="JSON path; default: benchmarks/results/host_step_<UTC time>.json")
     args = p.parse_args()
-    llm, clock = stub_engine(max(args.batch_sizes), args.context_len + args.steps + 8)
+    prefill_steps = max(args.batch_sizes) * args.context_len // 8192 + 2
+    llm, clock = stub_engine(max(args.batch_sizes), args.context_len + args.steps + prefill_steps)
     rows, results = [], []
     for batch in args.batch_sizes:
         host_step_ms(llm, clock, batch, args.context_len, 5)  # warm-up

@@ -76,7 +76,7 @@ def test_block_count_follows_computed_tokens_across_chunks(block_size, chunk):
         assert len(set(blocks)) == len(blocks)
     # Decode tokens: a new block exactly when a block boundary is crossed.
     for step in range(2 * block_size):
-        req.append_token(7)
+        req.all_token_ids.append(7)
         new = extend(kv, req, 1)
         crossed = (req.num_computed_tokens - 1) % block_size == 0
         assert len(new) == (1 if crossed else 0)
@@ -109,12 +109,12 @@ def test_allocate_returns_none_and_changes_nothing_when_pool_short():
     assert kv.get_block_ids("b") == []
     assert b.num_computed_tokens == 0
     # A running request that needs more than what is free also gets None and keeps its blocks.
-    a.append_token(1)
+    a.all_token_ids.append(1)
     assert extend(kv, a, 1) is not None      # 4th block, pool now full
-    a.append_token(2)
-    a.append_token(3)
-    a.append_token(4)
-    a.append_token(5)
+    a.all_token_ids.append(2)
+    a.all_token_ids.append(3)
+    a.all_token_ids.append(4)
+    a.all_token_ids.append(5)
     before = snapshot(kv)
     assert extend(kv, a, 4) is None          # token 17 needs a 5th block
     assert snapshot(kv) == before
@@ -276,7 +276,7 @@ def test_decode_tokens_fill_and_register_blocks():
     a = make_req("a", [1, 2, 3, 4, 5, 6])
     admit(kv, a)
     for t in (7, 8, 9):
-        a.append_token(t)
+        a.all_token_ids.append(t)
         extend(kv, a, 1)
     kv.free(a)
     b = make_req("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])

@@ -77,9 +77,9 @@ def test_features_apply_to_greedy_rows_and_a_batch_without_them_builds_nothing()
 
 def test_check_stop_waits_for_min_tokens():
     request = Request("r", [1, 2], SamplingParams(min_tokens=2, stop_token_ids=[5]), frozenset({EOS}), max_tokens=10)
-    request.append_token(EOS)
+    request.all_token_ids.append(EOS)
     assert not request.check_stop(EOS, 100)
-    request.append_token(5)
+    request.all_token_ids.append(5)
     assert request.check_stop(5, 100) and request.stop_reason == 5  # the 2nd token may stop
 
 

@@ -66,11 +66,6 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_total = num_computed + num_new_tokens
-        # Most decode steps fit the blocks held and fill none: nothing to allocate or register.
-        if (not new_computed_blocks and num_total <= len(req_blocks) * self.block_size
-                and (not self.enable_caching
-                     or num_total // self.block_size <= self._num_cached_blocks.get(request.request_id, 0))):
-            return []
         num_needed = -(-num_total // self.block_size) - len(req_blocks) - len(new_computed_blocks)
         # Hit blocks sitting in the free queue stop being allocatable once we take them.
         num_reclaimed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
@@ -80,8 +75,12 @@ class KVCacheManager:
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0))
         req_blocks.extend(new_blocks)
+        capacity = len(req_blocks) * self.block_size
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_total)
+            # Past this, a block fills and is registered in the prefix cache.
+            capacity = min(capacity, (self._num_cached_blocks[request.request_id] + 1) * self.block_size - 1)
+        request.kv_quiet_until = capacity
         return new_blocks
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
@@ -95,6 +94,7 @@ class KVCacheManager:
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
+        request.kv_quiet_until = 0
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))

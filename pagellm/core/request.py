@@ -81,9 +81,20 @@ class Request:
     """Draft tokens scheduled after its last token by the step in flight (speculative decoding)."""
     proposed_token_ids: list[int] = field(default_factory=list)
     """The draft model's proposal for its next step (draft_model speculation), until scheduled."""
+    kv_quiet_until: int = 0
+    """Up to this many tokens, the blocks it holds have room and no block fills: allocating them
+    changes nothing (kept by `KVCacheManager`), so a decode step need not call it."""
+    worker_out_of_date: bool = False
+    """Its computed tokens moved other than by the tokens scheduled (rejected drafts rolled back):
+    the next step tells the workers where it stands."""
+
+    _stop_ids: frozenset[int] = field(init=False)
+    """The tokens that may end it: EOS (unless ignore_eos) and stop_token_ids (see `check_stop`)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        sp = self.sampling_params
+        self._stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -124,20 +135,15 @@ class Request:
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys)
 
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """After appending `token_id`: set a finished status if generation must end."""
-        sp = self.sampling_params
+        num_output = len(self.all_token_ids) - len(self.prompt_token_ids)
         # The sampler masks EOS and stop tokens below min_tokens; this keeps the rule even for
         # a token that reached here some other way.
-        may_stop = self.num_output_tokens >= sp.min_tokens
-        if may_stop and not sp.ignore_eos and token_id in self.eos_token_ids:
+        if token_id in self._stop_ids and num_output >= self.sampling_params.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif may_stop and token_id in sp.stop_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-            self.stop_reason = token_id
-        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            if self.sampling_params.ignore_eos or token_id not in self.eos_token_ids:
+                self.stop_reason = token_id
+        elif num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return self.status.is_finished

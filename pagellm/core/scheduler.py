@@ -172,39 +172,45 @@ class Scheduler:
         speculate = self._speculating
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, budget)
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens_with_placeholders - start, budget)
             if (num_new <= 0 or request.reaches_limit_in_flight(self.limits.max_model_len)
                     or (request.num_output_placeholders and not self.workers_see_samples)):
                 i += 1
                 continue
-            drafts = self._propose(request, budget, speculate) if num_new == 1 else []
-            extra = len(drafts) + self._lookahead(request, request.num_computed_tokens + num_new + len(drafts),
-                                                  speculate)
-            new_blocks = self.kv.allocate_slots(request, num_new + extra)
-            if new_blocks is None and extra:  # no room to speculate: decode plainly
-                drafts = []
-                new_blocks = self.kv.allocate_slots(request, num_new)
-            while new_blocks is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted_now = True
-                if victim is request:
+            drafts = self._propose(request, budget, speculate) if num_new == 1 and self.speculative else []
+            extra = len(drafts) + (self._lookahead(request, start + num_new + len(drafts), speculate)
+                                   if self.lookahead else 0)
+            if start + num_new + extra <= request.kv_quiet_until:
+                new_blocks = ()  # the common decode step: within its blocks, filling none
+            else:
+                new_blocks = self.kv.allocate_slots(request, num_new + extra)
+                if new_blocks is None and extra:  # no room to speculate: decode plainly
+                    drafts = []
+                    new_blocks = self.kv.allocate_slots(request, num_new)
+                while new_blocks is None:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted_now = True
+                    if victim is request:
+                        break
+                    new_blocks = self.kv.allocate_slots(request, num_new)
+                if new_blocks is None:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
-            if new_blocks is None:
-                break
             if drafts:
                 request.spec_token_ids = spec_tokens[request.request_id] = drafts
                 num_new += len(drafts)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
-            start = request.num_computed_tokens
-            new_token_ids = ([] if self.workers_see_samples else
-                             request.all_token_ids[max(start, request.num_prompt_tokens):start + num_new])
-            cached_reqs.append(CachedRequestData(
-                request.request_id, [b.block_id for b in new_blocks], start, new_token_ids))
+            if new_blocks or request.worker_out_of_date or not self.workers_see_samples:
+                request.worker_out_of_date = False
+                new_token_ids = ([] if self.workers_see_samples else
+                                 request.all_token_ids[max(start, request.num_prompt_tokens):start + num_new])
+                cached_reqs.append(CachedRequestData(
+                    request.request_id, [b.block_id for b in new_blocks], start, new_token_ids))
             i += 1
 
         # Admitting new work right after a preemption would only thrash.
@@ -343,48 +349,58 @@ class Scheduler:
         results = self._finish_pooled(output.pooler_output) if output.pooler_output else []
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
+        draft_token_ids = output.draft_token_ids or {}
+        requests, running, max_model_len = self.requests, RequestStatus.RUNNING, self.limits.max_model_len
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if (request is None or request.status != RequestStatus.RUNNING  # aborted or preempted meanwhile
+            request = requests.get(req_id)
+            if (request is None or request.status is not running  # aborted or preempted meanwhile
                     or request.num_output_placeholders == 0):  # sampled before a preemption: dropped
                 continue
             request.num_output_placeholders -= 1
             if request.spec_token_ids:
                 self._count_accepted(request, len(token_ids) - 1)
-            new_token_ids, finished = [], False
+            num_taken, finished = 0, False
             for token_id in token_ids:
-                request.append_token(token_id)
-                new_token_ids.append(token_id)
-                self.num_generation_tokens += 1
-                finished = request.check_stop(token_id, self.limits.max_model_len)
+                request.all_token_ids.append(token_id)
+                num_taken += 1
+                finished = request.check_stop(token_id, max_model_len)
                 if request.grammar is not None and not finished:
-                    try:
-                        if request.grammar.accept(token_id):
-                            request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
-                            finished = True
-                    except ValueError as e:  # GrammarError: nothing the grammar allows could be sampled
-                        logger.warning("request %s: %s", req_id, e)
-                        request.status = RequestStatus.FINISHED_ABORTED
-                        finished = True
+                    finished = self._accept_grammar(request, token_id)
                 if finished:  # tokens accepted after a stop are dropped
                     break
+            self.num_generation_tokens += num_taken
             if self.lookahead:  # the draft model's proposal from this step's tokens, if any
-                request.proposed_token_ids = [] if finished else (output.draft_token_ids or {}).get(req_id, [])
+                request.proposed_token_ids = [] if finished else draft_token_ids.get(req_id, [])
             results.append(EngineCoreOutput(
-                req_id, new_token_ids, request.status.finish_reason, request.stop_reason,
-                max(request.num_cached_tokens, 0), request.first_scheduled_time,
-                logprobs.get(req_id), prompt_logprobs.get(req_id)))
+                req_id, token_ids if num_taken == len(token_ids) else token_ids[:num_taken],
+                request.status.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
+                request.first_scheduled_time, logprobs.get(req_id), prompt_logprobs.get(req_id)))
             if finished:
                 self.running.remove(request)
                 self._release(request)
         return results
+
+    @staticmethod
+    def _accept_grammar(request: Request, token_id: int) -> bool:
+        """Advance a structured-output request's grammar; whether that ends the request."""
+        try:
+            if request.grammar.accept(token_id):
+                request.status = RequestStatus.FINISHED_STOPPED  # the output is a complete sentence
+                return True
+        except ValueError as e:  # GrammarError: nothing the grammar allows could be sampled
+            logger.warning("request %s: %s", request.request_id, e)
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        return False
 
     def _count_accepted(self, request: Request, num_accepted: int) -> None:
         """Roll a request back past its rejected drafts: their KV slots hold keys of tokens that
         were not taken, and are written over when the positions are computed again (no block
         is registered in the prefix cache before its tokens are known)."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
-        request.num_computed_tokens -= len(drafts) - num_accepted
+        if num_accepted < len(drafts):
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            request.worker_out_of_date = True
         stats = self.spec_stats
         stats.num_drafts += 1
         stats.num_draft_tokens += len(drafts)

@@ -147,6 +147,8 @@ class OutputProcessor:
                 state.logprobs.update(out, len(new_token_ids))
             if finish_reason is not None:
                 del self.states[out.req_id]
+            elif state.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to report before the end
             self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
         results.extend(self._parent_outputs(parents))
         return ProcessedOutputs(results, reqs_to_abort)

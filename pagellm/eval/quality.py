@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagellm.worker.batch import attention_layout
+from pagellm.worker.batch import attention_layout, padded_block_table
 from pagellm.worker.loading import bind_kv_cache
 
 _LOGIT_ROWS = 256
@@ -69,7 +69,7 @@ def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.T
     bound (`bind_window_cache`)."""
     n = len(ids)
     # Without a bound cache the backends attend within the batch and ignore the slots.
-    layout = attention_layout([list(range(-(-n // _BLOCK_SIZE)))], np.zeros(1, dtype=np.int64),
+    layout = attention_layout(padded_block_table([list(range(-(-n // _BLOCK_SIZE)))]), np.zeros(1, dtype=np.int64),
                               np.array([n], dtype=np.int64), _BLOCK_SIZE, device)
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
     hidden = model(input_ids, layout.positions, layout.attn_metadata)[: n - 1]

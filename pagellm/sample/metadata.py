@@ -15,10 +15,10 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant: spreads (seed, step) p
 class SamplingMetadata:
     """What the sampler needs for `num_rows` rows of logits."""
 
-    temperature: torch.Tensor
-    """[num_rows] float32; greedy rows hold 1.0 (they take the argmax anyway)."""
-    is_greedy: torch.Tensor
-    """[num_rows] bool."""
+    temperature: torch.Tensor | None
+    """[num_rows] float32; greedy rows hold 1.0 (they take the argmax anyway). None when all are."""
+    is_greedy: torch.Tensor | None
+    """[num_rows] bool; None when all rows are greedy."""
     all_greedy: bool
     top_k: torch.Tensor | None
     """[num_rows] int64, vocab_size where disabled; None when no row uses it."""
@@ -50,19 +50,20 @@ class SamplingMetadata:
         """`num_generated[i]`: tokens row i has generated so far, which keys its seeded draw."""
         greedy = [p.is_greedy for p in params]
         all_greedy = all(greedy)
+        if all_greedy:  # the argmax alone: nothing to send to the device
+            return cls(None, None, True, None, None, None, {}, default_generator, processors)
         temperature = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_k = [p.top_k if p.top_k and p.top_k > 0 else vocab_size for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         generators = {}
-        if not all_greedy:
-            for row, (p, g, n) in enumerate(zip(params, greedy, num_generated)):
-                if p.seed is not None and not g:
-                    # Keyed by (seed, step), not a running generator state: the same seed gives
-                    # the same tokens after a preemption and whatever else shares the batch.
-                    gen = torch.Generator(device=device)
-                    gen.manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))
-                    generators[row] = gen
+        for row, (p, g, n) in enumerate(zip(params, greedy, num_generated)):
+            if p.seed is not None and not g:
+                # Keyed by (seed, step), not a running generator state: the same seed gives
+                # the same tokens after a preemption and whatever else shares the batch.
+                gen = torch.Generator(device=device)
+                gen.manual_seed((p.seed * _SEED_STRIDE + n) % (1 << 63))
+                generators[row] = gen
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -70,10 +71,10 @@ class SamplingMetadata:
         return cls(
             temperature=tensor(temperature, torch.float32),
             is_greedy=tensor(greedy, torch.bool),
-            all_greedy=all_greedy,
-            top_k=None if all_greedy or all(k >= vocab_size for k in top_k) else tensor(top_k, torch.int64),
-            top_p=None if all_greedy or all(p >= 1.0 for p in top_p) else tensor(top_p, torch.float32),
-            min_p=None if all_greedy or all(p <= 0.0 for p in min_p) else tensor(min_p, torch.float32),
+            all_greedy=False,
+            top_k=None if all(k >= vocab_size for k in top_k) else tensor(top_k, torch.int64),
+            top_p=None if all(p >= 1.0 for p in top_p) else tensor(top_p, torch.float32),
+            min_p=None if all(p <= 0.0 for p in min_p) else tensor(min_p, torch.float32),
             generators=generators,
             default_generator=default_generator,
             processors=processors,

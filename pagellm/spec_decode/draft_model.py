@@ -7,7 +7,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
-from pagellm.worker.batch import CachedRequestState, attention_layout
+from pagellm.worker.batch import CachedRequestState, attention_layout, padded_block_table
 from pagellm.worker.cuda_graphs import DecodeGraphs
 from pagellm.worker.loading import bind_kv_cache, build_model
 
@@ -66,7 +66,7 @@ class DraftModelProposer:
         lengths = np.array([len(s.token_ids) for s, _ in todo])
         for j in range(1, drafts.shape[1]):  # draft j - 1 in, draft j out
             rows = np.flatnonzero(counts > j)
-            grid = attention_layout([todo[i][0].block_ids for i in rows], lengths[rows] + j - 1,
+            grid = attention_layout(padded_block_table([todo[i][0].block_ids for i in rows]), lengths[rows] + j - 1,
                                     np.ones(len(rows), dtype=np.int64), self.block_size, self.config.device)
             index = torch.from_numpy(rows).to(self.config.device, non_blocking=True)
             hidden = self._forward(drafts[index, j - 1], grid.positions, grid.attn_metadata)
@@ -105,7 +105,7 @@ class DraftModelProposer:
                 lens.append(take)
                 left -= take
             starts = np.array([states[i].num_draft_computed for i in chosen])
-            grid = attention_layout([states[i].block_ids for i in chosen], starts, np.array(lens),
+            grid = attention_layout(padded_block_table([states[i].block_ids for i in chosen]), starts, np.array(lens),
                                     self.block_size, self.config.device)
             input_ids = np.concatenate([states[i].token_ids[start:start + n]
                                         for i, start, n in zip(chosen, starts, lens)])

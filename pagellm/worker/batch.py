@@ -9,6 +9,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.outputs import SchedulerOutput
 from pagellm.pooling_params import PoolingParams
+from pagellm.sample.logits_processors import uses_logits_processors
 from pagellm.sampling_params import SamplingParams
 
 
@@ -33,6 +34,10 @@ class CachedRequestState:
     the sum of the hidden states (MEAN) or the first token's (CLS)."""
     num_draft_computed: int = 0
     """Tokens whose KV the draft model holds (draft_model speculation, `DraftModelProposer`)."""
+    row: int = 0
+    """Its row of the persistent batch (`RequestStates.block_table`...), while it lives."""
+    uses_processors: bool = False
+    """Whether its sampling needs logits processors (`uses_logits_processors`)."""
 
 
 @dataclass(slots=True)
@@ -56,10 +61,11 @@ class FlatBatch:
     draft_ids: torch.Tensor | None = None
     """[num_sampling_rows] int64: the draft each row is verified against, -1 for a request's last row."""
     prompt_logprobs: "PromptLogprobsPlan | None" = None
-    placeholder_rows: np.ndarray | None = None
-    """Rows of `input_ids` whose token was sampled by the step still in flight (left 0 here)..."""
-    placeholder_req_ids: list[str] | None = None
-    """...and, row for row, the requests that sampled them."""
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Rows of `input_ids` whose token was sampled by the step still in flight (left 0 here), and
+    row for row where that token is in the step's tensor of sampled ids (both int64, on the device)."""
+    sampling_rows: np.ndarray | None = None
+    """The persistent-batch rows of `sampling_req_ids`."""
 
 
 @dataclass(slots=True)
@@ -76,83 +82,145 @@ class PromptLogprobsPlan:
 
 
 class RequestStates:
-    """Applies each SchedulerOutput diff and lays out the step's flat batch."""
+    """Applies each SchedulerOutput diff and lays out the step's flat batch.
+
+    Besides each request's state, a persistent host batch: every live request owns a row of a
+    block table and of per-row counters, written when its blocks change (a new request, a request
+    crossing a block boundary), so a step gathers its rows with numpy instead of walking requests."""
 
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
         self.states: dict[str, CachedRequestState] = {}
+        self._free_rows: list[int] = []
+        self.block_table = np.zeros((0, 1), dtype=np.int32)
+        """[rows, max blocks] block ids of each live request's row (see `CachedRequestState.row`)."""
+        self.num_blocks = np.zeros(0, dtype=np.int64)
+        self.sampled_row = np.zeros(0, dtype=np.int64)
+        """Per row: its request's row in the latest launched step's tensor of sampled ids."""
+        self.num_special = 0
+        """Live requests whose sampling needs more than temperature and filters (logits processors)."""
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
-            self.states.pop(req_id, None)
+            state = self.states.pop(req_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
+                self.num_special -= state.uses_processors
         for new in so.scheduled_new_reqs:
             # A request resumed with output already delivered its prompt logprobs with its first token.
             wants_prompt_logprobs = (new.sampling_params.prompt_logprobs is not None
                                      and len(new.token_ids) == new.num_prompt_tokens)
-            self.states[new.req_id] = CachedRequestState(
+            state = self.states[new.req_id] = CachedRequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, list(new.eos_token_ids),
-                [] if wants_prompt_logprobs else None, new.pooling_params)
+                [] if wants_prompt_logprobs else None, new.pooling_params, row=self._take_row(),
+                uses_processors=uses_logits_processors(new.sampling_params))
+            self.num_special += state.uses_processors
+            self.num_blocks[state.row] = 0
+            self._write_blocks(state, state.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
+            self._write_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_token_ids:
                 start = max(cached.num_computed_tokens, state.num_prompt_tokens)
                 state.token_ids[start:] = cached.new_token_ids
+
+    def _take_row(self) -> int:
+        if not self._free_rows:  # grow the persistent batch: twice the rows
+            old = len(self.num_blocks)
+            size = max(2 * old, 8)
+            self.block_table = _grown(self.block_table, (size, self.block_table.shape[1]))
+            self.num_blocks = _grown(self.num_blocks, (size,))
+            self.sampled_row = _grown(self.sampled_row, (size,))
+            self._free_rows = list(range(size - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def _write_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[state.row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            width = max(end, 2 * self.block_table.shape[1])
+            self.block_table = _grown(self.block_table, (len(self.block_table), width))
+        self.block_table[state.row, start:end] = block_ids
+        self.num_blocks[state.row] = end
 
     def build(self, so: SchedulerOutput) -> FlatBatch:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.states[r] for r in req_ids]
         num_reqs = len(states)
         query_lens = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
-        num_computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        grid = attention_layout([s.block_ids for s in states], num_computed, query_lens, self.block_size, self.device)
-        query_start_loc, seq_lens = grid.query_start_loc, grid.seq_lens
+        starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        token_counts = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
+        block_table = self.block_table[rows, :max(int(self.num_blocks[rows].max()), 1)]
+        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
 
-        input_ids = np.zeros(grid.num_tokens, dtype=np.int64)
-        placeholder_rows, placeholder_req_ids = [], []
+        # Each row's known inputs: a decode row's one token, a prefill chunk's span; inputs past
+        # the known tokens are drafts or the token the step in flight is still sampling.
+        input_ids = np.zeros(num_tokens, dtype=np.int64)
+        ends = starts + query_lens
+        num_known = np.minimum(ends, token_counts) - starts
+        single = np.flatnonzero((num_known == 1) & (query_lens == 1))
+        input_ids[query_start_loc[single]] = [states[i].token_ids[c]
+                                              for i, c in zip(single.tolist(), starts[single].tolist())]
+        for i in np.flatnonzero((num_known > 0) & (query_lens > 1)).tolist():
+            row, start = int(query_start_loc[i]), int(starts[i])
+            input_ids[row:row + int(num_known[i])] = states[i].token_ids[start:start + int(num_known[i])]
         spec = so.scheduled_spec_tokens
-        for i, s in enumerate(states):
-            start, end = s.num_computed_tokens, s.num_computed_tokens + int(query_lens[i])
-            known = min(end, len(s.token_ids))
-            row = int(query_start_loc[i])
-            input_ids[row:row + known - start] = s.token_ids[start:known]
-            if s.req_id in spec:  # drafts follow the last known token
-                input_ids[row + known - start:row + end - start] = spec[s.req_id]
-            elif end > known:  # the last input is the token the previous step is still sampling
-                placeholder_rows.append(row + known - start)
-                placeholder_req_ids.append(s.req_id)
+        for req_id, drafts in spec.items():  # drafts follow the last known token
+            i = req_ids.index(req_id)
+            first = int(query_start_loc[i] + num_known[i])
+            input_ids[first:first + len(drafts)] = drafts
+        placeholders = np.flatnonzero(ends > token_counts)
+        if spec:
+            placeholders = np.array([i for i in placeholders.tolist() if req_ids[i] not in spec], dtype=np.int64)
+        # The last input of such a row is the token the previous step is still sampling; its
+        # value is taken on the device from that step's sampled ids (`sampled_row`).
+        placeholder_rows = query_start_loc[placeholders] + num_known[placeholders]
 
         # A request samples when this step reaches the end of its tokens, known or in flight (a
         # finished prefill or a decode); a mid-prompt chunk does not.
-        token_counts = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
-        sampling_rows = np.flatnonzero(seq_lens >= token_counts)
+        sampling_rows = np.flatnonzero(ends >= token_counts)
         logits_indices = query_start_loc[sampling_rows + 1] - 1
-        num_generated = [int(seq_lens[i]) - states[i].num_prompt_tokens for i in sampling_rows]
+        num_generated = (ends[sampling_rows] - np.fromiter(
+            (states[i].num_prompt_tokens for i in sampling_rows.tolist()), dtype=np.int64,
+            count=len(sampling_rows))).tolist()
         num_drafts = draft_ids = None
         if spec:
             # A request with k drafts samples at its last k + 1 rows: row j verifies draft j.
             num_drafts = [len(spec.get(req_ids[i], ())) for i in sampling_rows]
             logits_indices = np.concatenate([np.arange(end - k, end + 1) for end, k in zip(logits_indices, num_drafts)])
             num_generated = [n - k + j for n, k in zip(num_generated, num_drafts) for j in range(k + 1)]
-            draft_ids = np.concatenate([[*spec.get(req_ids[i], ()), -1] for i in sampling_rows])
+            draft_ids = np.concatenate([[*spec.get(req_ids[i], ()), -1] for i in sampling_rows]).astype(np.int64)
 
-        dev = self.device
-        return FlatBatch(
-            input_ids=_to_device(input_ids, torch.int64, dev),
+        extra = [input_ids, logits_indices, placeholder_rows, self.sampled_row[rows[placeholders]]]
+        if draft_ids is not None:
+            extra.append(draft_ids)
+        grid = attention_layout(block_table, starts, query_lens, self.block_size, self.device, extra)
+        input_ids_dev, logits_dev, placeholder_dev, source_dev, *drafts_dev = grid.extra
+        batch = FlatBatch(
+            input_ids=input_ids_dev,
             positions=grid.positions,
             attn_metadata=grid.attn_metadata,
-            logits_indices=_to_device(logits_indices, torch.int64, dev),
-            sampling_req_ids=[req_ids[i] for i in sampling_rows],
+            logits_indices=logits_dev,
+            sampling_req_ids=[req_ids[i] for i in sampling_rows.tolist()],
             num_generated=num_generated,
             num_drafts=num_drafts,
-            draft_ids=None if draft_ids is None else _to_device(draft_ids, torch.int64, dev),
+            draft_ids=drafts_dev[0] if drafts_dev else None,
             prompt_logprobs=self._plan_prompt_logprobs(states, query_start_loc, query_lens),
-            placeholder_rows=np.asarray(placeholder_rows, dtype=np.int64) if placeholder_rows else None,
-            placeholder_req_ids=placeholder_req_ids or None,
+            placeholders=(placeholder_dev, source_dev) if len(placeholders) else None,
+            sampling_rows=rows[sampling_rows],
         )
+        # The workers advance each request by its scheduled tokens; the scheduler says otherwise
+        # (`CachedRequestData`) only when it moved some other way.
+        for s, n in zip(states, query_lens.tolist()):
+            s.num_computed_tokens += n
+        return batch
 
     def _plan_prompt_logprobs(self, states: list[CachedRequestState], query_start_loc: np.ndarray,
                               query_lens: np.ndarray) -> PromptLogprobsPlan | None:
@@ -172,10 +240,10 @@ class RequestStates:
             max_logprobs = max(max_logprobs, s.sampling_params.prompt_logprobs)
         if not counts:
             return None
-        return PromptLogprobsPlan(
-            _to_device(np.concatenate(indices), torch.int64, self.device),
-            _to_device(np.concatenate([np.asarray(t, dtype=np.int64) for t in targets]), torch.int64, self.device),
-            counts, max_logprobs)
+        hidden_indices, target_ids = upload(
+            [np.concatenate(indices).astype(np.int64),
+             np.concatenate([np.asarray(t, dtype=np.int64) for t in targets])], self.device)
+        return PromptLogprobsPlan(hidden_indices, target_ids, counts, max_logprobs)
 
     def append_sampled(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
         for req_id, new in zip(req_ids, token_ids):
@@ -195,17 +263,28 @@ class AttentionLayout:
     positions: torch.Tensor
     """[num_tokens] int64, on the device."""
     attn_metadata: AttentionMetadata
+    extra: list[torch.Tensor]
+    """The caller's extra arrays, on the device."""
 
     @property
     def num_tokens(self) -> int:
         return int(self.query_start_loc[-1])
 
 
-def attention_layout(block_ids: list[list[int]], num_computed: np.ndarray, query_lens: np.ndarray,
-                     block_size: int, device: torch.device) -> AttentionLayout:
+def padded_block_table(block_ids: list[list[int]]) -> np.ndarray:
+    """[len(block_ids), longest] int32: each request's blocks, padded with 0."""
+    table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
+    for i, blocks in enumerate(block_ids):
+        table[i, :len(blocks)] = blocks
+    return table
+
+
+def attention_layout(block_table: np.ndarray, num_computed: np.ndarray, query_lens: np.ndarray,
+                     block_size: int, device: torch.device, extra: list[np.ndarray] = ()) -> AttentionLayout:
     """The layout of a batch in which request i computes `query_lens[i]` tokens after its first
-    `num_computed[i]`, its KV going to the blocks `block_ids[i]` (which must cover them)."""
-    num_reqs = len(block_ids)
+    `num_computed[i]`, its KV going to the blocks of row i of `block_table` (which must cover
+    them). `extra` int32/int64 arrays travel to the device in the same copies (`AttentionLayout.extra`)."""
+    num_reqs = len(block_table)
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
@@ -213,30 +292,48 @@ def attention_layout(block_ids: list[list[int]], num_computed: np.ndarray, query
     # Positions without a per-token loop: each token's offset inside its request's chunk.
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
-    block_table = np.zeros((num_reqs, max(len(b) for b in block_ids)), dtype=np.int32)
-    for i, blocks in enumerate(block_ids):
-        block_table[i, :len(blocks)] = blocks
     slot_mapping = (block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
                     + positions % block_size)
+    qsl32, seq_lens32 = query_start_loc.astype(np.int32), seq_lens.astype(np.int32)
+    qsl_dev, seq_lens_dev, table_dev, slots_dev, positions_dev, *extra_dev = upload(
+        [qsl32, seq_lens32, block_table, slot_mapping, positions, *extra], device)
     attn_metadata = AttentionMetadata(
         num_tokens=num_tokens,
-        query_start_loc=_to_device(query_start_loc, torch.int32, device),
-        seq_lens=_to_device(seq_lens, torch.int32, device),
-        block_table=_to_device(block_table, torch.int32, device),
-        slot_mapping=_to_device(slot_mapping, torch.int64, device),
+        query_start_loc=qsl_dev,
+        seq_lens=seq_lens_dev,
+        block_table=table_dev,
+        slot_mapping=slots_dev,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=query_start_loc.astype(np.int32),
-        seq_lens_cpu=seq_lens.astype(np.int32),
+        query_start_loc_cpu=qsl32,
+        seq_lens_cpu=seq_lens32,
     )
-    return AttentionLayout(query_start_loc, seq_lens, _to_device(positions, torch.int64, device), attn_metadata)
+    return AttentionLayout(query_start_loc, seq_lens, positions_dev, attn_metadata, extra_dev)
 
 
-def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # non_blocking: a blocking host-to-device copy would wait for the step still running on the
-    # GPU, which is what async scheduling overlaps with.
-    host = np.ascontiguousarray(array, dtype=_NUMPY_TYPES[dtype])
-    return torch.from_numpy(host).to(device, non_blocking=True)
+def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """int32/int64 host arrays on the device, in one copy per dtype. On a GPU the copy goes
+    through pinned memory: queued behind the step in flight (async scheduling), where a copy
+    from pageable memory may wait for it."""
+    result: list[torch.Tensor | None] = [None] * len(arrays)
+    for np_type, torch_type in ((np.int32, torch.int32), (np.int64, torch.int64)):
+        chosen = [i for i, a in enumerate(arrays) if a.dtype == np_type]
+        if not chosen:
+            continue
+        sizes = [arrays[i].size for i in chosen]
+        staging = torch.empty(sum(sizes), dtype=torch_type, pin_memory=device.type == "cuda")
+        if sizes:
+            np.concatenate([arrays[i].ravel() for i in chosen], out=staging.numpy())
+        flat = staging.to(device, non_blocking=True)
+        for i, part in zip(chosen, flat.split(sizes)):
+            result[i] = part.view(arrays[i].shape)
+    if any(r is None for r in result):
+        raise TypeError(f"upload takes int32 or int64 arrays, got {[a.dtype for a in arrays]}")
+    return result
 
 
-_NUMPY_TYPES = {torch.int32: np.int32, torch.int64: np.int64}
+def _grown(array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A zero array of `shape` holding `array` in its corner."""
+    grown = np.zeros(shape, dtype=array.dtype)
+    grown[tuple(slice(0, n) for n in array.shape)] = array
+    return grown

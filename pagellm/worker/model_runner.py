@@ -38,9 +38,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
-        """Token ids sampled by the latest launched step, still on the device."""
-        self._last_sampled_rows: dict[str, int] = {}
-        """Request -> its row in `_last_sampled`."""
+        """Token ids sampled by the latest launched step, still on the device (each request's row
+        in it: `RequestStates.sampled_row`)."""
         self._default_generator = torch.Generator(device=self.device)
         self._default_generator.manual_seed(config.args.seed)
         self.pooler = config.pooler
@@ -144,10 +143,9 @@ class ModelRunner:
         if so.is_empty:
             return StepInFlight.done(ModelRunnerOutput([], []))
         batch = self.requests.build(so)
-        if batch.placeholder_rows is not None:
-            rows = [self._last_sampled_rows[r] for r in batch.placeholder_req_ids]
-            batch.input_ids[torch.from_numpy(batch.placeholder_rows).to(self.device, non_blocking=True)] = \
-                self._last_sampled[torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)]
+        if batch.placeholders is not None:
+            rows, sources = batch.placeholders
+            batch.input_ids[rows] = self._last_sampled[sources]
         hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata)
         if isinstance(hidden, _StageSend):
             return StepInFlight.sending(hidden)
@@ -171,14 +169,13 @@ class ModelRunner:
             # row (its only one without drafts). The scheduler never overlaps a step carrying
             # drafts, so no placeholder reads these rows today.
             self._last_sampled = verified[0]
-            last_rows = np.cumsum(batch.num_drafts) + np.arange(len(req_ids))
-            self._last_sampled_rows = dict(zip(req_ids, last_rows.tolist()))
+            self.requests.sampled_row[batch.sampling_rows] = np.cumsum(batch.num_drafts) + np.arange(len(req_ids))
             to_host += verified
         elif states:
             sampled = self._sample(hidden[batch.logits_indices], states, batch.num_generated, so.grammar_bitmask)
             if sampled:
                 self._last_sampled = sampled[0]
-                self._last_sampled_rows = {r: i for i, r in enumerate(req_ids)}
+                self.requests.sampled_row[batch.sampling_rows] = np.arange(len(req_ids))
             to_host += sampled
         if not to_host:
             return StepInFlight.done(ModelRunnerOutput([], []))
@@ -202,8 +199,9 @@ class ModelRunner:
             for i, s in enumerate(states):
                 s.pooled = sums[i] if s.pooled is None else s.pooled + sums[i]
         elif kind == "CLS":
+            starts = batch.attn_metadata.seq_lens_cpu - np.diff(qsl)
             for i, s in enumerate(states):
-                if s.num_computed_tokens == 0:  # this step's chunk starts the prompt
+                if starts[i] == 0:  # this step's chunk starts the prompt
                     # A copy: `hidden` may be a CUDA graph's output buffer, which the next step reuses.
                     s.pooled = hidden[int(qsl[i])].to(torch.float32, copy=True)
         finished = [self.requests.states[r] for r in batch.sampling_req_ids]
@@ -257,7 +255,7 @@ class ModelRunner:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs are of the model's raw distribution, before penalties and temperature.
         raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
-        processors = LogitsProcessors.build(
+        processors = None if not self.requests.num_special else LogitsProcessors.build(
             params, [s.token_ids for s in states], [s.num_prompt_tokens for s in states],
             [s.eos_token_ids for s in states], self.arch.vocab_size, self.device)
         md = SamplingMetadata.build(params, num_generated, self.arch.vocab_size,
