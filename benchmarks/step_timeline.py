@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import random
 import statistics
 import sys
 import time
@@ -34,11 +35,27 @@ from pagellm.benchmarks.results import default_result_path, format_table, run_me
 PHASES = ("schedule", "launch_step", "wait_result", "update_from_output", "process_outputs")
 
 
-def mark_phases(llm: LLM) -> None:
-    """Wrap the engine's host phases in profiler ranges (instance attributes, this engine only)."""
+class StepLog:
+    """Wall time of each `LLMEngine.step()` call and the tokens its schedule handed out."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.tokens: list[int] = []
+
+    def decode_step_ms(self, batch: int) -> float | None:
+        """Median wall time of the steps that decoded one token for each of `batch` requests, the
+        first and last few of a run left out (a step's call collects the step before it)."""
+        times = [t for t, n in zip(self.seconds, self.tokens) if n == batch][2:-2]
+        return statistics.median(times) * 1e3 if times else None
+
+
+def mark_phases(llm: LLM) -> StepLog:
+    """Wrap the engine's host phases in profiler ranges and time each engine step (instance
+    attributes, this engine only)."""
     engine = llm.llm_engine
     core = engine.engine_core
     runner = core.executor.worker.runner
+    log = StepLog()
 
     def marked(name: str, fn):
         def wrapper(*args, **kwargs):
@@ -46,7 +63,14 @@ def mark_phases(llm: LLM) -> None:
                 return fn(*args, **kwargs)
         return wrapper
 
-    core.scheduler.schedule = marked("schedule", core.scheduler.schedule)
+    schedule = marked("schedule", core.scheduler.schedule)
+
+    def schedule_logged():
+        so = schedule()
+        log.tokens.append(so.total_num_scheduled_tokens)
+        return so
+
+    core.scheduler.schedule = schedule_logged
     core.scheduler.update_from_output = marked("update_from_output", core.scheduler.update_from_output)
     engine.output_processor.process = marked("process_outputs", engine.output_processor.process)
     launch = runner.launch_step
@@ -58,11 +82,23 @@ def mark_phases(llm: LLM) -> None:
         return step
 
     runner.launch_step = launch_marked
+    engine_step = engine.step
+
+    def step_timed():
+        start = time.perf_counter()
+        try:
+            return engine_step()
+        finally:
+            log.seconds.append(time.perf_counter() - start)
+
+    engine.step = step_timed
+    return log
 
 
 def prompts_for(batch: int, input_len: int, salt: int) -> list[dict]:
-    return [{"prompt_token_ids": [(7 * i + 13 * salt + j) % 30000 + 100 for j in range(input_len)]}
-            for i in range(batch)]
+    """Random prompts, distinct per salt (no prefix-cache hits between runs)."""
+    rng = random.Random(salt)
+    return [{"prompt_token_ids": [rng.randrange(100, 30000) for _ in range(input_len)]} for _ in range(batch)]
 
 
 def generate_s(llm: LLM, batch: int, input_len: int, output_len: int, salt: int) -> float:
@@ -90,28 +126,31 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path | None) -> dict[str, Any]:
+def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path | None,
+             salt: int) -> dict[str, Any]:
     """Profile one generate; summarize its last output_len // 2 steps."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if llm.llm_engine.config.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        generate_s(llm, batch, input_len, output_len, salt=3)
+        generate_s(llm, batch, input_len, output_len, salt)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     events = list(prof.events())
-    launches = sorted(e.time_range.start for e in events if e.name == "launch_step")
+    on_gpu = torch.autograd.DeviceType.CUDA
+    # The phase ranges also appear on the GPU's timeline (user annotations): not kernels.
+    launches = sorted(e.time_range.start for e in events if e.name == "launch_step" and e.device_type != on_gpu)
     num_steps = max(1, min(output_len // 2, len(launches) - 1))
     start = launches[-num_steps - 1]  # the window: from the launch before its first step to the end
     kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= start]
+               if e.device_type == on_gpu and e.name not in PHASES and e.time_range.start >= start]
     end = max([k[1] for k in kernels] + [e.time_range.end for e in events if e.time_range.start >= start])
     window = end - start
     busy = union_us([(max(s, start), e) for s, e in kernels])
     phases = collections.defaultdict(float)
     runtime = collections.defaultdict(float)
     for e in events:
-        if e.time_range.start < start or e.device_type == torch.autograd.DeviceType.CUDA:
+        if e.time_range.start < start or e.device_type == on_gpu:
             continue
         if e.name in PHASES:
             phases[e.name] += e.time_range.end - e.time_range.start
@@ -170,21 +209,21 @@ def main() -> None:
     started = time.perf_counter()
     llm = LLM(args.model, **engine_args)
     startup_s = time.perf_counter() - started
-    mark_phases(llm)
+    log = mark_phases(llm)
     rows, results = [], []
-    for batch in args.batch_sizes:
-        generate_s(llm, batch, args.input_len, 2, salt=0)  # warm-up
-        # The decode step's wall time: the difference of two runs cancels start-up and prefill.
-        full = statistics.median(generate_s(llm, batch, args.input_len, args.output_len, salt=1 + r) for r in range(2))
-        one = statistics.median(generate_s(llm, batch, args.input_len, 1, salt=1 + r) for r in range(2))
-        step_ms = (full - one) / (args.output_len - 1) * 1e3
+    for salt, batch in enumerate(args.batch_sizes):
+        generate_s(llm, batch, args.input_len, 4, salt=100 + salt)  # warm-up
+        log.seconds.clear()
+        log.tokens.clear()
+        generate_s(llm, batch, args.input_len, args.output_len, salt=200 + salt)
+        step_ms = log.decode_step_ms(batch)
         trace = None
         if args.trace_batch == batch and args.out_dir:
             trace = Path(args.out_dir) / f"step_timeline_trace_b{batch}.json"
-        found = timeline(llm, batch, args.input_len, args.output_len, trace)
+        found = timeline(llm, batch, args.input_len, args.output_len, trace, salt=300 + salt)
         replay = replay_ms(llm, batch) if llm.llm_engine.config.device.type == "cuda" else None
         result = {"batch": batch, "engine_step_ms": step_ms, "replay_ms": replay,
-                  "step_over_replay": step_ms / replay if replay else None, "profiled": found}
+                  "step_over_replay": step_ms / replay if replay and step_ms else None, "profiled": found}
         results.append(result)
         host = found["host_phase_ms"]
         rows.append([batch, f"{step_ms:.2f}", "-" if replay is None else f"{replay:.2f}",
