@@ -612,3 +612,21 @@ def test_pipeline_batches_wait_for_tokens_and_carry_them_to_the_workers():
     for rid, n in lengths.items():
         assert worker[rid][n:n + 4] == reference(prompt(len(rid) + n, n), 4)
     assert_drained(s)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_decoding_request_reaches_the_worker_only_when_it_needs_a_block(caching):
+    d = Driver(limits(enable_prefix_caching=caching))  # blocks of 4 tokens
+    d.add("a", prompt(1, 6), max_tokens=9)
+    d.step()  # 6 prompt tokens in 2 blocks, the first token sampled
+    sent = []
+    while d.s.has_unfinished_requests():
+        request = d.s.requests["a"]
+        computed = request.num_computed_tokens
+        out = d.step()
+        if out.scheduled_cached_reqs:
+            assert [c.req_id for c in out.scheduled_cached_reqs] == ["a"]
+            sent.append(computed)
+    # Decoding position 8 is the first past its 2 blocks, then 12: a new block each time; the
+    # steps in between change nothing on the worker but its progress.
+    assert sent == [8, 12]
