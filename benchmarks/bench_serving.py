@@ -18,13 +18,14 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from pagellm import LLM, SamplingParams
-from pagellm.benchmarks.datasets import BenchRequest, random_requests_in_range
-from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
+from pagellm.benchmarks.datasets import BenchRequest, load_requests, random_requests_in_range
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, summarize, write_json
 from pagellm.loader import default_model_path, resolve_model
 
 HOST = "127.0.0.1"
@@ -34,11 +35,14 @@ READY_TIMEOUT_S = 300.0
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     model = args.model or default_model_path()
-    vocab = resolve_model(model).arch.vocab_size
-    requests = random_requests_in_range(args.num_prompts, args.min_input_len, args.max_input_len,
-                                        args.output_len, vocab, args.seed)
+    vocab = resolve_model(model, args.load_format).arch.vocab_size
+    if args.requests:  # e.g. benchmarks/data/sharegpt_1000_seed0.json.gz (gpu_fast_path's ShareGPT sample)
+        requests = load_requests(args.requests)[0][:args.num_prompts]
+    else:
+        requests = random_requests_in_range(args.num_prompts, args.min_input_len, args.max_input_len,
+                                            args.output_len, vocab, args.seed)
     engine_flags = {"device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
-                    "enable_prefix_caching": False}
+                    "enable_prefix_caching": False, "load_format": args.load_format, "max_num_seqs": args.max_num_seqs}
     payload: dict[str, Any] = {"benchmark": "serving", **run_metadata(), "parameters": {
         "model": model, "num_prompts": args.num_prompts, "min_input_len": args.min_input_len,
         "max_input_len": args.max_input_len, "output_len": args.output_len, "seed": args.seed,
@@ -47,12 +51,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload["http"] = _run_http(model, requests, engine_flags, args)
     payload["offline"] = _run_offline(model, requests, engine_flags)
     payload["http_over_offline"] = payload["http"]["output_tok_per_s"] / payload["offline"]["output_tok_per_s"]
-    rows = [["http (pagellm serve)", payload["http"]["elapsed_s"], payload["http"]["output_tok_per_s"],
-             payload["http_over_offline"]],
-            ["offline (LLM.generate)", payload["offline"]["elapsed_s"], payload["offline"]["output_tok_per_s"], 1.0]]
-    print(format_table(["path", "seconds", "output tok/s", "ratio vs offline"], rows))
+    rows = [["http (pagellm serve)", payload["http"]["elapsed_s"], payload["http"]["requests_per_s"],
+             payload["http"]["output_tok_per_s"], payload["http_over_offline"]],
+            ["offline (LLM.generate)", payload["offline"]["elapsed_s"], payload["offline"]["requests_per_s"],
+             payload["offline"]["output_tok_per_s"], 1.0]]
+    print(format_table(["path", "seconds", "requests/s", "output tok/s", "ratio vs offline"], rows))
+    print(format_table(["HTTP latency (ms)", "mean", "p50", "p99"],
+                       [[name, *(f"{payload['http'][name][k] * 1e3:.1f}" for k in ("mean", "p50", "p99"))]
+                        for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s") if payload["http"][name]["count"]]))
     if not args.no_save:
-        print("wrote", write_json(payload, default_result_path("serving")))
+        print("wrote", write_json(payload, args.output or default_result_path("serving")))
     return payload
 
 
@@ -61,6 +69,7 @@ def _run_http(model: str, requests: list[BenchRequest], engine_flags: dict, args
     cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", HOST, "--port", str(port),
            "--device", engine_flags["device"], "--dtype", engine_flags["dtype"],
            "--max-model-len", str(engine_flags["max_model_len"]), "--no-enable-prefix-caching",
+           "--load-format", engine_flags["load_format"], "--max-num-seqs", str(engine_flags["max_num_seqs"]),
            "--served-model-name", "bench"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -77,30 +86,51 @@ async def _send_all(url: str, requests: list[BenchRequest]) -> dict:
         # A short warm-up request, not timed.
         await _one(client, url, BenchRequest(requests[0].prompt_token_ids[:8], 4))
         start = time.perf_counter()
-        counts = await asyncio.gather(*[_one(client, url, r) for r in requests])
+        streams = await asyncio.gather(*[_one(client, url, r) for r in requests])
         elapsed = time.perf_counter() - start
-    tokens = sum(counts)
+    tokens = sum(s.completion_tokens for s in streams)
     expected = sum(r.output_len for r in requests)
     if tokens != expected:
         raise RuntimeError(f"HTTP run produced {tokens} tokens, {expected} were requested")
     return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
-            "requests_per_s": len(requests) / elapsed}
+            "requests_per_s": len(requests) / elapsed,
+            "ttft_s": summarize([s.events[0] - s.start for s in streams if s.events]),
+            "tpot_s": summarize([(s.events[-1] - s.events[0]) / (s.completion_tokens - 1)
+                                 for s in streams if s.events and s.completion_tokens > 1]),
+            "itl_s": summarize([b - a for s in streams for a, b in zip(s.events, s.events[1:])]),
+            "e2e_s": summarize([s.end - s.start for s in streams]),
+            "events_per_stream": sum(len(s.events) for s in streams) / len(streams)}
 
 
-async def _one(client: httpx.AsyncClient, url: str, request: BenchRequest) -> int:
-    """Stream one completion; returns its completion_tokens from the final usage chunk."""
+@dataclass(slots=True)
+class _Stream:
+    """One streamed completion as the client saw it."""
+
+    start: float
+    end: float = 0.0
+    events: list[float] = field(default_factory=list)
+    """Arrival time of each event that carried output."""
+    completion_tokens: int = 0
+
+
+async def _one(client: httpx.AsyncClient, url: str, request: BenchRequest) -> _Stream:
+    """Stream one completion: when each event with output came, and the completion_tokens of the
+    final usage chunk."""
     body = {"model": "bench", "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    completion_tokens = 0
+    stream = _Stream(time.perf_counter())
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices"):
+                stream.events.append(time.perf_counter())
             if chunk.get("usage"):
-                completion_tokens = chunk["usage"]["completion_tokens"]
-    return completion_tokens
+                stream.completion_tokens = chunk["usage"]["completion_tokens"]
+    stream.end = time.perf_counter()
+    return stream
 
 
 def _run_offline(model: str, requests: list[BenchRequest], engine_flags: dict) -> dict:
@@ -147,7 +177,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--load-format", default="auto", help="dummy: random weights (a config-only folder or a preset)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--requests", default=None,
+                   help="pre-sampled requests (a save_requests file, e.g. benchmarks/data/sharegpt_1000_seed0.json.gz) "
+                        "instead of random prompts; --num-prompts takes the first ones")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/serving_<UTC time>.json")
     return p.parse_args(argv)
 
 

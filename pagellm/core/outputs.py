@@ -127,6 +127,30 @@ class EngineCoreOutput:
     """A pooling request's vector (little-endian float32), with its finish."""
 
 
+def merge_step_outputs(steps: list[list[EngineCoreOutput]]) -> list[EngineCoreOutput]:
+    """Several consecutive steps' outputs as one step's: per request (in order of first appearance)
+    its new tokens and logprobs joined, its end taken from the last. For a reader that fell behind
+    the engine: it then handles each request once for all the steps it reads."""
+    if len(steps) == 1:
+        return steps[0]
+    merged: dict[str, EngineCoreOutput] = {}
+    for outputs in steps:
+        for out in outputs:
+            earlier = merged.get(out.req_id)
+            merged[out.req_id] = out if earlier is None else EngineCoreOutput(
+                out.req_id, earlier.new_token_ids + out.new_token_ids, out.finish_reason, out.stop_reason,
+                out.num_cached_tokens, earlier.first_scheduled_time,
+                _joined(earlier.new_logprobs, out.new_logprobs),
+                earlier.new_prompt_logprobs or out.new_prompt_logprobs, out.pooled or earlier.pooled)
+    return list(merged.values())
+
+
+def _joined(a: TokenLogprobs | None, b: TokenLogprobs | None) -> TokenLogprobs | None:
+    if a is None or b is None:
+        return a or b
+    return TokenLogprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     """Counters the metrics and the progress log read."""

@@ -18,18 +18,19 @@ import zmq
 import zmq.asyncio
 
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
+from pagellm.core.outputs import SchedulerStats, SpecDecodeStats, merge_step_outputs
 from pagellm.engine.core_client import CoreClient
 from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S
 from pagellm.engine.dp_router import DataParallelRouter
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
+from pagellm.engine.mailbox import OutputMailbox
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.engine.wire import AbortRequests, AddRequest, CoreOutputs, encoder, heartbeat_decoder, output_decoder
 from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.structured_output import GrammarError
 from pagellm.tokenizer import Tokenizer, load_tokenizer
 
@@ -49,7 +50,7 @@ class AsyncLLM:
         self.processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, pooling=self.config.is_pooling)
         self.stat_loggers = list(stat_loggers or [])
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._mailboxes: dict[str, OutputMailbox] = {}
         self._core_of: dict[str, CoreClient] = {}
         """Caller request id -> the replica serving it."""
         self._dead_reason: str | None = None
@@ -95,7 +96,7 @@ class AsyncLLM:
         stopping the iteration aborts it in the engine."""
         self._raise_if_dead()
         self._ensure_output_task()
-        if request_id in self._queues:
+        if request_id in self._mailboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             await asyncio.to_thread(self.processor.check_structured_outputs, sampling_params)
@@ -104,8 +105,9 @@ class AsyncLLM:
         cost = sum(r.num_prompt_tokens + r.max_tokens for r in core_requests)
         core = self._cores[self.router.route(request.prompt_token_ids, cost, [c.load for c in self._cores],
                                              [c.failure_reason is None for c in self._cores])]
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
+        mailbox = OutputMailbox(coalesce=isinstance(sampling_params, SamplingParams)
+                                and sampling_params.output_kind == RequestOutputKind.DELTA)
+        self._mailboxes[request_id] = mailbox
         self._core_of[request_id] = core
         core.load += cost
         finished = False
@@ -117,14 +119,14 @@ class AsyncLLM:
                     sorted(core_request.eos_token_ids), core_request.max_tokens, core_request.arrival_time,
                     core_request.pooling_params)))
             while not finished:
-                item = await queue.get()
+                item = await mailbox.get()
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
                 yield item
         finally:
             core.load -= cost
-            self._queues.pop(request_id, None)
+            self._mailboxes.pop(request_id, None)
             if not finished:  # the consumer went away (client disconnect, cancellation)
                 self._abort_now([request_id])
             self._core_of.pop(request_id, None)
@@ -136,11 +138,11 @@ class AsyncLLM:
         return self.generate(prompt, pooling_params, request_id)
 
     async def abort(self, request_id: str) -> None:
-        queue = self._queues.pop(request_id, None)
+        mailbox = self._mailboxes.pop(request_id, None)
         outputs = self._abort_now([request_id])
-        if queue is not None:
+        if mailbox is not None:
             for out in outputs:
-                queue.put_nowait(out)
+                mailbox.put(out)
 
     def _abort_now(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -182,10 +184,17 @@ class AsyncLLM:
                 await poller.poll(int(HEARTBEAT_INTERVAL_S * 1000))
                 live = [core for core in self._cores if core.failure_reason is None]
                 for core in live:
+                    # Every step waiting is read first and handled as one: behind the engine, this
+                    # process then does its per-request work once for all of them.
+                    messages = []
                     while await core.output.poll(0):
                         message = output_decoder.decode(await core.output.recv())
                         if isinstance(message, CoreOutputs):
-                            self._handle(core, message)
+                            messages.append(message)
+                    if messages:
+                        self._handle(core, CoreOutputs(
+                            merge_step_outputs([m.outputs for m in messages]), messages[-1].stats,
+                            [r for m in messages for r in m.rejected]))
                 # Every pending heartbeat is read before judging: after this process was busy for a
                 # while, queued heartbeats are not silence.
                 now = time.monotonic()
@@ -212,17 +221,17 @@ class AsyncLLM:
             self.output_processor.abort([request_id])
             if siblings:
                 self._send_abort(core, siblings)
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(GrammarError.from_message(error) if GrammarError.describes(error) else ValueError(error))
+            mailbox = self._mailboxes.get(request_id)
+            if mailbox is not None:
+                mailbox.put(GrammarError.from_message(error) if GrammarError.describes(error) else ValueError(error))
         stats = IterationStats()
         processed = self.output_processor.process(message.outputs, stats)
         if processed.reqs_to_abort:
             self._send_abort(core, processed.reqs_to_abort)  # ended by a stop string; the core would go on
         for out in processed.request_outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            mailbox = self._mailboxes.get(out.request_id)
+            if mailbox is not None:
+                mailbox.put(out)
         self._log_stats(stats, core.index)
 
     def _log_stats(self, stats: IterationStats, engine_index: int) -> None:
@@ -240,9 +249,9 @@ class AsyncLLM:
         failed = [request_id for request_id, owner in self._core_of.items() if owner is core]
         logger.error("engine core %d: %s; failing its %d in-flight requests", core.index, reason, len(failed))
         for request_id in failed:
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(EngineDeadError(reason))
+            mailbox = self._mailboxes.get(request_id)
+            if mailbox is not None:
+                mailbox.put(EngineDeadError(reason))
 
     def _raise_if_dead(self) -> None:
         if self._dead_reason is not None:

@@ -289,12 +289,14 @@ class OpenAIServing:
         """The streams' DELTA outputs as chunks should report them, one sequence at a time, as
         (choice index, output, sequence); the choices of request i are numbered from
         i * `choices_per_prompt`. Tokens that complete no character yet are held back unless they
-        carry logprobs. `num_tokens` counts each choice's tokens (for usage)."""
+        carry logprobs, or the model has no tokenizer (no text will ever come: each step's tokens
+        go out as they are made). `num_tokens` counts each choice's tokens (for usage)."""
+        textless = self.engine.tokenizer is None
         async for i, out in _merged([self.follow(*s) for s in started]):
             for o in out.outputs:
                 index = i * choices_per_prompt + o.index
                 num_tokens[index] = num_tokens.get(index, 0) + len(o.token_ids)
-                if o.text or o.finish_reason is not None or (o.logprobs and o.token_ids):
+                if o.text or o.finish_reason is not None or (o.token_ids and (o.logprobs or textless)):
                     yield index, out, o
 
     @staticmethod
