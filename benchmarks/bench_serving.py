@@ -14,10 +14,12 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,12 +74,43 @@ def _run_http(model: str, requests: list[BenchRequest], engine_flags: dict, args
            "--load-format", engine_flags["load_format"], "--max-num-seqs", str(engine_flags["max_num_seqs"]),
            "--served-model-name", "bench"]
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spy = None
     try:
         _wait_ready(f"http://{HOST}:{port}/health", server)
-        return asyncio.run(_send_all(f"http://{HOST}:{port}/v1/completions", requests))
+        if args.py_spy:  # sample the server's processes (API and engine core) during the run
+            spy = subprocess.Popen([args.py_spy_bin, "record", "--pid", str(server.pid), "--subprocesses", "--format",
+                                    "raw", "--rate", "100", "--output", args.py_spy],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result = asyncio.run(_send_all(f"http://{HOST}:{port}/v1/completions", requests))
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(timeout=120)
+            result["profile"] = profile_summary(args.py_spy)
+        return result
     finally:
+        if spy is not None and spy.poll() is None:
+            spy.kill()
         server.terminate()
         server.wait(timeout=60)
+
+
+def profile_summary(raw_path: str, top: int = 40) -> dict[str, list[tuple[str, float]]]:
+    """Per sampled process, the functions on the most samples' stacks (share of its samples),
+    from py-spy's raw output (one 'frame;frame;... count' line per stack)."""
+    counts: dict[str, Counter] = defaultdict(Counter)
+    totals: Counter = Counter()
+    with open(raw_path, encoding="utf-8") as f:
+        for line in f:
+            stack, _, n = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            depth = next((i for i, frame in enumerate(frames) if not frame.startswith("process ")), len(frames))
+            process = frames[depth - 1] if depth else "process"  # the innermost process
+            frames = [frame for frame in frames[depth:] if frame.endswith(")")]  # (a command line may hold ';')
+            totals[process] += int(n)
+            for frame in set(frames):
+                counts[process][frame] += int(n)
+    return {process: [(frame, n / totals[process]) for frame, n in found.most_common(top)]
+            for process, found in counts.items()}
 
 
 async def _send_all(url: str, requests: list[BenchRequest]) -> dict:
@@ -183,6 +216,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="pre-sampled requests (a save_requests file, e.g. benchmarks/data/sharegpt_1000_seed0.json.gz) "
                         "instead of random prompts; --num-prompts takes the first ones")
     p.add_argument("--no-save", action="store_true")
+    p.add_argument("--py-spy", default=None, metavar="RAW",
+                   help="record the server's processes with py-spy into this file; the JSON gets the top functions")
+    p.add_argument("--py-spy-bin", default="py-spy")
     p.add_argument("--output", default=None, help="JSON path; default benchmarks/results/serving_<UTC time>.json")
     return p.parse_args(argv)
 
