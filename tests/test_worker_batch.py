@@ -90,3 +90,10 @@ def test_upload_packs_by_dtype_and_restores_shapes():
     assert all(t.tolist() == a.tolist() for t, a in zip(got, arrays))
     with pytest.raises(TypeError, match="int32 or int64"):
         upload([np.zeros(2, dtype=np.float32)], torch.device("cpu"))
+
+
+def test_upload_starts_every_array_16_bytes_aligned():
+    arrays = [np.arange(n, dtype=dtype) for n, dtype in ((3, np.int32), (5, np.int32), (1, np.int64), (3, np.int64))]
+    got = upload(arrays, torch.device("cpu"))
+    assert all(t.data_ptr() % 16 == 0 for t in got)
+    assert all(t.tolist() == a.tolist() for t, a in zip(got, arrays))

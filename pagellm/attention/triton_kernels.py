@@ -108,7 +108,9 @@ def _attend_tile(
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+# The block table's width changes with the longest sequence of each step: not specialized on, or
+# Triton would compile a variant for widths of 1, multiples of 16 and the rest in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
     part_out_ptr, part_ml_ptr, scale_log2,

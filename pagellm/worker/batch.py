@@ -314,19 +314,25 @@ def attention_layout(block_table: np.ndarray, num_computed: np.ndarray, query_le
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """int32/int64 host arrays on the device, in one copy per dtype. On a GPU the copy goes
     through pinned memory: queued behind the step in flight (async scheduling), where a copy
-    from pageable memory may wait for it."""
+    from pageable memory may wait for it. Each array starts 16 bytes aligned in the shared
+    buffer, as if allocated alone (Triton specializes kernels on their pointers' alignment)."""
     result: list[torch.Tensor | None] = [None] * len(arrays)
     for np_type, torch_type in ((np.int32, torch.int32), (np.int64, torch.int64)):
         chosen = [i for i, a in enumerate(arrays) if a.dtype == np_type]
         if not chosen:
             continue
-        sizes = [arrays[i].size for i in chosen]
-        staging = torch.empty(sum(sizes), dtype=torch_type, pin_memory=device.type == "cuda")
-        if sizes:
-            np.concatenate([arrays[i].ravel() for i in chosen], out=staging.numpy())
+        per_16_bytes = 16 // np.dtype(np_type).itemsize
+        starts, end = [], 0
+        for i in chosen:
+            starts.append(end)
+            end += -(-arrays[i].size // per_16_bytes) * per_16_bytes
+        staging = torch.empty(max(end, 1), dtype=torch_type, pin_memory=device.type == "cuda")
+        host = staging.numpy()
+        for i, start in zip(chosen, starts):
+            host[start:start + arrays[i].size] = arrays[i].ravel()
         flat = staging.to(device, non_blocking=True)
-        for i, part in zip(chosen, flat.split(sizes)):
-            result[i] = part.view(arrays[i].shape)
+        for i, start in zip(chosen, starts):
+            result[i] = flat[start:start + arrays[i].size].view(arrays[i].shape)
     if any(r is None for r in result):
         raise TypeError(f"upload takes int32 or int64 arrays, got {[a.dtype for a in arrays]}")
     return result

@@ -18,8 +18,8 @@ from pagellm.sample.rejection import verify
 from pagellm.sample.sampler import sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.draft_model import DraftModelProposer
-from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates
-from pagellm.worker.cuda_graphs import DecodeGraphs
+from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
+from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -118,8 +118,10 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
         the torch attention backend, which plans on the host)."""
-        if (self.device.type != "cuda" or self.config.args.enforce_eager
-                or self.config.attention_backend != "triton" or self.ps.pp_size > 1):
+        if self.device.type != "cuda" or self.config.attention_backend != "triton" or self.ps.pp_size > 1:
+            return
+        self._compile_eager_steps()
+        if self.config.args.enforce_eager:
             return
         max_blocks = -(-self.config.max_model_len // self.block_size)
         spec = self.config.speculative
@@ -128,6 +130,28 @@ class ModelRunner:
         self.graphs.capture()
         if self.drafter is not None:
             self.drafter.capture_cuda_graphs(self.config.args.max_num_seqs, max_blocks)
+
+    @torch.inference_mode()
+    def _compile_eager_steps(self) -> None:
+        """Run once, at start-up, the step shapes that run outside CUDA graphs and use attention
+        kernel variants the profile's prefill did not: short queries (2 tokens, as a prompt's last
+        chunk) at one sequence and at many, and one-token decodes beyond the largest captured
+        batch. Triton compiles a variant on its first use: else the first requests a server takes
+        wait for it, seconds in all. Their KV writes land in block 0, which holds nothing yet."""
+        from pagellm.attention.triton_kernels import LARGE_DECODE_PROGRAMS  # only with Triton
+
+        num_kv_heads = self.kv_caches[0][0].shape[2]
+        max_num_seqs = self.config.args.max_num_seqs
+        shapes = [(1, 2), (-(-LARGE_DECODE_PROGRAMS // num_kv_heads), 2)]
+        if self.config.args.enforce_eager or max_num_seqs > MAX_CAPTURE_SIZE:
+            shapes.append((max_num_seqs, 1))
+        for num_seqs, q in shapes:
+            num_seqs = min(num_seqs, max(1, self.config.max_num_batched_tokens // q))
+            grid = attention_layout(np.zeros((num_seqs, 1), dtype=np.int32), np.zeros(num_seqs, dtype=np.int64),
+                                    np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)
+            self.model(torch.zeros(num_seqs * q, dtype=torch.int64, device=self.device), grid.positions,
+                       grid.attn_metadata)
+        torch.cuda.synchronize(self.device)
 
     # -- one step ------------------------------------------------------------------------------
 
