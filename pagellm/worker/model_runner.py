@@ -133,16 +133,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_eager_steps(self) -> None:
-        """Run once, at start-up, the step shapes that run outside CUDA graphs and use attention
-        kernel variants the profile's prefill did not: short queries (2 tokens, as a prompt's last
-        chunk) at one sequence and at many, and one-token decodes beyond the largest captured
-        batch. Triton compiles a variant on its first use: else the first requests a server takes
-        wait for it, seconds in all. Their KV writes land in block 0, which holds nothing yet."""
+        """Run once, at start-up, the step shapes that run outside CUDA graphs, each using its own
+        attention kernel variant: a prefill, short queries (2 tokens, as a prompt's last chunk) at
+        one sequence and at many, and one-token decodes beyond the largest captured batch (the
+        memory profile's prefill ran before the KV cache existed, through another path). Triton
+        compiles a variant on its first use: else the first requests a server takes wait for it,
+        seconds in all. Their KV writes land in block 0, which holds nothing yet."""
         from pagellm.attention.triton_kernels import LARGE_DECODE_PROGRAMS  # only with Triton
 
         num_kv_heads = self.kv_caches[0][0].shape[2]
         max_num_seqs = self.config.args.max_num_seqs
-        shapes = [(1, 2), (-(-LARGE_DECODE_PROGRAMS // num_kv_heads), 2)]
+        shapes = [(1, 64), (1, 2), (-(-LARGE_DECODE_PROGRAMS // num_kv_heads), 2)]
         if self.config.args.enforce_eager or max_num_seqs > MAX_CAPTURE_SIZE:
             shapes.append((max_num_seqs, 1))
         for num_seqs, q in shapes:
