@@ -148,7 +148,8 @@ class ModelRunner:
             shapes.append((max_num_seqs, 1))
         for num_seqs, q in shapes:
             num_seqs = min(num_seqs, max(1, self.config.max_num_batched_tokens // q))
-            grid = attention_layout(np.zeros((num_seqs, 1), dtype=np.int32), np.zeros(num_seqs, dtype=np.int64),
+            blocks = np.zeros((num_seqs, -(-q // self.block_size)), dtype=np.int32)  # all block 0
+            grid = attention_layout(blocks, np.zeros(num_seqs, dtype=np.int64),
                                     np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)
             self.model(torch.zeros(num_seqs * q, dtype=torch.int64, device=self.device), grid.positions,
                        grid.attn_metadata)
