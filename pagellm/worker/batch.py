@@ -172,8 +172,9 @@ class RequestStates:
             row, start = int(query_start_loc[i]), int(starts[i])
             input_ids[row:row + int(num_known[i])] = states[i].token_ids[start:start + int(num_known[i])]
         spec = so.scheduled_spec_tokens
+        index_of = {r: i for i, r in enumerate(req_ids)} if spec else {}
         for req_id, drafts in spec.items():  # drafts follow the last known token
-            i = req_ids.index(req_id)
+            i = index_of[req_id]
             first = int(query_start_loc[i] + num_known[i])
             input_ids[first:first + len(drafts)] = drafts
         placeholders = np.flatnonzero(ends > token_counts)
