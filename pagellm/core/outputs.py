@@ -133,22 +133,23 @@ def merge_step_outputs(steps: list[list[EngineCoreOutput]]) -> list[EngineCoreOu
     the engine: it then handles each request once for all the steps it reads."""
     if len(steps) == 1:
         return steps[0]
-    merged: dict[str, EngineCoreOutput] = {}
+    parts: dict[str, list[EngineCoreOutput]] = {}
     for outputs in steps:
         for out in outputs:
-            earlier = merged.get(out.req_id)
-            merged[out.req_id] = out if earlier is None else EngineCoreOutput(
-                out.req_id, earlier.new_token_ids + out.new_token_ids, out.finish_reason, out.stop_reason,
-                out.num_cached_tokens, earlier.first_scheduled_time,
-                _joined(earlier.new_logprobs, out.new_logprobs),
-                earlier.new_prompt_logprobs or out.new_prompt_logprobs, out.pooled or earlier.pooled)
-    return list(merged.values())
+            parts.setdefault(out.req_id, []).append(out)
+    return [outs[0] if len(outs) == 1 else _joined(outs) for outs in parts.values()]
 
 
-def _joined(a: TokenLogprobs | None, b: TokenLogprobs | None) -> TokenLogprobs | None:
-    if a is None or b is None:
-        return a or b
-    return TokenLogprobs(a.token_ids + b.token_ids, a.logprobs + b.logprobs, a.ranks + b.ranks)
+def _joined(outs: list[EngineCoreOutput]) -> EngineCoreOutput:
+    first, last = outs[0], outs[-1]
+    logprobs = [o.new_logprobs for o in outs if o.new_logprobs is not None]
+    return EngineCoreOutput(
+        last.req_id, [t for o in outs for t in o.new_token_ids], last.finish_reason, last.stop_reason,
+        last.num_cached_tokens, first.first_scheduled_time,
+        TokenLogprobs([r for lp in logprobs for r in lp.token_ids], [r for lp in logprobs for r in lp.logprobs],
+                      [r for lp in logprobs for r in lp.ranks]) if logprobs else None,
+        next((o.new_prompt_logprobs for o in outs if o.new_prompt_logprobs is not None), None),
+        next((o.pooled for o in reversed(outs) if o.pooled is not None), None))
 
 
 @dataclass(slots=True)

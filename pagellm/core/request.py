@@ -94,7 +94,7 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         sp = self.sampling_params
-        self._stop_ids = frozenset(sp.stop_token_ids or ()) | (frozenset() if sp.ignore_eos else self.eos_token_ids)
+        self._stop_ids = frozenset(sp.stop_token_ids or ()) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

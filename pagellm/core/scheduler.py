@@ -337,6 +337,7 @@ class Scheduler:
         # A token in flight is dropped: recomputation samples it again (same seed, same position).
         request.num_output_placeholders = 0
         request.spec_token_ids = request.proposed_token_ids = []
+        request.worker_out_of_date = False  # it comes back to the workers as a new request
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

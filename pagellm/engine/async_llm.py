@@ -36,6 +36,10 @@ from pagellm.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+_MAX_STEPS_PER_READ = 64
+"""Most engine steps the output loop reads and merges at once: its outputs still go out promptly."""
+
+
 class EngineDeadError(RuntimeError):
     """An engine-core process exited, froze or stalled."""
 
@@ -187,7 +191,7 @@ class AsyncLLM:
                     # Every step waiting is read first and handled as one: behind the engine, this
                     # process then does its per-request work once for all of them.
                     messages = []
-                    while await core.output.poll(0):
+                    while len(messages) < _MAX_STEPS_PER_READ and await core.output.poll(0):
                         message = output_decoder.decode(await core.output.recv())
                         if isinstance(message, CoreOutputs):
                             messages.append(message)
@@ -297,5 +301,6 @@ def _replica_args(args: EngineArgs, config: EngineConfig, index: int) -> EngineA
     if config.device.type == "cuda":
         replica.device = f"cuda:{config.device.index + index * parallel.world_size}"
     elif args.kv_cache_memory_bytes is None:
-        replica.kv_cache_memory_bytes = config.default_cpu_kv_cache_bytes() // (parallel.world_size * parallel.data_parallel_size)
+        num_ranks = parallel.world_size * parallel.data_parallel_size
+        replica.kv_cache_memory_bytes = config.default_cpu_kv_cache_bytes() // num_ranks
     return replica
