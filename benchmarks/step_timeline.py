@@ -10,8 +10,8 @@ step N+1 should fit under step N's kernels: GPU idle near zero, step close to th
 
 On the GPU machine, from the repository root:
     python3 -m benchmarks.step_timeline --out-dir "$OUT"
-On the CPU (a tiny model; the host phases only):
-    .venv/bin/python -m benchmarks.step_timeline --model tests/... --device cpu --batch-sizes 1 64 256
+On the CPU (the host phases only), with DIR a folder holding a small Llama's config.json:
+    .venv/bin/python -m benchmarks.step_timeline --model DIR --device cpu --batch-sizes 1 64 256
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ if __package__ in (None, ""):
 
 import torch
 
+from benchmarks.gpu_step_profile import graph_replay_ms
 from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 
@@ -168,22 +169,12 @@ def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path 
     }
 
 
-def replay_ms(llm: LLM, batch: int, iters: int = 50) -> float | None:
+def replay_ms(llm: LLM, batch: int) -> float | None:
     """GPU time of one replay of the captured decode graph that takes `batch` sequences."""
-    graphs = llm.llm_engine.engine_core.executor.worker.runner.graphs
-    if graphs is None or batch > graphs.max_size:
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    if runner.graphs is None or batch > runner.graphs.max_size:
         return None
-    size = next(s for s in graphs.sizes if s >= batch)
-    graph = graphs.graph(size)
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(iters):
-        graph.replay()
-    finish.record()
-    finish.synchronize()
-    return begin.elapsed_time(finish) / iters
+    return graph_replay_ms(runner, next(s for s in runner.graphs.sizes if s >= batch))
 
 
 def main() -> None:

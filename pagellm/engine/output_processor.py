@@ -148,7 +148,7 @@ class OutputProcessor:
             if finish_reason is not None:
                 del self.states[out.req_id]
             elif state.params.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue  # nothing to report before the end
+                continue  # nothing to report before the end (to the caller or to a parent)
             self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
         results.extend(self._parent_outputs(parents))
         return ProcessedOutputs(results, reqs_to_abort)
@@ -177,8 +177,6 @@ class OutputProcessor:
               num_cached_tokens: int, results: list[RequestOutput], parents: dict[str, ParentRequest]) -> None:
         """Report the state's new output: to the caller, or to its parent (collected in `parents`)."""
         completion = self._completion(state, finish_reason, stop_reason)
-        if completion is None:
-            return
         if state.parent is not None:
             state.parent.add(completion, num_cached_tokens, state.first_token_time,
                              None if state.logprobs is None else state.logprobs.prompt_logprobs)
@@ -195,13 +193,11 @@ class OutputProcessor:
 
     @staticmethod
     def _completion(state: _RequestState, finish_reason: str | None,
-                    stop_reason: int | str | None) -> CompletionOutput | None:
-        """The sequence as its output kind reports it now; None while FINAL_ONLY is unfinished."""
+                    stop_reason: int | str | None) -> CompletionOutput:
+        """The sequence as its output kind reports it now (`process` never asks an unfinished
+        FINAL_ONLY sequence)."""
         finished = finish_reason is not None
-        kind = state.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        delta = kind == RequestOutputKind.DELTA
+        delta = state.params.output_kind == RequestOutputKind.DELTA
         text = state.detokenizer.next_text(finished, delta) if state.detokenizer is not None else ""
         start = state.num_sent_tokens if delta else 0
         token_ids = state.token_ids[start:]

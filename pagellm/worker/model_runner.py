@@ -153,8 +153,7 @@ class ModelRunner:
                                     np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)
             self.model(torch.zeros(num_seqs * q, dtype=torch.int64, device=self.device), grid.positions,
                        grid.attn_metadata)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
 
     # -- one step ------------------------------------------------------------------------------
 
