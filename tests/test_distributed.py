@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 
 import httpx
@@ -182,6 +183,35 @@ def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(tiny_ll
     while not all(_gone(pid) for pid in pids):
         assert time.monotonic() < deadline, "a rank outlived the engine"
         time.sleep(0.1)
+
+
+def test_rank_dead_before_a_step_is_sent_fails_that_step(tiny_llama):
+    """A rank that died between steps has no input pipe left: sending it the next step must fail
+    the engine, not block the engine core forever while its heartbeats say it is fine."""
+    llm = LLM(tiny_llama, **CPU, pipeline_parallel_size=2)
+    engine = llm.llm_engine
+    executor = engine.engine_core.executor
+    engine.add_request("0", {"prompt_token_ids": list(range(100, 140))},
+                       SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    os.kill(executor.pids[0], signal.SIGKILL)
+    executor._procs[0].join()  # dead and reaped before the engine sends again
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException as e:  # noqa: BLE001 - handed to the test thread
+            failure.append(e)
+
+    stepper = threading.Thread(target=run, daemon=True)
+    stepper.start()
+    stepper.join(timeout=10)
+    assert not stepper.is_alive(), "the engine blocked sending to a dead rank"
+    assert len(failure) == 1 and isinstance(failure[0], WorkerFailedError), failure
+    assert "rank 0" in str(failure[0])
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -5,9 +5,9 @@ step without replying, `collect` finishes the oldest one and only the driver rep
 results. The engine therefore sends step N+1 before it asks for step N's results, and the ranks
 overlap the two exactly as a single in-process worker would.
 
-A rank that exits (killed, crashed) or raises is noticed while the engine waits for it, and fails
-the engine with `WorkerFailedError`; every rank is then stopped. Ranks die with the process that
-started them (Linux parent-death signal), so a killed engine leaves no orphans.
+A rank that exits (killed, crashed) or raises is noticed while the engine waits for it or sends
+to it, and fails the engine with `WorkerFailedError`; every rank is then stopped. Ranks die with
+the process that started them (Linux parent-death signal), so a killed engine leaves no orphans.
 """
 from __future__ import annotations
 
@@ -108,7 +108,17 @@ class MultiprocExecutor(Executor):
     def _send(self, method: str, args: tuple, reply: str) -> None:
         message = pickle.dumps((method, args, reply), protocol=pickle.HIGHEST_PROTOCOL)
         for sock in self._inputs:
-            sock.send(message, copy=False)
+            while True:
+                try:
+                    sock.send(message, flags=zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    # No pipe to the rank (it died: a blocking send would wait forever, while the
+                    # core's heartbeats say it is fine) or its queue is full: wait, watching the ranks.
+                    dead = self._dead_rank()
+                    if dead:
+                        self._fail(dead)
+                    sock.poll(_POLL_MS, zmq.POLLOUT)
 
     def _wait(self, ranks: set[int], deadline: float | None = None) -> dict[int, Any]:
         """Replies of `ranks` (one each); raises WorkerFailedError, stopping every rank, when one of
