@@ -45,7 +45,19 @@ def test_grouped_layout_holds_the_gguf_packages_values(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_dequantize_kernel_gives_the_grouped_layouts_values(qtype):
+    """What large steps multiply with cuBLAS (`triton_matmul.dequantize`)."""
+    pytest.importorskip("triton")
+    from pagellm.quantization.triton_matmul import dequantize
+
+    g = gguf_blocks.to_grouped(int(qtype), torch.from_numpy(blocks(qtype, 40, 512, seed=3)), 512)
+    on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    got = dequantize(on(g.codes), on(g.scale), g.zero, g.group, on(g.offset), torch.float32)
+    assert torch.equal(got.cpu(), gguf_blocks.dequantize(g))
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 5, 17, *([300] if ON_GPU else [])])
 def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows):
     pytest.importorskip("triton")
     from pagellm.quantization.triton_matmul import dequant_matmul

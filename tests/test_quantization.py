@@ -111,6 +111,26 @@ def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int
     torch.testing.assert_close(got, expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 
+@pytest.mark.parametrize("group", [32, 128, 0])
+def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
+    """Large steps multiply with cuBLAS on the weight this kernel writes: 4-bit codes with zero
+    points per group (or per channel), 8-bit codes with a scale per channel."""
+    pytest.importorskip("triton")
+    from pagellm.quantization.triton_matmul import dequantize as dequantize_kernel
+
+    n, k = (4096, 4096) if ON_GPU else (40, 384)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(group))
+    q, scales, zeros = quantize_rtn(w, group or k)
+    qweight, scales16 = pack_pairs(q), scales.half()
+    got = dequantize_kernel(qweight.to(DEVICE), scales16.to(DEVICE), zeros.to(DEVICE), group or k, dtype=torch.float32)
+    assert torch.equal(got.cpu(), dequantize(qweight, scales16, zeros, group or k))
+    if group == 0:
+        for dtype in (torch.int8, torch.float8_e4m3fn):
+            q8, scale = quantize_per_row(w, dtype)
+            got = dequantize_kernel(q8.to(DEVICE), scale.to(DEVICE), dtype=torch.float32)
+            assert torch.equal(got.cpu(), q8.float() * scale[:, None])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter rounds to float8 wrongly where a carry changes the exponent")
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantize_rows_kernel_matches_torch(dtype: torch.dtype) -> None:

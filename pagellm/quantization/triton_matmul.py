@@ -115,6 +115,7 @@ def _gemv_kernel(
     GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_PAIRS: tl.constexpr = False, MANTISSA: tl.constexpr = False,
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,10 +131,20 @@ def _gemv_kernel(
             b_ok = rb < K // 2
             packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=n_ok[:, None] & b_ok[None, :],
                              other=0)
-            x_even = tl.load(x_ptr + 2 * rb, mask=b_ok, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptr + 2 * rb + 1, mask=b_ok, other=0.0).to(tl.float32)
+            if X_PAIRS:
+                rk = k0 + tl.arange(0, BLOCK_K)
+                x_even, x_odd = tl.split(tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32),
+                                                    (COLS, 2)))
+            else:
+                x_even = tl.load(x_ptr + 2 * rb, mask=b_ok, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_ptr + 2 * rb + 1, mask=b_ok, other=0.0).to(tl.float32)
             codes = packed.to(tl.int32)
-            prod = _exact_float(codes & 0xF) * x_even[None, :] + _exact_float(codes >> 4) * x_odd[None, :]
+            if MANTISSA:
+                lo = ((codes << 19) & 0x780000 | 0x3F800000).to(tl.float32, bitcast=True)
+                hi = ((codes << 15) & 0x780000 | 0x3F800000).to(tl.float32, bitcast=True)
+                prod = lo * x_even[None, :] + hi * x_odd[None, :]
+            else:
+                prod = _exact_float(codes & 0xF) * x_even[None, :] + _exact_float(codes >> 4) * x_odd[None, :]
             x_col = x_even + x_odd
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -153,6 +164,8 @@ def _gemv_kernel(
             NUM_G: tl.constexpr = BLOCK_K // GROUP
             dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2)  # [BLOCK_N, NUM_G]
             group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
+            if PACKED and MANTISSA:
+                dot = 16.0 * (dot - group_sum)
             rg = k0 // GROUP + tl.arange(0, NUM_G)
             g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
             if ZERO == -1:
@@ -172,12 +185,48 @@ def _gemv_kernel(
     if GROUP == 0:
         acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     elif not PER_GROUP:  # one group a row (the dispatcher sends no offset here)
+        if PACKED and MANTISSA:
+            acc = 16.0 * (acc - x_sum)
         if ZERO == -1:
             acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * x_sum
         elif ZERO != 0:
             acc -= ZERO * x_sum
         acc *= tl.load(scale_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # the weight's layout as above; out [N, K]
+    N, K, stride_wn, stride_sn, stride_zn, stride_on,
+    GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # The weight in the activations' type, for cuBLAS: large steps are bound by the tensor cores,
+    # where dequantizing in every tile of rows would repeat the work once per tile.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (rn < N)[:, None] & (rk < K)[None, :]
+    if PACKED:
+        rb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :],
+                         mask=(rn < N)[:, None] & (rb < K // 2)[None, :], other=0)
+        q = tl.interleave(packed & 0xF, packed >> 4)
+    else:
+        q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=ok, other=0.0)
+    if GROUP == 0:
+        w = q.to(tl.float32) * tl.load(scale_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+    else:
+        g = rn[:, None] * stride_sn + rk[None, :] // GROUP  # each group's values, gathered (cached)
+        c = _exact_float(q.to(tl.int32))
+        if ZERO == -1:
+            c -= tl.load(zero_ptr + rn[:, None] * stride_zn + rk[None, :] // GROUP, mask=ok, other=0).to(tl.float32)
+        elif ZERO != 0:
+            c -= ZERO
+        w = c * tl.load(scale_ptr + g, mask=ok, other=0.0).to(tl.float32)
+        if OFFSET:
+            w += tl.load(offset_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -253,6 +302,28 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q, scale
 
 
+DEQUANTIZE_ROWS = 128
+"""Steps of at least this many rows dequantize the whole weight once and multiply with cuBLAS (on
+the H200, the tiles' in-register dequantization costs more than the write and read of a 16-bit
+copy from about here; benchmarks/gemv_sweep.py measures the crossing)."""
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0, group_size: int = 0,
+               offset: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight W [N, K] in `dtype` (layout and arguments as `dequant_matmul`'s): each value
+    computed in float32, then rounded."""
+    n = weight.shape[0]
+    k = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    zero_arg, zero_const = (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
+    block_n, block_k = 32, 128
+    _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        weight, scale, zero_arg, scale if offset is None else offset, out, n, k, weight.stride(0),
+        scale.stride(0), zero_arg.stride(0), out.stride(0), GROUP=group_size, PACKED=weight.dtype == torch.uint8,
+        ZERO=zero_const, OFFSET=offset is not None, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
 def block_m(rows: int) -> int:
     """Activation rows per tile: a decode step's few rows pad to 16 (the tensor cores' least)."""
     return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
@@ -294,6 +365,8 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     if rows == 1 and (group_size == 0 or per_group or group_size == k):
         _gemv(pointers, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0), layout, per_group)
         return out
+    if x.is_cuda and rows >= DEQUANTIZE_ROWS:
+        return torch.mm(x, dequantize(weight, scale, zero, group_size, offset, x.dtype).t(), out=out)
     bm = block_m(rows)
     args = (*pointers, rows, n, k, x.stride(0), weight.stride(0), scale.stride(0), zero_arg.stride(0), out.stride(0))
     if x.is_cuda:
