@@ -166,12 +166,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     payload: dict[str, Any] = {"metadata": run_metadata(args.commit), "args": vars(args)}
     payload["ceilings"] = measure_ceilings(torch.device(DEVICE), 1 << 30, 8192, torch.bfloat16)[1]
+    out = Path(args.out_dir) / "gemv_sweep.json" if args.out_dir else default_result_path("gemv_sweep")
     if "gemv" in args.phases:
         payload["gemv"] = gemv_phase(args, payload["ceilings"]["copy_bytes_per_s"])
+        write_json(payload, out)  # each phase's results kept as soon as they exist
     if "large" in args.phases:
         payload["large"] = large_phase(args)
     print(summary(payload))
-    out = Path(args.out_dir) / "gemv_sweep.json" if args.out_dir else default_result_path("gemv_sweep")
     write_json(payload, out)
     return payload
 
