@@ -131,6 +131,51 @@ def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
             assert torch.equal(got.cpu(), q8.float() * scale[:, None])
 
 
+def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model(tmp_path) -> None:
+    """SmoothQuant's fold divides each norm channel by s and multiplies the next layer's input
+    column by s: the dense model computes the same function."""
+    from pagellm.quantization import smoothing
+
+    hf = _tiny_hf()
+    hf.save_pretrained(tmp_path)
+    model, _ = _load(str(tmp_path))
+    ids = list(range(3, 43))
+    before = log_probs(model, ids, CPU)
+    pairs = [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
+    maxima = smoothing.input_maxima(model, [linear for _, linear in pairs], ids)
+    assert set(maxima) == {linear for _, linear in pairs} and all(m.shape == (64,) for m in maxima.values())
+    norm, qkv = pairs[0]
+    weights = norm.weight.clone(), qkv.weight.clone()
+    for norm_, linear in pairs:
+        smoothing.fold(norm_, linear, maxima[linear] * torch.linspace(0.1, 50, 64), smoothing.ALPHA)
+    assert not torch.allclose(norm.weight, weights[0]) and not torch.allclose(qkv.weight, weights[1])
+    torch.testing.assert_close(log_probs(model, ids, CPU), before, atol=1e-4, rtol=0)
+
+
+def test_online_int8_smoothed_at_load_is_closer_to_the_dense_model(smollm2_path, monkeypatch) -> None:
+    """SmolLM2's norms make a few input channels large: calibrated SmoothQuant at load halves the
+    W8A8 model's KL divergence from the dense one, on text it was not calibrated on."""
+    from importlib import resources
+
+    from pagellm.quantization import w8a8
+    from pagellm.tokenizer.tokenizer import load_tokenizer
+
+    config = EngineArgs(model=smollm2_path, device="cpu", dtype="float32").create_engine_config()
+    text = resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8")
+    ids = load_tokenizer(config.source).encode(text)[:200]
+    assert len(ids) > SMALL_BATCH_ROWS  # 8-bit activations
+    dense = log_probs(_load(smollm2_path)[0], ids, CPU)
+
+    def kl() -> float:
+        lp = log_probs(_load(smollm2_path, quantization="int8")[0], ids, CPU)
+        return (dense.exp() * (dense - lp)).sum(dim=-1).mean().item()
+
+    smoothed = kl()
+    monkeypatch.setattr(w8a8.W8A8Config, "prepare_weights", lambda self, model, source: None)
+    plain = kl()
+    assert smoothed < 0.7 * plain, (smoothed, plain)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter rounds to float8 wrongly where a carry changes the exponent")
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantize_rows_kernel_matches_torch(dtype: torch.dtype) -> None:

@@ -68,13 +68,20 @@ def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.T
     ([len(ids) - 1, vocab]): one prompt from position 0, through the model's KV cache if one is
     bound (`bind_window_cache`)."""
     n = len(ids)
+    hidden = hidden_states(model, ids, device)[: n - 1]
+    return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]), dim=-1)
+                      for i in range(0, n - 1, _LOGIT_ROWS)])
+
+
+@torch.inference_mode()
+def hidden_states(model: nn.Module, ids: list[int], device: torch.device) -> torch.Tensor:
+    """`model`'s last hidden states [len(ids), hidden] for one prompt from position 0 (through its KV
+    cache if one is bound)."""
+    n = len(ids)
     # Without a bound cache the backends attend within the batch and ignore the slots.
     layout = attention_layout(padded_block_table([list(range(-(-n // _BLOCK_SIZE)))]), np.zeros(1, dtype=np.int64),
                               np.array([n], dtype=np.int64), _BLOCK_SIZE, device)
-    input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-    hidden = model(input_ids, layout.positions, layout.attn_metadata)[: n - 1]
-    return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]), dim=-1)
-                      for i in range(0, n - 1, _LOGIT_ROWS)])
+    return model(torch.tensor(ids, dtype=torch.int64, device=device), layout.positions, layout.attn_metadata)
 
 
 def evaluate(models: dict[str, nn.Module], reference: str, token_ids: list[int], context: int,

@@ -124,6 +124,11 @@ class LlamaDecoderLayer(nn.Module):
         self.fused: FusedDecoderLayer | None = None
         """The whole layer as one C call, set by the worker on the CPU where it applies (cpu_layer.py)."""
 
+    def smoothable(self) -> list[tuple[RMSNorm, nn.Module]]:
+        """(norm, linear layer that reads only its output) pairs: a per-channel scale divided out of
+        the norm's weight can multiply the layer's input columns (SmoothQuant)."""
+        return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj)]
+
     def forward(
         self,
         positions: torch.Tensor,

@@ -70,6 +70,10 @@ class QuantizationConfig(ABC):
         """Give the layers this config quantizes their methods (before loading); returns the
         checkpoint tensor names whose weights the loader must hand over as stored."""
 
+    def prepare_weights(self, model: nn.Module, source) -> None:
+        """Work on the loaded model (`source`: its ModelSource) before the methods process their
+        weights; nothing by default."""
+
 
 class LinearLayersConfig(QuantizationConfig):
     """A config that gives every linear layer (not the embedding or LM head) a `method_cls(fmt)`,

@@ -10,6 +10,7 @@ activations would only cost accuracy there: they multiply their 16-bit activatio
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from pagellm.quantization.base import (
     per_channel_loader,
     replace_param,
 )
+
+from pagellm.quantization import smoothing
 
 try:  # the GPU's kernels; the CPU computes the products in PyTorch
     from pagellm.quantization import triton_matmul
@@ -128,6 +131,28 @@ class W8A8Config(LinearLayersConfig):
     """Every linear layer 8-bit (the embedding and LM head stay dense), but the ignored ones."""
 
     method_cls = W8A8LinearMethod
+
+    def prepare_weights(self, model: nn.Module, source) -> None:
+        """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text
+        (`smoothing`), where the whole model is on this rank's stage and has a tokenizer."""
+        if not (self.fmt.online and self.fmt.quantize_activations):
+            return
+        from pagellm.distributed import parallel_state  # noqa: PLC0415
+        from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
+
+        if parallel_state().pp_size > 1:
+            logger.warning("%s: no SmoothQuant calibration with pipeline parallelism (a stage holds part of the "
+                           "model); activations are quantized per token without it", self.name)
+            return
+        tokenizer = load_tokenizer(source)
+        if tokenizer is None:
+            logger.warning("%s: no tokenizer to calibrate SmoothQuant with; activations are quantized per token "
+                           "without it", self.name)
+            return
+        start = time.perf_counter()
+        layers = smoothing.smooth(model, smoothing.calibration_ids(tokenizer))
+        logger.info("%s: SmoothQuant scales for %d layers, calibrated in %.2f s", self.name, layers,
+                    time.perf_counter() - start)
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":

@@ -41,6 +41,8 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
         missing = {name for name, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
+        if quant is not None:
+            quant.prepare_weights(model, source)
     process_weights_after_loading(model.modules())
     for param in model.parameters():
         # The loaders are bound to their layers (param -> loader -> layer -> param): without them
