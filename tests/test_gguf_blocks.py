@@ -57,7 +57,7 @@ def test_dequantize_kernel_gives_the_grouped_layouts_values(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 5, 17, *([300] if ON_GPU else [])])
+@pytest.mark.parametrize("rows", [1, 5, 17, 300])
 def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows):
     pytest.importorskip("triton")
     from pagellm.quantization.triton_matmul import dequant_matmul

@@ -7,7 +7,9 @@ activations' dtype. A tile within one group of K multiplies the codes (minus zer
 integers, exact there) and applies the group's scale (and GGUF's offset, times the activations'
 sum) to the float32 product; per-channel scales apply at the end. A tile of several groups (the
 autotuner's choice where groups are small, e.g. GGUF's 16 and 32) dequantizes each weight in
-float32 and rounds it to the activations' type, as a dense model's weights are rounded.
+float32 and rounds it to the activations' type, as a dense model's weights are rounded. Steps of
+`DEQUANTIZE_ROWS` rows or more write the weight once in the activations' type and multiply with
+cuBLAS instead (the tiles would repeat the dequantization once per tile of rows).
 """
 from __future__ import annotations
 
@@ -302,10 +304,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q, scale
 
 
-DEQUANTIZE_ROWS = 128
-"""Steps of at least this many rows dequantize the whole weight once and multiply with cuBLAS (on
-the H200, the tiles' in-register dequantization costs more than the write and read of a 16-bit
-copy from about here; benchmarks/gemv_sweep.py measures the crossing)."""
+DEQUANTIZE_ROWS = 256
+"""Steps of at least this many rows dequantize the whole weight once and multiply with cuBLAS. On
+the H200 the tiled int4 kernel took 3.4x cuBLAS bf16's time at 256 rows (and 1.5x at 64), far more
+than writing a 16-bit copy costs; the crossing itself is not measured yet (benchmarks/gemv_sweep.py
+measures it), so the threshold sits where the gain is clear."""
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0, group_size: int = 0,
@@ -365,7 +368,7 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     if rows == 1 and (group_size == 0 or per_group or group_size == k):
         _gemv(pointers, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0), layout, per_group)
         return out
-    if x.is_cuda and rows >= DEQUANTIZE_ROWS:
+    if rows >= DEQUANTIZE_ROWS:
         return torch.mm(x, dequantize(weight, scale, zero, group_size, offset, x.dtype).t(), out=out)
     bm = block_m(rows)
     args = (*pointers, rows, n, k, x.stride(0), weight.stride(0), scale.stride(0), zero_arg.stride(0), out.stride(0))
