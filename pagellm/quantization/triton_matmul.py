@@ -117,6 +117,10 @@ def _gemv_kernel(
     GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # Packed codes, two ways under trial on the GPU (benchmarks/gemv_sweep.py; off in the engine until
+    # measured): X_PAIRS reads the activations contiguously and splits even from odd in registers;
+    # MANTISSA makes each code c the float 1 + c / 16 from its bits (two integer operations instead
+    # of four), the sum of the inputs taken back out per group.
     X_PAIRS: tl.constexpr = False, MANTISSA: tl.constexpr = False,
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
