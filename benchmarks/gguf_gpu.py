@@ -45,13 +45,16 @@ from pagellm.quantization import gguf_blocks
 from pagellm.tokenizer.gguf_tokenizer import byte_to_unicode
 
 TYPE_NAMES = {gguf_blocks.Q4_0: "Q4_0", gguf_blocks.Q4_1: "Q4_1", gguf_blocks.Q5_0: "Q5_0", gguf_blocks.Q5_1: "Q5_1",
-              gguf_blocks.Q8_0: "Q8_0", gguf_blocks.Q4_K: "Q4_K", gguf_blocks.Q5_K: "Q5_K", gguf_blocks.Q6_K: "Q6_K"}
+              gguf_blocks.Q8_0: "Q8_0", gguf_blocks.Q2_K: "Q2_K", gguf_blocks.Q3_K: "Q3_K", gguf_blocks.Q4_K: "Q4_K",
+              gguf_blocks.Q5_K: "Q5_K", gguf_blocks.Q6_K: "Q6_K"}
 _FP16_FIELDS = {  # byte offset of each float16 field in a block -> the range its random values take
     gguf_blocks.Q4_0: {0: (2e-3, 6e-3)},
     gguf_blocks.Q4_1: {0: (2e-3, 6e-3), 2: (-5e-2, -2e-2)},
     gguf_blocks.Q5_0: {0: (1e-3, 3e-3)},
     gguf_blocks.Q5_1: {0: (1e-3, 3e-3), 2: (-5e-2, -2e-2)},
     gguf_blocks.Q8_0: {0: (2e-4, 5e-4)},
+    gguf_blocks.Q2_K: {80: (1e-3, 3e-3), 82: (0.0, 3e-3)},
+    gguf_blocks.Q3_K: {108: (1e-4, 3e-4)},
     gguf_blocks.Q4_K: {0: (5e-5, 1.5e-4), 2: (0.0, 1.5e-4)},
     gguf_blocks.Q5_K: {0: (3e-5, 7e-5), 2: (0.0, 1.5e-4)},
     gguf_blocks.Q6_K: {208: (1e-5, 3e-5)},

@@ -1,12 +1,13 @@
 """GGUF block types and, for the GPU, their conversion into the layout the Triton kernel reads.
 
-A GGUF block packs `values` weights of one row into `nbytes` bytes: 4-, 6- or 8-bit codes, a
-float16 scale, and for some types a minimum or per-sub-block scales. The GPU keeps the codes (4-bit
-two a byte, 6- and 8-bit one a byte) with a scale, and where the type has one an offset, per group
+A GGUF block packs `values` weights of one row into `nbytes` bytes: 2- to 8-bit codes, a float16
+scale, and for some types a minimum or per-sub-block scales. The GPU keeps the codes (2- to 4-bit
+two a byte, 5- to 8-bit one a byte) with a scale, and where the type has one an offset, per group
 of 16 or 32 inputs: W = (code - zero) * scale + offset, the same float32 values the gguf package's
 `dequantize` gives (a code times a scale is exact in float32, and the one addition rounds as it
 does there). Bits a weight on the GPU: Q4_0 4.5, Q4_1 5, Q8_0 8.5 (as in the file); Q4_K 6 (4.5 in
-the file: its 6-bit sub-block scales and minimums multiplied out into float32); 5- and 6-bit codes
+the file: its 6-bit sub-block scales and minimums multiplied out into float32); Q2_K 8 (2.6) and
+Q3_K 6 (3.4): a nibble a code and float32 scales (and Q2_K's minimums) per 16; 5- and 6-bit codes
 take a byte each: Q5_0 8.5 (5.5), Q5_1 9 (6), Q5_K 10 (5.5), Q6_K 10 (6.6).
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from pagellm.quantization.int4 import pack_pairs, unpack_pairs
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14
 """GGML type ids."""
-BLOCKS = {t: GGML_QUANT_SIZES[GGMLQuantizationType(t)] for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)}
+BLOCKS = {t: GGML_QUANT_SIZES[GGMLQuantizationType(t)]
+          for t in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}
 """GGML type id -> (weights, bytes) per block (the gguf package's table), for the types kept
 quantized on some device."""
 
@@ -69,6 +71,25 @@ def to_grouped(qtype: int, raw: torch.Tensor, in_features: int) -> GroupedWeight
         if qtype == Q5_0:
             return GroupedWeight(q - 16, d, None, 0, 32)
         return GroupedWeight(q, d, _f16(b[..., 2:4]), 0, 32)
+    if qtype in (Q2_K, Q3_K):
+        # 2-bit codes: chunk c of 32 bytes holds value 128 c + 32 s + l in bits 2s of byte l.
+        qs = b[..., 16:80] if qtype == Q2_K else b[..., 32:96]
+        q = torch.cat([(qs.reshape(rows, -1, 2, 1, 32) >> s) & 3 for s in (0, 2, 4, 6)], dim=-2)
+        q = q.reshape(rows, -1, 256)
+        if qtype == Q2_K:  # 16 sub-blocks: a 4-bit scale (low nibble) and minimum (high) each
+            sub, d, dmin = b[..., :16], _f16(b[..., 80:82]).float(), _f16(b[..., 82:84]).float()
+            scale = (d[..., None] * (sub & 0xF).float()).reshape(rows, -1)
+            offset = -(dmin[..., None] * (sub >> 4).float()).reshape(rows, -1)
+            return GroupedWeight(pack_pairs(q.reshape(rows, in_features)), scale, offset, 0, 16)
+        # Q3_K: bit i of high-mask byte l is value 32 i + l's third bit (set: +4); 16 6-bit
+        # sub-block scales, biased by 32: four low bits from 8 bytes' nibbles, two high from 4 bytes.
+        high = ((b[..., :32].reshape(rows, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=raw.device)[:, None])
+                & 1).reshape(rows, -1, 256)
+        low_bits = torch.cat((b[..., 96:104] & 0xF, b[..., 96:104] >> 4), dim=-1)
+        high_bits = torch.cat([(b[..., 104:108] >> s) & 3 for s in (0, 2, 4, 6)], dim=-1)
+        sub = (low_bits | (high_bits << 4)).float() - 32
+        scale = (_f16(b[..., 108:110]).float()[..., None] * sub).reshape(rows, -1)
+        return GroupedWeight(pack_pairs((q | (high << 2)).reshape(rows, in_features)), scale, None, 4, 16)
     if qtype in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()
         packed = b[..., 4:16].reshape(rows, -1, 3, 4)  # 8 sub-blocks' 6-bit scales and minimums
