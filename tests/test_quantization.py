@@ -147,7 +147,8 @@ def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model
     norm, qkv = pairs[0]
     weights = norm.weight.clone(), qkv.weight.clone()
     for norm_, linear in pairs:
-        smoothing.fold(norm_, linear, maxima[linear] * torch.linspace(0.1, 50, 64), smoothing.ALPHA)
+        smoothing.fold(norm_, linear, smoothing.scale(maxima[linear] * torch.linspace(0.1, 50, 64), linear.weight,
+                                                      smoothing.ALPHA))
     assert not torch.allclose(norm.weight, weights[0]) and not torch.allclose(qkv.weight, weights[1])
     torch.testing.assert_close(log_probs(model, ids, CPU), before, atol=1e-4, rtol=0)
 
@@ -174,6 +175,19 @@ def test_online_int8_smoothed_at_load_is_closer_to_the_dense_model(smollm2_path,
     monkeypatch.setattr(w8a8.W8A8Config, "prepare_weights", lambda self, model, source: None)
     plain = kl()
     assert smoothed < 0.7 * plain, (smoothed, plain)
+
+
+def test_calibration_stays_within_the_models_positions(smollm2_path) -> None:
+    """A model with fewer positions than the calibration text's tokens is calibrated on as many as
+    it has (beyond them the rotary table has no row: NaN weights, or an IndexError)."""
+    config = EngineArgs(model=smollm2_path, device="cpu", dtype="float32", quantization="int8",
+                        attention_backend="torch").create_engine_config()
+    config.source.arch.max_position_embeddings = 48
+    model = build_model(config.source, config.quantization, config.dtype, CPU, "torch", 0)
+    dense = build_model(config.source, None, config.dtype, CPU, "torch", 0)
+    norm = model.model.layers[0].input_layernorm.weight
+    assert bool(norm.isfinite().all()) and not torch.equal(norm, dense.model.layers[0].input_layernorm.weight)
+    assert bool(log_probs(model, list(range(100, 140)), CPU).isfinite().all())
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter rounds to float8 wrongly where a carry changes the exponent")

@@ -37,13 +37,19 @@ def calibration_ids(tokenizer) -> list[int]:
 
 def smooth(model: nn.Module, ids: list[int], alpha: float = ALPHA) -> int:
     """Measure the inputs of each decoder layer's smoothable linear layers on `ids` (dense products)
-    and fold the scales into them and their norms; returns how many layers were smoothed. Every
-    tensor-parallel rank runs this alike (the forward's collectives keep them in step); each folds
-    its own columns' scales into its own copy of the norm."""
+    and fold the scales into them and their norms; returns how many layers were smoothed (0: none,
+    when a measured maximum or a scale is not finite). Every tensor-parallel rank runs this alike
+    (the forward's collectives keep them in step). A rank's scales depend on its own rows of the
+    weight (their largest magnitudes), so they differ between ranks; each folds its own into its
+    own copy of the norm, whose output only its own rows read: the product stays exact."""
     pairs = [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
     maxima = input_maxima(model, [linear for _, linear in pairs], ids)
-    for norm, linear in pairs:
-        fold(norm, linear, maxima[linear], alpha)
+    scales = [scale(maxima[linear], linear.weight.data, alpha) for _, linear in pairs]
+    if not all(bool(s.isfinite().all()) for s in scales):
+        logger.warning("SmoothQuant calibration gave non-finite activations or scales; the layers are left as loaded")
+        return 0
+    for (norm, linear), s in zip(pairs, scales):
+        fold(norm, linear, s)
     return len(pairs)
 
 
@@ -59,7 +65,9 @@ def input_maxima(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> d
         maxima[layer] = torch.maximum(maxima[layer], x) if layer in maxima else x
 
     hooks = [layer.register_forward_pre_hook(record) for layer in layers]
-    methods = {m: m.quant_method for m in model.modules() if hasattr(m, "quant_method")}
+    # Layers whose weights are still dense multiply them as such; any other keeps its method.
+    methods = {m: m.quant_method for m in model.modules()
+               if hasattr(m, "quant_method") and m.weight.is_floating_point()}
     dense = UnquantizedLinearMethod()
     try:
         for module in methods:
@@ -73,9 +81,12 @@ def input_maxima(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> d
     return maxima
 
 
-def fold(norm: nn.Module, linear: nn.Module, x_max: torch.Tensor, alpha: float) -> None:
-    """norm.weight / s and linear.weight * s (per input channel j), s as the module docstring says."""
-    weight = linear.weight.data.float()
-    s = x_max.clamp(min=_MIN) ** alpha / weight.abs().amax(dim=0).clamp(min=_MIN) ** (1 - alpha)
+def scale(x_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s [K] = max|X_j|^alpha / max|W_j|^(1 - alpha) for a weight [N, K]."""
+    return x_max.clamp(min=_MIN) ** alpha / weight.float().abs().amax(dim=0).clamp(min=_MIN) ** (1 - alpha)
+
+
+def fold(norm: nn.Module, linear: nn.Module, s: torch.Tensor) -> None:
+    """norm.weight / s and linear.weight * s, per input channel j."""
     norm.weight.data = (norm.weight.data.float() / s).to(norm.weight.dtype)
-    linear.weight.data = (weight * s).to(linear.weight.dtype)
+    linear.weight.data = (linear.weight.data.float() * s).to(linear.weight.dtype)

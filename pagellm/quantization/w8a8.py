@@ -144,15 +144,20 @@ class W8A8Config(LinearLayersConfig):
             logger.warning("%s: no SmoothQuant calibration with pipeline parallelism (a stage holds part of the "
                            "model); activations are quantized per token without it", self.name)
             return
-        tokenizer = load_tokenizer(source)
+        try:
+            tokenizer = load_tokenizer(source)
+        except ValueError:  # a folder without tokenizer.json (the engine may serve token ids alone)
+            tokenizer = None
         if tokenizer is None:
             logger.warning("%s: no tokenizer to calibrate SmoothQuant with; activations are quantized per token "
                            "without it", self.name)
             return
         start = time.perf_counter()
-        layers = smoothing.smooth(model, smoothing.calibration_ids(tokenizer))
-        logger.info("%s: SmoothQuant scales for %d layers, calibrated in %.2f s", self.name, layers,
-                    time.perf_counter() - start)
+        ids = smoothing.calibration_ids(tokenizer)[: source.arch.max_position_embeddings]
+        layers = smoothing.smooth(model, ids)
+        if layers:
+            logger.info("%s: SmoothQuant scales for %d layers, calibrated in %.2f s", self.name, layers,
+                        time.perf_counter() - start)
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":
