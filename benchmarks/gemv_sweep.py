@@ -105,8 +105,8 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
                 records.append(record)
             best = min((r for r in records if r["layer"] == layer and r["method"] == method and "us" in r
                         and not r.get("wrong") and r["config"] != "autotuned"), key=lambda r: r["us"], default=None)
-            print(f"{layer} {method}: bf16 {base:.1f} us, autotuned {tuned:.1f} us, best "
-                  f"{best and best['config']} {best and best['us']:.1f} us", flush=True)
+            found = f"{best['config']} {best['us']:.1f} us" if best else "none (every tile failed)"
+            print(f"{layer} {method}: bf16 {base:.1f} us, autotuned {tuned:.1f} us, best {found}", flush=True)
     return records
 
 
@@ -184,7 +184,7 @@ def summary(payload: dict[str, Any]) -> str:
         rows = []
         for layer, method in dict.fromkeys((r["layer"], r["method"]) for r in gemv):
             mine = [r for r in gemv if r["layer"] == layer and r["method"] == method and "us" in r]
-            tuned = next(r for r in mine if r["config"] in ("autotuned", "cuBLAS"))
+            tuned = next(r for r in mine if r["config"] in ("autotuned", "cuBLAS"))  # always timed first
             ranked = sorted((r for r in mine if r is not tuned and not r.get("wrong")), key=lambda r: r["us"])
             for r in [tuned, *ranked[:3]]:
                 rows.append([layer, method, r["config"], f"{r['us']:.1f}", f"{r['bw_fraction']:.2f}"])

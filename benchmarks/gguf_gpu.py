@@ -2,7 +2,7 @@
 Face, and an 8B-shaped file against bf16, in one run.
 
 Phases (each optional, `--phases`; a failure is recorded and the rest still run):
-  kernels    per block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; random blocks) and Llama-8B projection
+  kernels    per block type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K to Q6_K; random blocks) and Llama-8B projection
              shape, M rows: the Triton kernel on the type's grouped layout against bf16 `F.linear`
              (cuBLAS) on the same shape; error against float32 dequantize-then-matmul; at M = 1 the
              fraction of the measured copy bandwidth its bytes reach

@@ -1,7 +1,7 @@
 """GGUF blocks on the GPU: each block type's conversion into the Triton kernel's grouped layout
 gives the gguf package's own dequantized values, the kernel multiplies with those layouts (the
-interpreter at small sizes on the CPU), and on a GPU a model written by gguf's writer with every
-kept type runs on its blocks as it does dequantized at load."""
+interpreter at small sizes on the CPU), and on a GPU a model written by gguf's writer with a mix of
+kept types runs on its blocks as it does dequantized at load."""
 from __future__ import annotations
 
 import math
@@ -46,21 +46,24 @@ def test_grouped_layout_holds_the_gguf_packages_values(qtype):
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 def test_dequantize_kernel_gives_the_grouped_layouts_values(qtype):
-    """What large steps multiply with cuBLAS (`triton_matmul.dequantize`)."""
+    """What large steps multiply with cuBLAS (`triton_matmul.dequantize_weight`)."""
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequantize
+    from pagellm.quantization.triton_matmul import dequantize_weight
 
     g = gguf_blocks.to_grouped(int(qtype), torch.from_numpy(blocks(qtype, 40, 512, seed=3)), 512)
     on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
-    got = dequantize(on(g.codes), on(g.scale), g.zero, g.group, on(g.offset), torch.float32)
+    got = dequantize_weight(on(g.codes), on(g.scale), g.zero, g.group, on(g.offset), torch.float32)
     assert torch.equal(got.cpu(), gguf_blocks.dequantize(g))
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 5, 17, 300])
-def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows):
+def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows, monkeypatch):
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequant_matmul
+    from pagellm.quantization.triton_matmul import DEQUANTIZE_ROWS, dequant_matmul
+    from test_quantization import count_dequantized
+
+    dequantized = count_dequantized(monkeypatch)
 
     n, k = (4096, 4096) if ON_GPU else (24, 512)
     g = gguf_blocks.to_grouped(int(qtype), torch.from_numpy(blocks(qtype, n, k, seed=rows)), k)
@@ -75,6 +78,7 @@ def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows):
     dequant_matmul(x.to(DEVICE), on(g.codes), on(g.scale), g.zero, g.group, on(g.offset), out=wide[:, 3:3 + n])
     assert torch.equal(wide[:, 3:3 + n].double().cpu(), got) and bool((wide[:, :3] == 7).all())
     assert bool((wide[:, 3 + n:] == 7).all())
+    assert bool(dequantized) == (rows >= DEQUANTIZE_ROWS)
 
 
 # --- a model ---------------------------------------------------------------------------------------

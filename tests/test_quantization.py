@@ -74,11 +74,23 @@ triton_shapes = [(1, 4096, 4096), (16, 6144, 4096), (17, 4096, 14336), (300, 102
     [(1, 48, 64), (1, 24, 96), (5, 40, 128), (17, 16, 64), (33, 24, 96), (260, 24, 128)]
 
 
+def count_dequantized(monkeypatch) -> list[int]:
+    """Calls of `triton_matmul.dequantize_weight` from now on (the path of large steps)."""
+    from pagellm.quantization import triton_matmul
+
+    calls: list[int] = []
+    real = triton_matmul.dequantize_weight
+    monkeypatch.setattr(triton_matmul, "dequantize_weight", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 @pytest.mark.parametrize("rows,n,k", triton_shapes)
-def test_dequant_matmul_8bit_matches_torch(dtype: torch.dtype, rows: int, n: int, k: int) -> None:
+def test_dequant_matmul_8bit_matches_torch(dtype: torch.dtype, rows: int, n: int, k: int, monkeypatch) -> None:
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequant_matmul
+    from pagellm.quantization.triton_matmul import DEQUANTIZE_ROWS, dequant_matmul
+
+    dequantized = count_dequantized(monkeypatch)
 
     gen = torch.Generator().manual_seed(rows + n + k)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
@@ -90,13 +102,14 @@ def test_dequant_matmul_8bit_matches_torch(dtype: torch.dtype, rows: int, n: int
         got = dequant_matmul(xd.to(DEVICE), q.to(DEVICE), scale.to(DEVICE)).float().cpu()
         tol = 1e-4 if x_dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, expected, atol=tol * math.sqrt(k), rtol=tol)
+    assert bool(dequantized) == (rows >= DEQUANTIZE_ROWS)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 0])
 @pytest.mark.parametrize("rows,n,k", triton_shapes)
-def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int) -> None:
+def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int, monkeypatch) -> None:
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequant_matmul
+    from pagellm.quantization.triton_matmul import DEQUANTIZE_ROWS, dequant_matmul
 
     group = group or k  # 0: one group per output channel
     if k % group:
@@ -107,8 +120,10 @@ def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int
     qweight, scales16 = pack_pairs(q), scales.half()
     expected = x @ dequantize(qweight, scales16, zeros, group).t()
     assert (dequantize(qweight, scales16, zeros, group) - w).abs().max() <= scales.max() * 0.51  # rounding only
+    dequantized = count_dequantized(monkeypatch)
     got = dequant_matmul(x.to(DEVICE), qweight.to(DEVICE), scales16.to(DEVICE), zeros.to(DEVICE), group).cpu()
     torch.testing.assert_close(got, expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
+    assert bool(dequantized) == (rows >= DEQUANTIZE_ROWS)
 
 
 @pytest.mark.parametrize("group", [32, 128, 0])
@@ -116,18 +131,18 @@ def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
     """Large steps multiply with cuBLAS on the weight this kernel writes: 4-bit codes with zero
     points per group (or per channel), 8-bit codes with a scale per channel."""
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequantize as dequantize_kernel
+    from pagellm.quantization.triton_matmul import dequantize_weight
 
     n, k = (4096, 4096) if ON_GPU else (40, 384)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(group))
     q, scales, zeros = quantize_rtn(w, group or k)
     qweight, scales16 = pack_pairs(q), scales.half()
-    got = dequantize_kernel(qweight.to(DEVICE), scales16.to(DEVICE), zeros.to(DEVICE), group or k, dtype=torch.float32)
+    got = dequantize_weight(qweight.to(DEVICE), scales16.to(DEVICE), zeros.to(DEVICE), group or k, dtype=torch.float32)
     assert torch.equal(got.cpu(), dequantize(qweight, scales16, zeros, group or k))
     if group == 0:
         for dtype in (torch.int8, torch.float8_e4m3fn):
             q8, scale = quantize_per_row(w, dtype)
-            got = dequantize_kernel(q8.to(DEVICE), scale.to(DEVICE), dtype=torch.float32)
+            got = dequantize_weight(q8.to(DEVICE), scale.to(DEVICE), dtype=torch.float32)
             assert torch.equal(got.cpu(), q8.float() * scale[:, None])
 
 

@@ -315,14 +315,15 @@ than writing a 16-bit copy costs; the crossing itself is not measured yet (bench
 measures it), so the threshold sits where the gain is clear."""
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0, group_size: int = 0,
-               offset: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0, group_size: int = 0,
+                      offset: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The weight W [N, K] in `dtype` (layout and arguments as `dequant_matmul`'s): each value
     computed in float32, then rounded."""
+    _check_offset(offset, scale)
     n = weight.shape[0]
     k = weight.shape[1] * (2 if weight.dtype == torch.uint8 else 1)
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    zero_arg, zero_const = (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
+    zero_arg, zero_const = _zero_args(zero, scale)
     block_n, block_k = 32, 128
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight, scale, zero_arg, scale if offset is None else offset, out, n, k, weight.stride(0),
@@ -362,18 +363,17 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     per_group = _whole_group_tiles(group_size)
     if (isinstance(zero, torch.Tensor) or zero or offset is not None) and not group_size:
         raise ValueError("zero points and offsets go with groups of K (group_size > 0)")
-    if offset is not None and (offset.shape != scale.shape or offset.stride() != scale.stride()):
-        raise ValueError("offset must have scale's shape and strides")
+    _check_offset(offset, scale)
     if offset is not None and not per_group:
         raise ValueError(f"offsets need groups of a power of two up to 256 input features, not {group_size}")
-    zero_arg, zero_const = (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
+    zero_arg, zero_const = _zero_args(zero, scale)
     layout = dict(GROUP=group_size, PACKED=weight.dtype == torch.uint8, ZERO=zero_const, OFFSET=offset is not None)
     pointers = (x, weight, scale, zero_arg, scale if offset is None else offset, out)
     if rows == 1 and (group_size == 0 or per_group or group_size == k):
         _gemv(pointers, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0), layout, per_group)
         return out
     if rows >= DEQUANTIZE_ROWS:
-        return torch.mm(x, dequantize(weight, scale, zero, group_size, offset, x.dtype).t(), out=out)
+        return torch.mm(x, dequantize_weight(weight, scale, zero, group_size, offset, x.dtype).t(), out=out)
     bm = block_m(rows)
     args = (*pointers, rows, n, k, x.stride(0), weight.stride(0), scale.stride(0), zero_arg.stride(0), out.stride(0))
     if x.is_cuda:
@@ -387,6 +387,16 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
         _dequant_matmul_kernel[grid](*args, **layout, IEEE=x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=16,
                                      BLOCK_K=block_k)
     return out
+
+
+def _check_offset(offset: torch.Tensor | None, scale: torch.Tensor) -> None:
+    if offset is not None and (offset.shape != scale.shape or offset.stride() != scale.stride()):
+        raise ValueError("offset must have scale's shape and strides")
+
+
+def _zero_args(zero: torch.Tensor | int, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(pointer, ZERO): per-group zero points, or one constant (the pointer then unused)."""
+    return (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
 
 
 def _whole_group_tiles(group_size: int) -> bool:
