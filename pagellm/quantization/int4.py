@@ -1,5 +1,6 @@
 """int4 weights with a scale and a zero point per group of input features: GPTQ and AutoAWQ
-checkpoints, and `rtn` (a dense checkpoint rounded to nearest at load, in the same form).
+checkpoints, and `rtn` (a dense checkpoint rounded to nearest at load, in the same form, after
+activation-aware scales calibrated at load where the model has a tokenizer: `smoothing.awq`).
 
 Whatever the checkpoint's packing, a layer keeps one layout after loading, the one the kernel
 reads: `qweight` [N, K / 2] uint8 (input feature k = 2j in byte j's low nibble, 2j + 1 in its high
@@ -22,6 +23,7 @@ The checkpoint layouts (the GPTQ and AutoAWQ packers' own):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from torch import nn
 
 from pagellm.distributed import get_tp_world_size
 from pagellm.quantization.base import FLAG as _FLAG
+from pagellm.quantization import smoothing
 from pagellm.quantization.base import LinearLayersConfig, LinearMethod, new_param, replace_param
 
 try:  # the GPU's kernel; the CPU computes the products in PyTorch
@@ -243,6 +246,15 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return (q.float() - zero) * scales.float().repeat_interleave(group, dim=1)
 
 
+def _rtn_values(weight: torch.Tensor) -> torch.Tensor:
+    """What rtn makes of a weight [N, K]: its groups rounded to nearest, as float32 values."""
+    n, k = weight.shape
+    group = _rtn_group(k)
+    q, scales, zeros = quantize_rtn(weight, group)
+    q = q.reshape(n, k // group, group).float()
+    return ((q - zeros.float()[..., None]) * scales[..., None]).reshape(n, k)
+
+
 def quantize_rtn(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense [N, K] -> (q uint8 [N, K], scales [N, K / g], zeros uint8 [N, K / g]): each group's
     range [min, max] (widened to hold 0) spread over 0..15, values rounded to nearest."""
@@ -261,6 +273,19 @@ class Int4Config(LinearLayersConfig):
     """Every linear layer int4 (the embedding and LM head stay dense), but the ignored ones."""
 
     method_cls = Int4LinearMethod
+
+    def prepare_weights(self, model: nn.Module, source) -> None:
+        """rtn: activation-aware scales first, calibrated on the package's text (`smoothing.awq`)."""
+        if self.fmt.kind != "rtn":
+            return
+        ids = smoothing.calibration_ids(model, source, self.name)
+        if ids is None:
+            return
+        start = time.perf_counter()
+        layers = smoothing.awq(model, ids, _rtn_values)
+        if layers:
+            logger.info("rtn: activation-aware scales for %d layers, calibrated in %.2f s", layers,
+                        time.perf_counter() - start)
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":

@@ -1,17 +1,24 @@
-"""SmoothQuant at load, for 8-bit activations quantized per token (`--quantization int8 | fp8` on a
-dense checkpoint or GGUF file).
+"""Per-channel scales folded between a norm and the layer that reads it, calibrated at load for the
+methods that quantize a dense checkpoint or GGUF file (`--quantization int8 | fp8 | rtn`).
 
-The input of a layer after an RMSNorm has a few channels far larger than the rest (the norm's
-weight makes them so, in every token): a token's one 8-bit scale then leaves the other channels
-few levels. Dividing channel j of the norm's weight by s_j and multiplying column j of the layer's
-weight by s_j computes the same product with flatter activations; s_j = max|X_j|^a / max|W_j|^(1-a)
-shares the range between the two (Xiao et al., 2023; a = 0.5, their default). max|X_j| is measured
-on a short calibration text that ships with the package (not the `pagellm eval` sample).
-On SmolLM2-135M, int8 W8A8's mean KL from the dense model halves (see the README's eval table).
+Dividing channel j of an RMSNorm's weight by s_j and multiplying column j of the next layer's
+weight by s_j computes the same product; the choice of s decides what quantization loses.
+- SmoothQuant (int8, fp8: 8-bit activations per token): the input of a layer after a norm has a
+  few channels far larger than the rest in every token, and a token's one 8-bit scale leaves the
+  others few levels. s_j = max|X_j|^a / max|W_j|^(1-a) shares the range between activations and
+  weights (Xiao et al., 2023; a = 0.5, their default).
+- Activation-aware scaling (rtn: 4-bit weights, 16-bit activations): the columns that meet large
+  inputs matter most to the product, so they get more of the 4-bit grid. s_j = mean|X_j|^a, with
+  a from a grid chosen per layer to minimise the product's error on the calibration inputs (the
+  search of AWQ, Lin et al., 2024, without its clipping search).
+The inputs are measured on a short text that ships with the package (not the `pagellm eval`
+sample). The layers: each decoder layer's `smoothable()` pairs (qkv after the input norm, gate_up
+after the post-attention norm).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from importlib import resources
 
 import torch
@@ -22,50 +29,86 @@ from pagellm.quantization.base import UnquantizedLinearMethod
 logger = logging.getLogger(__name__)
 
 ALPHA = 0.5
-"""How much of each channel's range moves into the weights."""
+"""SmoothQuant: how much of each channel's range moves into the weights."""
+AWQ_GRID = tuple(i / 10 for i in range(11))
+"""Activation-aware scaling: the exponents tried per layer (0: no scaling)."""
+SEARCH_STRIDE = 4
+"""Activation-aware scaling judges each exponent on every SEARCH_STRIDE-th calibration token."""
 CALIBRATION_TOKENS = 512
 """Tokens of the calibration text run through the model."""
 _MIN = 1e-5
-"""Floor of the measured maxima: a channel never active in calibration is not divided by ~0."""
+"""Floor of the measured statistics: a channel never active in calibration is not divided by ~0."""
 
 
-def calibration_ids(tokenizer) -> list[int]:
-    """The calibration text's first `CALIBRATION_TOKENS` tokens."""
+def calibration_ids(model: nn.Module, source, method: str) -> list[int] | None:
+    """The calibration text's tokens for `model` (at most `CALIBRATION_TOKENS`, and no more than
+    its positions), or None with a warning where it cannot be calibrated: a pipeline stage holds
+    part of the model, or there is no tokenizer."""
+    from pagellm.distributed import parallel_state  # noqa: PLC0415
+    from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    if parallel_state().pp_size > 1:
+        logger.warning("%s: no calibration at load with pipeline parallelism (a stage holds part of the model); "
+                       "the weights are quantized without it", method)
+        return None
+    try:
+        tokenizer = load_tokenizer(source)
+    except ValueError:  # a folder without tokenizer.json (the engine may serve token ids alone)
+        tokenizer = None
+    if tokenizer is None:
+        logger.warning("%s: no tokenizer to calibrate with; the weights are quantized without calibration", method)
+        return None
     text = resources.files("pagellm.quantization").joinpath("calibration.txt").read_text(encoding="utf-8")
-    return tokenizer.encode(text)[:CALIBRATION_TOKENS]
+    return tokenizer.encode(text)[:min(CALIBRATION_TOKENS, source.arch.max_position_embeddings)]
 
 
 def smooth(model: nn.Module, ids: list[int], alpha: float = ALPHA) -> int:
-    """Measure the inputs of each decoder layer's smoothable linear layers on `ids` (dense products)
-    and fold the scales into them and their norms; returns how many layers were smoothed (0: none,
-    when a measured maximum or a scale is not finite). Every tensor-parallel rank runs this alike
-    (the forward's collectives keep them in step). A rank's scales depend on its own rows of the
-    weight (their largest magnitudes), so they differ between ranks; each folds its own into its
-    own copy of the norm, whose output only its own rows read: the product stays exact."""
-    pairs = [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
-    maxima = input_maxima(model, [linear for _, linear in pairs], ids)
-    scales = [scale(maxima[linear], linear.weight.data, alpha) for _, linear in pairs]
-    if not all(bool(s.isfinite().all()) for s in scales):
-        logger.warning("SmoothQuant calibration gave non-finite activations or scales; the layers are left as loaded")
-        return 0
-    for (norm, linear), s in zip(pairs, scales):
-        fold(norm, linear, s)
-    return len(pairs)
+    """SmoothQuant: measure the inputs of the smoothable layers on `ids` and fold their scales;
+    returns how many layers were smoothed (0: none, when a statistic or scale is not finite).
+    Every tensor-parallel rank runs this alike (the forward's collectives keep them in step). A
+    rank's scales depend on its own rows of the weight, so they differ between ranks; each folds
+    its own into its own copy of the norm, whose output only its own rows read: exact again."""
+    pairs = _pairs(model)
+    inputs = layer_inputs(model, [linear for _, linear in pairs], ids)
+    return _fold_all(pairs, [scale(inputs[linear].abs().amax(dim=0), linear.weight.data, alpha)
+                             for _, linear in pairs])
 
 
-def input_maxima(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> dict[nn.Module, torch.Tensor]:
-    """max |x_j| per input channel of each of `layers` over `ids`, every linear layer multiplying
-    its dense weight (the quantized methods have not processed them yet)."""
+def awq(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+        grid: tuple[float, ...] = AWQ_GRID) -> int:
+    """Activation-aware scaling for weights that `fake_quantize` ([N, K] float32 -> its quantized
+    values) will round: per smoothable layer, the exponent of `grid` whose scales give the smallest
+    error of the product on the calibration inputs is folded; returns how many layers were scaled."""
+    pairs = _pairs(model)
+    inputs = layer_inputs(model, [linear for _, linear in pairs], ids)
+    scales = []
+    for _, linear in pairs:
+        x, weight = inputs[linear], linear.weight.data.float()
+        mean = x.abs().mean(dim=0).clamp(min=_MIN)
+        x = x[::SEARCH_STRIDE]  # the error of a product is judged on a sample of the tokens
+        exact = x @ weight.t()
+        best = None
+        for a in grid:
+            s = mean ** a
+            s = s / (s.max() * s.min()).sqrt()  # centred on 1 (in log): the weights keep their magnitude
+            error = (x @ (fake_quantize(weight * s) / s).t() - exact).square().mean().item()
+            if best is None or error < best[0]:
+                best = (error, s)
+        scales.append(best[1])
+    return _fold_all(pairs, scales)
+
+
+def layer_inputs(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> dict[nn.Module, torch.Tensor]:
+    """Each of `layers`' inputs [tokens, K] (float32) over `ids`, every layer whose weight is still
+    dense multiplying it as such (the quantized methods have not processed the weights yet)."""
     from pagellm.eval.quality import hidden_states  # noqa: PLC0415 (eval imports the worker, which imports us)
 
-    maxima: dict[nn.Module, torch.Tensor] = {}
+    inputs: dict[nn.Module, torch.Tensor] = {}
 
     def record(layer: nn.Module, args: tuple) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1]).abs().amax(dim=0).float()
-        maxima[layer] = torch.maximum(maxima[layer], x) if layer in maxima else x
+        inputs[layer] = args[0].reshape(-1, args[0].shape[-1]).float()
 
     hooks = [layer.register_forward_pre_hook(record) for layer in layers]
-    # Layers whose weights are still dense multiply them as such; any other keeps its method.
     methods = {m: m.quant_method for m in model.modules()
                if hasattr(m, "quant_method") and m.weight.is_floating_point()}
     dense = UnquantizedLinearMethod()
@@ -78,11 +121,11 @@ def input_maxima(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> d
             module.quant_method = method
         for hook in hooks:
             hook.remove()
-    return maxima
+    return inputs
 
 
 def scale(x_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s [K] = max|X_j|^alpha / max|W_j|^(1 - alpha) for a weight [N, K]."""
+    """SmoothQuant's s [K] = max|X_j|^alpha / max|W_j|^(1 - alpha) for a weight [N, K]."""
     return x_max.clamp(min=_MIN) ** alpha / weight.float().abs().amax(dim=0).clamp(min=_MIN) ** (1 - alpha)
 
 
@@ -90,3 +133,16 @@ def fold(norm: nn.Module, linear: nn.Module, s: torch.Tensor) -> None:
     """norm.weight / s and linear.weight * s, per input channel j."""
     norm.weight.data = (norm.weight.data.float() / s).to(norm.weight.dtype)
     linear.weight.data = (linear.weight.data.float() * s).to(linear.weight.dtype)
+
+
+def _pairs(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    return [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
+
+
+def _fold_all(pairs: list[tuple[nn.Module, nn.Module]], scales: list[torch.Tensor]) -> int:
+    if not all(bool(s.isfinite().all()) for s in scales):
+        logger.warning("calibration gave non-finite activations or scales; the layers are left as loaded")
+        return 0
+    for (norm, linear), s in zip(pairs, scales):
+        fold(norm, linear, s)
+    return len(pairs)

@@ -133,27 +133,13 @@ class W8A8Config(LinearLayersConfig):
     method_cls = W8A8LinearMethod
 
     def prepare_weights(self, model: nn.Module, source) -> None:
-        """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text
-        (`smoothing`), where the whole model is on this rank's stage and has a tokenizer."""
+        """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text."""
         if not (self.fmt.online and self.fmt.quantize_activations):
             return
-        from pagellm.distributed import parallel_state  # noqa: PLC0415
-        from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
-
-        if parallel_state().pp_size > 1:
-            logger.warning("%s: no SmoothQuant calibration with pipeline parallelism (a stage holds part of the "
-                           "model); activations are quantized per token without it", self.name)
-            return
-        try:
-            tokenizer = load_tokenizer(source)
-        except ValueError:  # a folder without tokenizer.json (the engine may serve token ids alone)
-            tokenizer = None
-        if tokenizer is None:
-            logger.warning("%s: no tokenizer to calibrate SmoothQuant with; activations are quantized per token "
-                           "without it", self.name)
+        ids = smoothing.calibration_ids(model, source, self.name)
+        if ids is None:
             return
         start = time.perf_counter()
-        ids = smoothing.calibration_ids(tokenizer)[: source.arch.max_position_embeddings]
         layers = smoothing.smooth(model, ids)
         if layers:
             logger.info("%s: SmoothQuant scales for %d layers, calibrated in %.2f s", self.name, layers,
