@@ -157,8 +157,9 @@ def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model
     ids = list(range(3, 43))
     before = log_probs(model, ids, CPU)
     pairs = [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
-    maxima = smoothing.input_maxima(model, [linear for _, linear in pairs], ids)
-    assert set(maxima) == {linear for _, linear in pairs} and all(m.shape == (64,) for m in maxima.values())
+    inputs = smoothing.layer_inputs(model, [linear for _, linear in pairs], ids)
+    assert set(inputs) == {linear for _, linear in pairs} and all(x.shape == (40, 64) for x in inputs.values())
+    maxima = {linear: x.abs().amax(dim=0) for linear, x in inputs.items()}
     norm, qkv = pairs[0]
     weights = norm.weight.clone(), qkv.weight.clone()
     for norm_, linear in pairs:
