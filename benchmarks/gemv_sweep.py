@@ -27,31 +27,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.quant_gpu import SHAPES, bench_us
+from benchmarks.quant_gpu import SHAPES, bench_us, quantized_layouts
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.benchmarks.roofline import measure_ceilings
 from pagellm.quantization import triton_matmul
-from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
-from pagellm.quantization.w8a8 import quantize_per_row
 
 DEVICE = "cuda"
-
-
-def _weights(n: int, k: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
-    """Each method's kernel arguments (the dequant_matmul layout) and its float32 weight."""
-    w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
-    fp8, fp8_scale = quantize_per_row(w, torch.float8_e4m3fn)
-    int8, int8_scale = quantize_per_row(w, torch.int8)
-    q4, s4, z4 = quantize_rtn(w, 128)
-    q4, s4 = pack_pairs(q4), s4.half()
-    return {
-        "fp8": dict(weight=fp8, scale=fp8_scale, zero=0, group=0, ref=fp8.float() * fp8_scale[:, None],
-                    bytes=n * k),
-        "int8": dict(weight=int8, scale=int8_scale, zero=0, group=0, ref=int8.float() * int8_scale[:, None],
-                     bytes=n * k),
-        "int4_g128": dict(weight=q4, scale=s4, zero=z4, group=128, ref=dequantize(q4, s4, z4, 128),
-                          bytes=n * k // 2 + n * k // 64),
-    }
 
 
 VARIANTS = {"base": {}, "xpairs": {"X_PAIRS": True}, "xpairs+mantissa": {"X_PAIRS": True, "MANTISSA": True}}
@@ -62,7 +43,7 @@ codes into floats (exact integers, or 1 + c / 16 from the mantissa bits)."""
 def _launch(case: dict[str, Any], x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: tuple):
     block_n, block_k, warps, stages, variant = cfg
     weight, scale, zero, group = case["weight"], case["scale"], case["zero"], case["group"]
-    zero_arg, zero_const = (zero, -1) if isinstance(zero, torch.Tensor) else (scale, zero)
+    zero_arg, zero_const = triton_matmul._zero_args(zero, scale)
 
     def run() -> None:
         triton_matmul._gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -83,7 +64,8 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
         base = bench_us(lambda: F.linear(x, w16))
         records.append({"layer": layer, "method": "bf16", "config": "cuBLAS", "us": base,
                         "bw_fraction": 2 * n * k / (base * 1e-6) / bandwidth})
-        for method, case in _weights(n, k, gen).items():
+        w = torch.randn(n, k, device=DEVICE, generator=gen) * 0.02
+        for method, case in quantized_layouts(w).items():
             expected = x.float() @ case["ref"].t()
             tuned = bench_us(lambda: triton_matmul.dequant_matmul(x, case["weight"], case["scale"], case["zero"],
                                                                   case["group"]))
@@ -113,7 +95,7 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
 def _grouped(n: int, k: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
     """int4 groups of 128 with zero points (GPTQ/AWQ/rtn), and GGUF's grouped layouts: Q4_K-like
     (packed, groups of 32, offsets) and Q8_0-like (8-bit codes, groups of 32)."""
-    cases = {"int4_g128": _weights(n, k, gen)["int4_g128"]}
+    cases = {"int4_g128": quantized_layouts(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02)["int4_g128"]}
     codes4 = torch.randint(0, 256, (n, k // 2), device=DEVICE, dtype=torch.uint8, generator=gen)
     scale32 = torch.rand(n, k // 32, device=DEVICE, generator=gen).half() * 0.01
     offset32 = -torch.rand(n, k // 32, device=DEVICE, generator=gen).half() * 0.05

@@ -53,30 +53,46 @@ def bench_us(fn) -> float:
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=50)
 
 
+def quantized_layouts(w: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """A float32 weight [N, K] per method: its `dequant_matmul` arguments, the float32 weight they
+    hold (`ref`) and their bytes."""
+    n, k = w.shape
+    fp8, fp8_scale = quantize_per_row(w, torch.float8_e4m3fn)
+    int8, int8_scale = quantize_per_row(w, torch.int8)
+    q4, s4, z4 = quantize_rtn(w, 128)
+    q4, s4 = pack_pairs(q4), s4.half()
+    return {
+        "fp8": dict(weight=fp8, scale=fp8_scale, zero=0, group=0, ref=fp8.float() * fp8_scale[:, None],
+                    bytes=n * k),
+        "int8": dict(weight=int8, scale=int8_scale, zero=0, group=0, ref=int8.float() * int8_scale[:, None],
+                     bytes=n * k),
+        "int4_g128": dict(weight=q4, scale=s4, zero=z4, group=128, ref=dequantize(q4, s4, z4, 128),
+                          bytes=n * k // 2 + n * k // 64),
+    }
+
+
 def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
     records = []
     for name, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.float32) * 0.02
         w16 = w.bfloat16()
-        fp8, fp8_scale = quantize_per_row(w, torch.float8_e4m3fn)
-        int8, int8_scale = quantize_per_row(w, torch.int8)
-        q4, s4, z4 = quantize_rtn(w, 128)
-        q4, s4 = pack_pairs(q4), s4.half()
-        w4_ref = dequantize(q4, s4, z4, 128)
+        fp8, int8, int4 = quantized_layouts(w).values()
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", generator=gen).bfloat16()
             xf = x.float()
+            def product(c: dict[str, Any], x: torch.Tensor = x):
+                return lambda: dequant_matmul(x, c["weight"], c["scale"], c["zero"], c["group"])
+
             cases = {
                 "bf16": (lambda: F.linear(x, w16), xf @ w16.float().t(), 2 * n * k),
-                "fp8_w8a16": (lambda: dequant_matmul(x, fp8, fp8_scale), (xf @ fp8.float().t()) * fp8_scale, n * k),
-                "int8_w8a16": (lambda: dequant_matmul(x, int8, int8_scale), (xf @ int8.float().t()) * int8_scale,
-                               n * k),
-                "int4_g128": (lambda: dequant_matmul(x, q4, s4, z4, 128), xf @ w4_ref.t(), n * k // 2 + n * k // 64),
-                "fp8_w8a8": (lambda: w8a8_matmul(x, fp8, fp8_scale), None, n * k),
+                "fp8_w8a16": (product(fp8), xf @ fp8["ref"].t(), fp8["bytes"]),
+                "int8_w8a16": (product(int8), xf @ int8["ref"].t(), int8["bytes"]),
+                "int4_g128": (product(int4), xf @ int4["ref"].t(), int4["bytes"]),
+                "fp8_w8a8": (lambda: w8a8_matmul(x, fp8["weight"], fp8["scale"]), None, n * k),
             }
             if rows > 16:
-                cases["int8_w8a8"] = (lambda: w8a8_matmul(x, int8, int8_scale), None, n * k)
+                cases["int8_w8a8"] = (lambda: w8a8_matmul(x, int8["weight"], int8["scale"]), None, n * k)
             for method, (fn, ref, weight_bytes) in cases.items():
                 record = {"layer": name, "n": n, "k": k, "rows": rows, "method": method, "weight_bytes": weight_bytes}
                 try:

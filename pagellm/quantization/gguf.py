@@ -3,8 +3,8 @@
 A layer is kept quantized when every checkpoint tensor it is assembled from (q, k and v for the
 fused qkv projection) has the same block type with a kernel on the model's device (CPU: Q4_0,
 Q4_1, Q8_0; GPU: those and Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K; on the GPU a fused layer's
-parts may also differ in type), and this rank's share of its input features is whole blocks; other layers (and
-the norms) are dequantized at load as before. GGUF blocks are
+parts may also differ in type), and this rank's share of its input features is whole blocks; other
+layers (and the norms) are dequantized at load as before. GGUF blocks are
 row-major, so the layers' own weight loaders slice them for tensor parallelism and the loader's
 q/k row permutation moves whole rows. On the GPU the loaded blocks are then converted into the
 Triton kernel's grouped layout (`gguf_blocks`).

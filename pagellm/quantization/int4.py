@@ -23,7 +23,6 @@ The checkpoint layouts (the GPTQ and AutoAWQ packers' own):
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,16 +275,9 @@ class Int4Config(LinearLayersConfig):
 
     def prepare_weights(self, model: nn.Module, source) -> None:
         """rtn: activation-aware scales first, calibrated on the package's text (`smoothing.awq`)."""
-        if self.fmt.kind != "rtn":
-            return
-        ids = smoothing.calibration_ids(model, source, self.name)
-        if ids is None:
-            return
-        start = time.perf_counter()
-        layers = smoothing.awq(model, ids, _rtn_values)
-        if layers:
-            logger.info("rtn: activation-aware scales for %d layers, calibrated in %.2f s", layers,
-                        time.perf_counter() - start)
+        if self.fmt.kind == "rtn":
+            smoothing.calibrate(model, source, self.name, lambda m, ids: smoothing.awq(m, ids, _rtn_values),
+                                "activation-aware scales")
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":

@@ -18,6 +18,7 @@ after the post-attention norm).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from importlib import resources
 
@@ -60,6 +61,19 @@ def calibration_ids(model: nn.Module, source, method: str) -> list[int] | None:
         return None
     text = resources.files("pagellm.quantization").joinpath("calibration.txt").read_text(encoding="utf-8")
     return tokenizer.encode(text)[:min(CALIBRATION_TOKENS, source.arch.max_position_embeddings)]
+
+
+def calibrate(model: nn.Module, source, method: str, fold_scales: Callable[[nn.Module, list[int]], int],
+              what: str) -> None:
+    """Run `fold_scales(model, ids)` (`smooth`, or `awq` with the method's rounding) on the
+    calibration tokens where the model can be calibrated, and log what it folded."""
+    ids = calibration_ids(model, source, method)
+    if ids is None:
+        return
+    start = time.perf_counter()
+    layers = fold_scales(model, ids)
+    if layers:
+        logger.info("%s: %s for %d layers, calibrated in %.2f s", method, what, layers, time.perf_counter() - start)
 
 
 def smooth(model: nn.Module, ids: list[int], alpha: float = ALPHA) -> int:

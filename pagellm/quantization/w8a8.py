@@ -10,13 +10,13 @@ activations would only cost accuracy there: they multiply their 16-bit activatio
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagellm.quantization import smoothing
 from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import (
     QMAX,
@@ -26,8 +26,6 @@ from pagellm.quantization.base import (
     per_channel_loader,
     replace_param,
 )
-
-from pagellm.quantization import smoothing
 
 try:  # the GPU's kernels; the CPU computes the products in PyTorch
     from pagellm.quantization import triton_matmul
@@ -134,16 +132,8 @@ class W8A8Config(LinearLayersConfig):
 
     def prepare_weights(self, model: nn.Module, source) -> None:
         """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text."""
-        if not (self.fmt.online and self.fmt.quantize_activations):
-            return
-        ids = smoothing.calibration_ids(model, source, self.name)
-        if ids is None:
-            return
-        start = time.perf_counter()
-        layers = smoothing.smooth(model, ids)
-        if layers:
-            logger.info("%s: SmoothQuant scales for %d layers, calibrated in %.2f s", self.name, layers,
-                        time.perf_counter() - start)
+        if self.fmt.online and self.fmt.quantize_activations:
+            smoothing.calibrate(model, source, self.name, smoothing.smooth, "SmoothQuant scales")
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":
