@@ -396,10 +396,11 @@ def test_signal_lets_the_stream_in_flight_finish_and_refuses_new_requests(smollm
                 try:
                     late = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
                     assert late.status_code == 503, "a request after the signal was taken"
-                except (httpx.ConnectError, httpx.RemoteProtocolError):
-                    # The listening socket is already closed (refused), or (uvloop) the connection
-                    # was accepted in the instant before it closed and is shut unanswered at
-                    # uvicorn's shutdown: the request never reached the app, refused just as well.
+                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
+                    # The listening socket is already closed (refused), or the connection was
+                    # accepted in the instant before it closed and is shut unanswered (uvloop) or
+                    # reset (ECONNRESET) at uvicorn's shutdown: the request never reached the app,
+                    # refused just as well.
                     pass
                 rest = list(events)
         assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
