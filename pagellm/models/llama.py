@@ -129,6 +129,11 @@ class LlamaDecoderLayer(nn.Module):
         the norm's weight can multiply the layer's input columns (SmoothQuant)."""
         return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj)]
 
+    def clippable(self) -> list[nn.Module]:
+        """Linear layers whose rounding error is best judged on their own product: not the q/k/v
+        projection, whose q and k errors matter through the attention scores (AWQ leaves it too)."""
+        return [self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
+
     def forward(
         self,
         positions: torch.Tensor,

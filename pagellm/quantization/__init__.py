@@ -13,7 +13,7 @@ The 8-bit methods multiply activations quantized per token (W8A8) in steps of mo
 `SMALL_BATCH_ROWS` rows and the 16-bit activations directly against the 8-bit weights below it
 (reading the weights is what small steps cost); int4 always multiplies 16-bit activations.
 Methods that quantize at load first fold per-channel scales calibrated on a short text (`smoothing`):
-SmoothQuant for the 8-bit methods' activations, activation-aware scales for rtn.
+SmoothQuant for the 8-bit methods' activations, activation-aware scales and clipping for rtn.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """int4 weights with a scale and a zero point per group of input features: GPTQ and AutoAWQ
 checkpoints, and `rtn` (a dense checkpoint rounded to nearest at load, in the same form, after
-activation-aware scales calibrated at load where the model has a tokenizer: `smoothing.awq`).
+activation-aware scales and clipping calibrated at load where the model has a tokenizer:
+`smoothing.awq`, `smoothing.clip`).
 
 Whatever the checkpoint's packing, a layer keeps one layout after loading, the one the kernel
 reads: `qweight` [N, K / 2] uint8 (input feature k = 2j in byte j's low nibble, 2j + 1 in its high
@@ -274,10 +275,15 @@ class Int4Config(LinearLayersConfig):
     method_cls = Int4LinearMethod
 
     def prepare_weights(self, model: nn.Module, source) -> None:
-        """rtn: activation-aware scales first, calibrated on the package's text (`smoothing.awq`)."""
+        """rtn: activation-aware scales, then clipping, calibrated on the package's text (AWQ's
+        searches: `smoothing.awq`, `smoothing.clip`)."""
         if self.fmt.kind == "rtn":
-            smoothing.calibrate(model, source, self.name, lambda m, ids: smoothing.awq(m, ids, _rtn_values),
-                                "activation-aware scales")
+            def searched(m: nn.Module, ids: list[int]) -> int:
+                scaled = smoothing.awq(m, ids, _rtn_values)
+                smoothing.clip(m, ids, _rtn_values, _rtn_group)
+                return scaled
+
+            smoothing.calibrate(model, source, self.name, searched, "activation-aware scales and clipping")
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":

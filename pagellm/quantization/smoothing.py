@@ -10,7 +10,9 @@ weight by s_j computes the same product; the choice of s decides what quantizati
 - Activation-aware scaling (rtn: 4-bit weights, 16-bit activations): the columns that meet large
   inputs matter most to the product, so they get more of the 4-bit grid. s_j = mean|X_j|^a, with
   a from a grid chosen per layer to minimise the product's error on the calibration inputs (the
-  search of AWQ, Lin et al., 2024, without its clipping search).
+  search of AWQ, Lin et al., 2024); then each group of a row keeps the fraction of its range whose
+  rounding errs least on the calibration inputs (AWQ's clipping search), in the layers of each
+  decoder layer's `clippable()`.
 The inputs are measured on a short text that ships with the package (not the `pagellm eval`
 sample). The layers: each decoder layer's `smoothable()` pairs (qkv after the input norm, gate_up
 after the post-attention norm).
@@ -33,8 +35,12 @@ ALPHA = 0.5
 """SmoothQuant: how much of each channel's range moves into the weights."""
 AWQ_GRID = tuple(i / 10 for i in range(11))
 """Activation-aware scaling: the exponents tried per layer (0: no scaling)."""
+CLIP_GRID = tuple(1 - i / 20 for i in range(10))
+"""The fractions of a group's range tried by the clipping search (1: unclipped)."""
+CLIP_ROWS = 4096
+"""Rows of a weight searched at once (bounds the search's memory on large layers)."""
 SEARCH_STRIDE = 4
-"""Activation-aware scaling judges each exponent on every SEARCH_STRIDE-th calibration token."""
+"""The searches judge each candidate on every SEARCH_STRIDE-th calibration token."""
 CALIBRATION_TOKENS = 512
 """Tokens of the calibration text run through the model."""
 _MIN = 1e-5
@@ -110,6 +116,42 @@ def awq(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor]
                 best = (error, s)
         scales.append(best[1])
     return _fold_all(pairs, scales)
+
+
+def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+         group_of: Callable[[int], int], grid: tuple[float, ...] = CLIP_GRID) -> int:
+    """AWQ's clipping search for weights that `fake_quantize` rounds in groups of `group_of(K)`
+    inputs, each to its own range [min, max]: per row and group of each clippable layer, the
+    fraction of the range (shrunk towards 0 at both ends) whose rounded product with the
+    calibration inputs errs least; the weights are clamped to it. Returns the layers searched."""
+    layers = [linear for layer in model.decoder_layers() for linear in layer.clippable()]
+    inputs = layer_inputs(model, layers, ids)
+    if not all(bool(x.isfinite().all()) for x in inputs.values()):
+        logger.warning("calibration gave non-finite activations; the weights are not clipped")
+        return 0
+    for linear in layers:
+        weight = linear.weight.data
+        n, k = weight.shape
+        group = group_of(k)
+        x = inputs[linear][::SEARCH_STRIDE].reshape(-1, k // group, group)
+        for rows in range(0, n, CLIP_ROWS):
+            w = weight[rows:rows + CLIP_ROWS].float()
+            groups = w.reshape(-1, k // group, group)
+            low = groups.amin(dim=-1, keepdim=True).clamp(max=0)
+            high = groups.amax(dim=-1, keepdim=True).clamp(min=0)
+            best = best_error = None
+            for r in grid:
+                clipped = torch.minimum(torch.maximum(groups, low * r), high * r)
+                delta = groups - fake_quantize(clipped.reshape(w.shape)).reshape(groups.shape)
+                error = torch.einsum("tgi,ngi->tng", x, delta).square().mean(dim=0)  # [rows, groups]
+                if best is None:
+                    best, best_error = clipped, error
+                    continue
+                better = error < best_error
+                best_error = torch.where(better, error, best_error)
+                best = torch.where(better[..., None], clipped, best)
+            weight[rows:rows + CLIP_ROWS] = best.reshape(w.shape).to(weight.dtype)
+    return len(layers)
 
 
 def layer_inputs(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> dict[nn.Module, torch.Tensor]:
