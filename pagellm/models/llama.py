@@ -131,7 +131,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def clippable(self) -> list[nn.Module]:
         """Linear layers whose rounding error is best judged on their own product: not the q/k/v
-        projection, whose q and k errors matter through the attention scores (AWQ leaves it too)."""
+        projection, whose q and k errors matter through the attention scores (AWQ leaves q and k
+        unclipped; v is fused with them here)."""
         return [self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
 
     def forward(

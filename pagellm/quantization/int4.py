@@ -278,12 +278,12 @@ class Int4Config(LinearLayersConfig):
         """rtn: activation-aware scales, then clipping, calibrated on the package's text (AWQ's
         searches: `smoothing.awq`, `smoothing.clip`)."""
         if self.fmt.kind == "rtn":
-            def searched(m: nn.Module, ids: list[int]) -> int:
+            def searched(m: nn.Module, ids: list[int]) -> str:
                 scaled = smoothing.awq(m, ids, _rtn_values)
-                smoothing.clip(m, ids, _rtn_values, _rtn_group)
-                return scaled
+                return f"activation-aware scales for {scaled} layers, clipping for " \
+                       f"{smoothing.clip(m, ids, _rtn_values, _rtn_group)}"
 
-            smoothing.calibrate(model, source, self.name, searched, "activation-aware scales and clipping")
+            smoothing.calibrate(model, source, self.name, searched)
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":

@@ -11,8 +11,8 @@ weight by s_j computes the same product; the choice of s decides what quantizati
   inputs matter most to the product, so they get more of the 4-bit grid. s_j = mean|X_j|^a, with
   a from a grid chosen per layer to minimise the product's error on the calibration inputs (the
   search of AWQ, Lin et al., 2024); then each group of a row keeps the fraction of its range whose
-  rounding errs least on the calibration inputs (AWQ's clipping search), in the layers of each
-  decoder layer's `clippable()`.
+  rounding errs least on the calibration inputs (AWQ's clipping search, both ends of the range
+  shrunk), in the layers of each decoder layer's `clippable()`.
 The inputs are measured on a short text that ships with the package (not the `pagellm eval`
 sample). The layers: each decoder layer's `smoothable()` pairs (qkv after the input norm, gate_up
 after the post-attention norm).
@@ -37,8 +37,8 @@ AWQ_GRID = tuple(i / 10 for i in range(11))
 """Activation-aware scaling: the exponents tried per layer (0: no scaling)."""
 CLIP_GRID = tuple(1 - i / 20 for i in range(10))
 """The fractions of a group's range tried by the clipping search (1: unclipped)."""
-CLIP_ROWS = 4096
-"""Rows of a weight searched at once (bounds the search's memory on large layers)."""
+CLIP_ELEMENTS = 1 << 24
+"""Weights searched at once (whole rows): bounds the search's memory on large layers."""
 SEARCH_STRIDE = 4
 """The searches judge each candidate on every SEARCH_STRIDE-th calibration token."""
 CALIBRATION_TOKENS = 512
@@ -69,17 +69,15 @@ def calibration_ids(model: nn.Module, source, method: str) -> list[int] | None:
     return tokenizer.encode(text)[:min(CALIBRATION_TOKENS, source.arch.max_position_embeddings)]
 
 
-def calibrate(model: nn.Module, source, method: str, fold_scales: Callable[[nn.Module, list[int]], int],
-              what: str) -> None:
-    """Run `fold_scales(model, ids)` (`smooth`, or `awq` with the method's rounding) on the
-    calibration tokens where the model can be calibrated, and log what it folded."""
+def calibrate(model: nn.Module, source, method: str, fold_scales: Callable[[nn.Module, list[int]], str]) -> None:
+    """Run `fold_scales(model, ids)` (`smooth`; `awq` and `clip` with the method's rounding) on the
+    calibration tokens where the model can be calibrated, and log the summary it returns."""
     ids = calibration_ids(model, source, method)
     if ids is None:
         return
     start = time.perf_counter()
-    layers = fold_scales(model, ids)
-    if layers:
-        logger.info("%s: %s for %d layers, calibrated in %.2f s", method, what, layers, time.perf_counter() - start)
+    summary = fold_scales(model, ids)
+    logger.info("%s: %s, calibrated in %.2f s", method, summary, time.perf_counter() - start)
 
 
 def smooth(model: nn.Module, ids: list[int], alpha: float = ALPHA) -> int:
@@ -121,9 +119,10 @@ def awq(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor]
 def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor], torch.Tensor],
          group_of: Callable[[int], int], grid: tuple[float, ...] = CLIP_GRID) -> int:
     """AWQ's clipping search for weights that `fake_quantize` rounds in groups of `group_of(K)`
-    inputs, each to its own range [min, max]: per row and group of each clippable layer, the
-    fraction of the range (shrunk towards 0 at both ends) whose rounded product with the
-    calibration inputs errs least; the weights are clamped to it. Returns the layers searched."""
+    inputs (the same groups), each to its own range [min, max]: per row and group of each
+    clippable layer, the fraction of the range whose rounded product with the calibration inputs
+    errs least; the weights are clamped to it. Returns the layers searched. (AWQ clamps to
+    +-r max|w|; with a zero point per group, as here, both ends of the range shrink by r instead.)"""
     layers = [linear for layer in model.decoder_layers() for linear in layer.clippable()]
     inputs = layer_inputs(model, layers, ids)
     if not all(bool(x.isfinite().all()) for x in inputs.values()):
@@ -134,8 +133,9 @@ def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor
         n, k = weight.shape
         group = group_of(k)
         x = inputs[linear][::SEARCH_STRIDE].reshape(-1, k // group, group)
-        for rows in range(0, n, CLIP_ROWS):
-            w = weight[rows:rows + CLIP_ROWS].float()
+        chunk = max(1, CLIP_ELEMENTS // k)
+        for rows in range(0, n, chunk):
+            w = weight[rows:rows + chunk].float()
             groups = w.reshape(-1, k // group, group)
             low = groups.amin(dim=-1, keepdim=True).clamp(max=0)
             high = groups.amax(dim=-1, keepdim=True).clamp(min=0)
@@ -150,7 +150,7 @@ def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor
                 better = error < best_error
                 best_error = torch.where(better, error, best_error)
                 best = torch.where(better[..., None], clipped, best)
-            weight[rows:rows + CLIP_ROWS] = best.reshape(w.shape).to(weight.dtype)
+            weight[rows:rows + chunk] = best.reshape(w.shape).to(weight.dtype)
     return len(layers)
 
 

@@ -133,7 +133,8 @@ class W8A8Config(LinearLayersConfig):
     def prepare_weights(self, model: nn.Module, source) -> None:
         """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text."""
         if self.fmt.online and self.fmt.quantize_activations:
-            smoothing.calibrate(model, source, self.name, smoothing.smooth, "SmoothQuant scales")
+            smoothing.calibrate(model, source, self.name,
+                                lambda m, ids: f"SmoothQuant scales for {smoothing.smooth(m, ids)} layers")
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":
