@@ -69,14 +69,14 @@ def calibration_ids(model: nn.Module, source, method: str) -> list[int] | None:
     return tokenizer.encode(text)[:min(CALIBRATION_TOKENS, source.arch.max_position_embeddings)]
 
 
-def calibrate(model: nn.Module, source, method: str, fold_scales: Callable[[nn.Module, list[int]], str]) -> None:
-    """Run `fold_scales(model, ids)` (`smooth`; `awq` and `clip` with the method's rounding) on the
+def calibrate(model: nn.Module, source, method: str, search: Callable[[nn.Module, list[int]], str]) -> None:
+    """Run `search(model, ids)` (`smooth`; `awq` and `clip` with the method's rounding) on the
     calibration tokens where the model can be calibrated, and log the summary it returns."""
     ids = calibration_ids(model, source, method)
     if ids is None:
         return
     start = time.perf_counter()
-    summary = fold_scales(model, ids)
+    summary = search(model, ids)
     logger.info("%s: %s, calibrated in %.2f s", method, summary, time.perf_counter() - start)
 
 
