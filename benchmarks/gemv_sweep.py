@@ -35,20 +35,24 @@ from pagellm.quantization import triton_matmul
 DEVICE = "cuda"
 
 
-VARIANTS = {"base": {}, "xpairs": {"X_PAIRS": True}, "xpairs+mantissa": {"X_PAIRS": True, "MANTISSA": True}}
+VARIANTS = {"base": {}, "xpairs": {"X_PAIRS": True}, "xpairs+mantissa": {"X_PAIRS": True, "MANTISSA": True},
+            "words": {"WORDS": True}}
 """The packed kernel's ways to read the activations (strided, or contiguous then split) and to turn
-codes into floats (exact integers, or 1 + c / 16 from the mantissa bits)."""
+codes into floats (exact integers, 1 + c / 16 from the mantissa bits, or in place in 32-bit words)."""
 
 
 def _launch(case: dict[str, Any], x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: tuple):
     block_n, block_k, warps, stages, variant = cfg
     weight, scale, zero, group = case["weight"], case["scale"], case["zero"], case["group"]
+    packed = weight.dtype == torch.uint8
+    if VARIANTS[variant].get("WORDS"):
+        weight = weight.view(torch.int32)
     zero_arg, zero_const = triton_matmul._zero_args(zero, scale)
 
     def run() -> None:
         triton_matmul._gemv_kernel[(triton.cdiv(n, block_n),)](
             x, weight, scale, zero_arg, scale, out, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0),
-            GROUP=group, PACKED=weight.dtype == torch.uint8, ZERO=zero_const, OFFSET=False, PER_GROUP=group > 0,
+            GROUP=group, PACKED=packed, ZERO=zero_const, OFFSET=False, PER_GROUP=group > 0,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **VARIANTS[variant])
     return run
 

@@ -117,20 +117,42 @@ def _gemv_kernel(
     GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # Packed codes, two ways under trial on the GPU (benchmarks/gemv_sweep.py; off in the engine until
+    # Packed codes, three ways under trial on the GPU (benchmarks/gemv_sweep.py; off in the engine until
     # measured): X_PAIRS reads the activations contiguously and splits even from odd in registers;
     # MANTISSA makes each code c the float 1 + c / 16 from its bits (two integer operations instead
-    # of four), the sum of the inputs taken back out per group.
-    X_PAIRS: tl.constexpr = False, MANTISSA: tl.constexpr = False,
+    # of four), the sum of the inputs taken back out per group; WORDS reads w_ptr as int32 words of
+    # eight codes (k = 8i + j in word i's bits 4j..4j+3) and makes each code a float in place.
+    X_PAIRS: tl.constexpr = False, MANTISSA: tl.constexpr = False, WORDS: tl.constexpr = False,
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
-    COLS: tl.constexpr = BLOCK_K // (1 + PACKED)  # columns of a tile's codes
+    COLS: tl.constexpr = BLOCK_K // 8 if WORDS else BLOCK_K // (1 + PACKED)  # columns of a tile's codes
     for k0 in range(0, K, BLOCK_K):
-        if PACKED:
+        if WORDS:
+            # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives 2**23 + c 2**s: minus
+            # 2**23 it is c 2**s exactly, and the input carries 2**-s. One and-or a code; the top
+            # three codes are shifted down once a word first (bits 20..31 to 8..19).
+            rw = k0 // 8 + tl.arange(0, COLS)
+            w_ok = rw < K // 8
+            words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & w_ok[None, :],
+                            other=0)
+            high = words >> 12
+            prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+            x_col = tl.zeros((COLS,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
+                x_col += x_j
+                if j < 5:
+                    bits = words & (0xF << (4 * j))
+                    x_j = x_j * (1.0 / (1 << (4 * j)))
+                else:
+                    bits = high & (0xF << (4 * j - 12))
+                    x_j = x_j * (1.0 / (1 << (4 * j - 12)))
+                prod += ((bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * x_j[None, :]
+        elif PACKED:
             # The low and high nibbles meet the even and odd inputs, so nothing is shuffled: a
             # column of `prod` is a pair of inputs, `x_col` their sum.
             rb = k0 // 2 + tl.arange(0, COLS)
