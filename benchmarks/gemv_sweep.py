@@ -35,17 +35,11 @@ from pagellm.quantization import triton_matmul
 DEVICE = "cuda"
 
 
-VARIANTS = {"base": {}, "xpairs": {"X_PAIRS": True}, "xpairs+mantissa": {"X_PAIRS": True, "MANTISSA": True},
-            "words": {"WORDS": True}}
-"""The packed kernel's ways to read the activations (strided, or contiguous then split) and to turn
-codes into floats (exact integers, 1 + c / 16 from the mantissa bits, or in place in 32-bit words)."""
-
-
 def _launch(case: dict[str, Any], x: torch.Tensor, out: torch.Tensor, n: int, k: int, cfg: tuple):
-    block_n, block_k, warps, stages, variant = cfg
+    block_n, block_k, warps, stages = cfg
     weight, scale, zero, group = case["weight"], case["scale"], case["zero"], case["group"]
     packed = weight.dtype == torch.uint8
-    if VARIANTS[variant].get("WORDS"):
+    if packed:  # eight 4-bit codes an int32 word, as triton_matmul._gemv passes them
         weight = weight.view(torch.int32)
     zero_arg, zero_const = triton_matmul._zero_args(zero, scale)
 
@@ -53,14 +47,14 @@ def _launch(case: dict[str, Any], x: torch.Tensor, out: torch.Tensor, n: int, k:
         triton_matmul._gemv_kernel[(triton.cdiv(n, block_n),)](
             x, weight, scale, zero_arg, scale, out, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0),
             GROUP=group, PACKED=packed, ZERO=zero_const, OFFSET=False, PER_GROUP=group > 0,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **VARIANTS[variant])
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return run
 
 
 def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any]]:
     records = []
-    grid8 = list(itertools.product(args.block_n, args.block_k, args.warps, args.stages, ["base"]))
-    grid4 = list(itertools.product(args.int4_block_n, args.int4_block_k, args.warps, args.stages, args.variants))
+    grid8 = list(itertools.product(args.block_n, args.block_k, args.warps, args.stages))
+    grid4 = list(itertools.product(args.int4_block_n, args.int4_block_k, args.warps, args.stages))
     for layer, (n, k) in SHAPES.items():
         gen = torch.Generator(device=DEVICE).manual_seed(n + k)
         x = torch.randn(1, k, device=DEVICE, generator=gen).bfloat16()
@@ -77,7 +71,7 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
                             "bw_fraction": case["bytes"] / (tuned * 1e-6) / bandwidth})
             for cfg in grid4 if method.startswith("int4") else grid8:
                 out = torch.empty(1, n, device=DEVICE, dtype=x.dtype)
-                record = {"layer": layer, "method": method, "config": "n{}_k{}_w{}_s{}_{}".format(*cfg)}
+                record = {"layer": layer, "method": method, "config": "n{}_k{}_w{}_s{}".format(*cfg)}
                 try:
                     run = _launch(case, x, out, n, k, cfg)
                     record["us"] = bench_us(run)
@@ -141,9 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--phases", nargs="+", default=["gemv", "large"])
     p.add_argument("--block-n", type=int, nargs="+", default=[1, 2, 4, 8], help="8-bit tiles' rows")
     p.add_argument("--block-k", type=int, nargs="+", default=[1024, 2048, 4096], help="8-bit tiles' inputs")
-    p.add_argument("--int4-block-n", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--int4-block-k", type=int, nargs="+", default=[512, 1024, 2048])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--int4-block-n", type=int, nargs="+", default=[8, 16, 32])
+    p.add_argument("--int4-block-k", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[3])
     p.add_argument("--large-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 1024])

@@ -149,9 +149,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     payload: dict[str, Any] = {"metadata": run_metadata(args.commit), "args": vars(args)}
     payload["ceilings"] = measure_ceilings(torch.device("cuda"), 1 << 30, 8192, torch.bfloat16)[1]
+    out = Path(args.out_dir) / "quant_gpu.json" if args.out_dir else default_result_path("quant_gpu")
     if "kernels" in args.phases:
         payload["kernels"] = kernel_phase(args.rows)
-    engines = []
+        write_json(payload, out)  # each result kept as soon as it exists
+    engines = payload["engines"] = []
     batch1 = "batch1" in args.phases
     methods = list(dict.fromkeys([*args.methods, *args.random_methods])) if batch1 else args.random_methods
     for method in methods if {"batch1", "random"} & set(args.phases) else []:
@@ -161,9 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001
             engines.append({"method": method, "error": f"{type(e).__name__}: {e}"[:500]})
             print(engines[-1], flush=True)
-    payload["engines"] = engines
+        write_json(payload, out)
     print(summary(payload))
-    out = Path(args.out_dir) / "quant_gpu.json" if args.out_dir else default_result_path("quant_gpu")
     write_json(payload, out)
     return payload
 

@@ -126,6 +126,30 @@ def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int
     assert bool(dequantized) == (rows >= DEQUANTIZE_ROWS)
 
 
+def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monkeypatch) -> None:
+    """The one-row kernel reads eight codes an int32 word; codes starting mid-word (a view one byte
+    into its storage) take the tiled kernel instead, and both multiply right."""
+    pytest.importorskip("triton")
+    from pagellm.quantization import triton_matmul
+
+    n, k, group = 16, 64, 32
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    q, scales, zeros = quantize_rtn(w, group)
+    qweight, scales16 = pack_pairs(q), scales.half()
+    expected = x @ dequantize(qweight, scales16, zeros, group).t()
+    unaligned = torch.empty(n * k // 2 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(n, k // 2)
+    unaligned.copy_(qweight)
+    gemv_calls: list[int] = []
+    real = triton_matmul._gemv
+    monkeypatch.setattr(triton_matmul, "_gemv", lambda *a: gemv_calls.append(1) or real(*a))
+    for weight, by_words in ((qweight.to(DEVICE), True), (unaligned, False)):
+        gemv_calls.clear()
+        got = triton_matmul.dequant_matmul(x.to(DEVICE), weight, scales16.to(DEVICE), zeros.to(DEVICE), group).cpu()
+        torch.testing.assert_close(got, expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
+        assert bool(gemv_calls) == by_words
+
+
 @pytest.mark.parametrize("group", [32, 128, 0])
 def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
     """Large steps multiply with cuBLAS on the weight this kernel writes: 4-bit codes with zero

@@ -117,24 +117,23 @@ def _gemv_kernel(
     GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    # Packed codes, three ways under trial on the GPU (benchmarks/gemv_sweep.py; off in the engine until
-    # measured): X_PAIRS reads the activations contiguously and splits even from odd in registers;
-    # MANTISSA makes each code c the float 1 + c / 16 from its bits (two integer operations instead
-    # of four), the sum of the inputs taken back out per group; WORDS reads w_ptr as int32 words of
-    # eight codes (k = 8i + j in word i's bits 4j..4j+3) and makes each code a float in place.
-    X_PAIRS: tl.constexpr = False, MANTISSA: tl.constexpr = False, WORDS: tl.constexpr = False,
 ):
-    # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows.
+    # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
+    # codes arrive as int32 words of eight (w_ptr viewed as int32 [N, K / 8]: k = 8i + j in word
+    # i's bits 4j..4j+3), so that turning a code into a float costs one integer operation: on the
+    # H200 that took the Llama-8B layers from 0.25-0.33 of the copy bandwidth (bytes unpacked into
+    # exact integers) to 0.30-0.45 (benchmarks/results/gemv_sweep_h200_*).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
-    COLS: tl.constexpr = BLOCK_K // 8 if WORDS else BLOCK_K // (1 + PACKED)  # columns of a tile's codes
+    COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
     for k0 in range(0, K, BLOCK_K):
-        if WORDS:
+        if PACKED:
             # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives 2**23 + c 2**s: minus
             # 2**23 it is c 2**s exactly, and the input carries 2**-s. One and-or a code; the top
-            # three codes are shifted down once a word first (bits 20..31 to 8..19).
+            # three codes are shifted down once a word first (bits 20..31 to 8..19). A column of
+            # `prod` is a word's eight inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
             words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & w_ok[None, :],
@@ -152,28 +151,6 @@ def _gemv_kernel(
                     bits = high & (0xF << (4 * j - 12))
                     x_j = x_j * (1.0 / (1 << (4 * j - 12)))
                 prod += ((bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * x_j[None, :]
-        elif PACKED:
-            # The low and high nibbles meet the even and odd inputs, so nothing is shuffled: a
-            # column of `prod` is a pair of inputs, `x_col` their sum.
-            rb = k0 // 2 + tl.arange(0, COLS)
-            b_ok = rb < K // 2
-            packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=n_ok[:, None] & b_ok[None, :],
-                             other=0)
-            if X_PAIRS:
-                rk = k0 + tl.arange(0, BLOCK_K)
-                x_even, x_odd = tl.split(tl.reshape(tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32),
-                                                    (COLS, 2)))
-            else:
-                x_even = tl.load(x_ptr + 2 * rb, mask=b_ok, other=0.0).to(tl.float32)
-                x_odd = tl.load(x_ptr + 2 * rb + 1, mask=b_ok, other=0.0).to(tl.float32)
-            codes = packed.to(tl.int32)
-            if MANTISSA:
-                lo = ((codes << 19) & 0x780000 | 0x3F800000).to(tl.float32, bitcast=True)
-                hi = ((codes << 15) & 0x780000 | 0x3F800000).to(tl.float32, bitcast=True)
-                prod = lo * x_even[None, :] + hi * x_odd[None, :]
-            else:
-                prod = _exact_float(codes & 0xF) * x_even[None, :] + _exact_float(codes >> 4) * x_odd[None, :]
-            x_col = x_even + x_odd
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -192,8 +169,6 @@ def _gemv_kernel(
             NUM_G: tl.constexpr = BLOCK_K // GROUP
             dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2)  # [BLOCK_N, NUM_G]
             group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
-            if PACKED and MANTISSA:
-                dot = 16.0 * (dot - group_sum)
             rg = k0 // GROUP + tl.arange(0, NUM_G)
             g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
             if ZERO == -1:
@@ -213,8 +188,6 @@ def _gemv_kernel(
     if GROUP == 0:
         acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     elif not PER_GROUP:  # one group a row (the dispatcher sends no offset here)
-        if PACKED and MANTISSA:
-            acc = 16.0 * (acc - x_sum)
         if ZERO == -1:
             acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * x_sum
         elif ZERO != 0:
@@ -280,10 +253,11 @@ def _dot_configs() -> list[triton.Config]:
 
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
-    blocks = ((8, 256), (8, 512), (16, 256), (16, 512), (32, 256), (8, 1024)) if int4 else \
-        ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256))
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for n, k in blocks for w, s in ((4, 3), (4, 5))]
+    """The fastest tiles of benchmarks/gemv_sweep.py on the H200's Llama-8B layers (and, for 4-bit,
+    the next larger ones, which the sweep's grid stopped short of)."""
+    tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (16, 4096, 4)) if int4 else \
+        ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
 
 
 def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -391,7 +365,7 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     zero_arg, zero_const = _zero_args(zero, scale)
     layout = dict(GROUP=group_size, PACKED=weight.dtype == torch.uint8, ZERO=zero_const, OFFSET=offset is not None)
     pointers = (x, weight, scale, zero_arg, scale if offset is None else offset, out)
-    if rows == 1 and (group_size == 0 or per_group or group_size == k):
+    if rows == 1 and (group_size == 0 or per_group or group_size == k) and _gemv_reads(weight):
         _gemv(pointers, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0), layout, per_group)
         return out
     if rows >= DEQUANTIZE_ROWS:
@@ -427,8 +401,17 @@ def _whole_group_tiles(group_size: int) -> bool:
     return 0 < group_size <= 256 and group_size & (group_size - 1) == 0
 
 
+def _gemv_reads(weight: torch.Tensor) -> bool:
+    """Whether the one-row kernel can read 4-bit codes as int32 words (rows of whole, aligned words)."""
+    return weight.dtype != torch.uint8 or (weight.stride(1) == 1 and weight.shape[1] % 4 == 0
+                                           and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0)
+
+
 def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, stride_sn: int, stride_zn: int,
           layout: dict, per_group: bool) -> None:
+    if layout["PACKED"]:  # eight codes an int32 word
+        x, weight, *rest = pointers
+        pointers, stride_wn = (x, weight.view(torch.int32), *rest), stride_wn // 4
     args = (*pointers, n, k, stride_wn, stride_sn, stride_zn)
     if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, layout["GROUP"]) if per_group else 64
