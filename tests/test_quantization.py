@@ -150,14 +150,15 @@ def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monke
         assert bool(gemv_calls) == by_words
 
 
-@pytest.mark.parametrize("group", [32, 128, 0])
+@pytest.mark.parametrize("group", [32, 96, 128, 0])
 def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
     """Large steps multiply with cuBLAS on the weight this kernel writes: 4-bit codes with zero
-    points per group (or per channel), 8-bit codes with a scale per channel."""
+    points per group (or per channel), 8-bit codes with a scale per channel; groups that tiles
+    hold whole (32), that hold a tile (128, the channel), or neither (96)."""
     pytest.importorskip("triton")
     from pagellm.quantization.triton_matmul import dequantize_weight
 
-    n, k = (4096, 4096) if ON_GPU else (40, 384)
+    n, k = (4096, 4608) if ON_GPU else (40, 384)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(group))
     q, scales, zeros = quantize_rtn(w, group or k)
     qweight, scales16 = pack_pairs(q), scales.half()

@@ -201,32 +201,41 @@ def _dequantize_kernel(
     w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # the weight's layout as above; out [N, K]
     N, K, stride_wn, stride_sn, stride_zn, stride_on,
     GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K holds whole groups or lies within one
 ):
     # The weight in the activations' type, for cuBLAS: large steps are bound by the tensor cores,
-    # where dequantizing in every tile of rows would repeat the work once per tile.
+    # where dequantizing in every tile of rows would repeat the work once per tile. A group's scale
+    # (zero point, offset) is loaded once and broadcast over its codes: loaded per code, the
+    # gathers held this kernel to an eighth of the copy bandwidth on the H200.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (rn < N)[:, None] & (rk < K)[None, :]
+    n_ok = rn < N
+    ok = n_ok[:, None] & (rk < K)[None, :]
     if PACKED:
         rb = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :],
-                         mask=(rn < N)[:, None] & (rb < K // 2)[None, :], other=0)
+        packed = tl.load(w_ptr + rn[:, None] * stride_wn + rb[None, :], mask=n_ok[:, None] & (rb < K // 2)[None, :],
+                         other=0)
         q = tl.interleave(packed & 0xF, packed >> 4)
     else:
         q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=ok, other=0.0)
     if GROUP == 0:
-        w = q.to(tl.float32) * tl.load(scale_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        w = q.to(tl.float32) * tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     else:
-        g = rn[:, None] * stride_sn + rk[None, :] // GROUP  # each group's values, gathered (cached)
-        c = _exact_float(q.to(tl.int32))
+        NUM_G: tl.constexpr = BLOCK_K // GROUP if BLOCK_K >= GROUP else 1  # groups in the tile
+        SPAN: tl.constexpr = BLOCK_K // NUM_G  # codes of one group in the tile
+        rg = (tl.program_id(1) * BLOCK_K) // GROUP + tl.arange(0, NUM_G)
+        g_ok = n_ok[:, None] & (rg < K // GROUP)[None, :]
+        c = tl.reshape(_exact_float(q.to(tl.int32)), (BLOCK_N, NUM_G, SPAN))
         if ZERO == -1:
-            c -= tl.load(zero_ptr + rn[:, None] * stride_zn + rk[None, :] // GROUP, mask=ok, other=0).to(tl.float32)
+            zero = tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_ok, other=0)
+            c -= zero.to(tl.float32)[:, :, None]
         elif ZERO != 0:
             c -= ZERO
-        w = c * tl.load(scale_ptr + g, mask=ok, other=0.0).to(tl.float32)
+        g = rn[:, None] * stride_sn + rg[None, :]
+        w = c * tl.load(scale_ptr + g, mask=g_ok, other=0.0).to(tl.float32)[:, :, None]
         if OFFSET:
-            w += tl.load(offset_ptr + g, mask=ok, other=0.0).to(tl.float32)
+            w += tl.load(offset_ptr + g, mask=g_ok, other=0.0).to(tl.float32)[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
     tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -321,6 +330,10 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     zero_arg, zero_const = _zero_args(zero, scale)
     block_n, block_k = 32, 128
+    if group_size and block_k % group_size and group_size % block_k:  # a tile within one group
+        block_k = group_size & -group_size  # its largest power-of-two divisor
+        if block_k < 16:
+            raise ValueError(f"groups of {group_size} input features do not split into tiles of 16 or more")
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight, scale, zero_arg, scale if offset is None else offset, out, n, k, weight.stride(0),
         scale.stride(0), zero_arg.stride(0), out.stride(0), GROUP=group_size, PACKED=weight.dtype == torch.uint8,
