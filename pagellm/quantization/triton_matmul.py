@@ -9,7 +9,9 @@ sum) to the float32 product; per-channel scales apply at the end. A tile of seve
 autotuner's choice where groups are small, e.g. GGUF's 16 and 32) dequantizes each weight in
 float32 and rounds it to the activations' type, as a dense model's weights are rounded. Steps of
 `DEQUANTIZE_ROWS` rows or more write the weight once in the activations' type and multiply with
-cuBLAS instead (the tiles would repeat the dequantization once per tile of rows).
+cuBLAS instead (the tiles would repeat the dequantization once per tile of rows). Steps of one
+row (decode at batch 1) take a GEMV on the CUDA cores, which reads 4-bit codes as int32 words of
+eight.
 """
 from __future__ import annotations
 
@@ -206,7 +208,7 @@ def _dequantize_kernel(
     # The weight in the activations' type, for cuBLAS: large steps are bound by the tensor cores,
     # where dequantizing in every tile of rows would repeat the work once per tile. A group's scale
     # (zero point, offset) is loaded once and broadcast over its codes: loaded per code, the
-    # gathers held this kernel to an eighth of the copy bandwidth on the H200.
+    # gathers held this kernel to a sixth of the copy bandwidth on the H200 (now 0.7).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -313,11 +315,12 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q, scale
 
 
-DEQUANTIZE_ROWS = 256
+DEQUANTIZE_ROWS = 128
 """Steps of at least this many rows dequantize the whole weight once and multiply with cuBLAS. On
-the H200 the tiled int4 kernel took 3.4x cuBLAS bf16's time at 256 rows (and 1.5x at 64), far more
-than writing a 16-bit copy costs; the crossing itself is not measured yet (benchmarks/gemv_sweep.py
-measures it), so the threshold sits where the gain is clear."""
+the H200's Llama-8B layers (benchmarks/results/gemv_sweep_h200_*_large.json), summed over the four
+projections: at 64 rows the tiled kernel takes 0.66-0.84x the time of dequantizing and cuBLAS (int4
+groups of 128, Q4_K-like, Q8_0-like layouts), at 128 rows 1.26x and 1.10x for the 4-bit layouts
+and 0.90x for Q8_0's, at 256 rows 1.6-2.3x."""
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | int = 0, group_size: int = 0,
