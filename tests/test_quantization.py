@@ -71,7 +71,7 @@ def _projections(hf: torch.nn.Module):
 # --- the kernel ----------------------------------------------------------------------------------------
 
 triton_shapes = [(1, 4096, 4096), (16, 6144, 4096), (17, 4096, 14336), (300, 1024, 4096)] if ON_GPU else \
-    [(1, 48, 64), (1, 24, 96), (5, 40, 128), (17, 16, 64), (33, 24, 96), (260, 24, 128)]
+    [(1, 48, 64), (1, 24, 96), (5, 40, 128), (17, 16, 64), (33, 24, 96), (130, 16, 64), (260, 24, 128)]
 
 
 def count_dequantized(monkeypatch) -> list[int]:
@@ -128,7 +128,8 @@ def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int
 
 def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monkeypatch) -> None:
     """The one-row kernel reads eight codes an int32 word; codes starting mid-word (a view one byte
-    into its storage) take the tiled kernel instead, and both multiply right."""
+    into its storage, or rows strided by an odd number of bytes) take the tiled kernel instead, and
+    all multiply right."""
     pytest.importorskip("triton")
     from pagellm.quantization import triton_matmul
 
@@ -140,10 +141,12 @@ def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monke
     expected = x @ dequantize(qweight, scales16, zeros, group).t()
     unaligned = torch.empty(n * k // 2 + 1, dtype=torch.uint8, device=DEVICE)[1:].view(n, k // 2)
     unaligned.copy_(qweight)
+    odd_rows = torch.zeros(n, k // 2 + 1, dtype=torch.uint8, device=DEVICE)[:, : k // 2]
+    odd_rows.copy_(qweight)
     gemv_calls: list[int] = []
     real = triton_matmul._gemv
     monkeypatch.setattr(triton_matmul, "_gemv", lambda *a: gemv_calls.append(1) or real(*a))
-    for weight, by_words in ((qweight.to(DEVICE), True), (unaligned, False)):
+    for weight, by_words in ((qweight.to(DEVICE), True), (unaligned, False), (odd_rows, False)):
         gemv_calls.clear()
         got = triton_matmul.dequant_matmul(x.to(DEVICE), weight, scales16.to(DEVICE), zeros.to(DEVICE), group).cpu()
         torch.testing.assert_close(got, expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
@@ -158,7 +161,9 @@ def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
     pytest.importorskip("triton")
     from pagellm.quantization.triton_matmul import dequantize_weight
 
-    n, k = (4096, 4608) if ON_GPU else (40, 384)
+    n, k = (4096, 4608 + 32) if ON_GPU else (40, 384 + 32)  # K not a multiple of the tiles' 128
+    if k % (group or k):
+        k -= 32  # groups of 96 need whole groups
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(group))
     q, scales, zeros = quantize_rtn(w, group or k)
     qweight, scales16 = pack_pairs(q), scales.half()

@@ -116,14 +116,15 @@ def _dequant_matmul_kernel(
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # one activation row x [K]; the rest as above
     N, K, stride_wn, stride_sn, stride_zn,
-    GROUP: tl.constexpr, PACKED: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
+    GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
+    PACKED: tl.constexpr,  # 4-bit codes, w_ptr viewed as int32 words of eight ([N, K / 8]), groups of whole words
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
-    # codes arrive as int32 words of eight (w_ptr viewed as int32 [N, K / 8]: k = 8i + j in word
-    # i's bits 4j..4j+3), so that turning a code into a float costs one integer operation: on the
-    # H200 that took the Llama-8B layers from 0.25-0.33 of the copy bandwidth (bytes unpacked into
+    # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
+    # hold them), so that turning a code into a float costs one integer operation: on the H200
+    # that took the Llama-8B layers from 0.23-0.33 of the copy bandwidth (bytes unpacked into
     # exact integers) to 0.30-0.45 (benchmarks/results/gemv_sweep_h200_*).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -333,10 +334,10 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     zero_arg, zero_const = _zero_args(zero, scale)
     block_n, block_k = 32, 128
-    if group_size and block_k % group_size and group_size % block_k:  # a tile within one group
+    if 0 < group_size < k and block_k % group_size and group_size % block_k:  # a tile within one group
         block_k = group_size & -group_size  # its largest power-of-two divisor
-        if block_k < 16:
-            raise ValueError(f"groups of {group_size} input features do not split into tiles of 16 or more")
+        if block_k < 2:
+            raise ValueError(f"groups of {group_size} input features (an odd number) do not split into tiles")
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight, scale, zero_arg, scale if offset is None else offset, out, n, k, weight.stride(0),
         scale.stride(0), zero_arg.stride(0), out.stride(0), GROUP=group_size, PACKED=weight.dtype == torch.uint8,
@@ -381,7 +382,7 @@ def dequant_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, z
     zero_arg, zero_const = _zero_args(zero, scale)
     layout = dict(GROUP=group_size, PACKED=weight.dtype == torch.uint8, ZERO=zero_const, OFFSET=offset is not None)
     pointers = (x, weight, scale, zero_arg, scale if offset is None else offset, out)
-    if rows == 1 and (group_size == 0 or per_group or group_size == k) and _gemv_reads(weight):
+    if rows == 1 and (group_size == 0 or per_group or group_size == k) and _gemv_reads(weight, group_size):
         _gemv(pointers, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0), layout, per_group)
         return out
     if rows >= DEQUANTIZE_ROWS:
@@ -417,17 +418,20 @@ def _whole_group_tiles(group_size: int) -> bool:
     return 0 < group_size <= 256 and group_size & (group_size - 1) == 0
 
 
-def _gemv_reads(weight: torch.Tensor) -> bool:
-    """Whether the one-row kernel can read 4-bit codes as int32 words (rows of whole, aligned words)."""
-    return weight.dtype != torch.uint8 or (weight.stride(1) == 1 and weight.shape[1] % 4 == 0
-                                           and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0)
+def _gemv_reads(weight: torch.Tensor, group_size: int) -> bool:
+    """Whether the one-row kernel can read 4-bit codes as int32 words: rows of whole, aligned
+    words, groups of whole words."""
+    return weight.dtype != torch.uint8 or (
+        group_size % 8 == 0 and weight.stride(1) == 1 and weight.shape[1] % 4 == 0 and weight.stride(0) % 4 == 0
+        and weight.storage_offset() % 4 == 0 and weight.data_ptr() % 4 == 0)
 
 
 def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, stride_sn: int, stride_zn: int,
           layout: dict, per_group: bool) -> None:
     if layout["PACKED"]:  # eight codes an int32 word
         x, weight, *rest = pointers
-        pointers, stride_wn = (x, weight.view(torch.int32), *rest), stride_wn // 4
+        words = weight.view(torch.int32)
+        pointers, stride_wn = (x, words, *rest), words.stride(0)
     args = (*pointers, n, k, stride_wn, stride_sn, stride_zn)
     if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, layout["GROUP"]) if per_group else 64
