@@ -173,11 +173,17 @@ def test_fp8_cache_scales_divide_what_is_stored(backend: str) -> None:
     check(out, ref, dtype)
 
 
+@pytest.mark.parametrize("f16_dots", [False, True])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 2)])
-def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads) -> None:
+def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads, f16_dots, monkeypatch) -> None:
     """--kv-cache-dtype fp8: both backends write the step's K/V rounded to float8 and attend over
-    the float8 cache widened to the queries' type; the torch backend on such a cache is exactly
-    the torch backend on a 16/32-bit cache holding the rounded values."""
+    the float8 cache widened to the queries' type (or, with the kernel's `f16_dots`, to float16,
+    as the queries are); the torch backend on such a cache is exactly the torch backend on a
+    16/32-bit cache holding the rounded values."""
+    from pagellm.attention import triton_kernels
+
+    for kind in triton_kernels.TUNING:
+        monkeypatch.setitem(triton_kernels.TUNING, kind, {**triton_kernels.TUNING[kind], "f16_dots": f16_dots})
     dtype = DTYPES[0]
     md, query, key, value, cache = random_paged_batch(MIXED, 16, num_heads, num_kv_heads, 64, dtype, seed=num_heads)
     fp8_cache = tuple(c.to(torch.float8_e4m3fn) for c in cache)
@@ -195,4 +201,4 @@ def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads) -> None:
         out = torch.empty_like(query)
         paged_attention(out, query, *fp8_cache, md.block_table, md.seq_lens, md.query_start_loc,
                         md.max_query_len, 0.125)
-    check(out, ref, dtype)
+    check(out, ref, torch.float16 if f16_dots else dtype)

@@ -23,14 +23,17 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 TUNING = {
-    "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2},
-    "large_decode": {"block_n": 128, "k_rows": False, "num_warps": 4, "num_stages": 2},
-    "prefill": {"block_n": 32, "k_rows": False, "num_warps": 4, "num_stages": 2},
+    "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": False},
+    "large_decode": {"block_n": 128, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": False},
+    "prefill": {"block_n": 32, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": False},
 }
 """Launch parameters for head_dim 128 by kind of step (short queries, short queries of a large
 batch, prefill chunks); head_dim 64 always takes 64-key tiles. `benchmarks/attention_kernel_bench.py`
 sweeps these on a GPU: on an H200, 128-key tiles read KV at 0.96 of copy bandwidth for 256
-sequences x 8 KV heads but 0.80 for 64 x 8, where 64-key tiles reach 0.91."""
+sequences x 8 KV heads but 0.80 for 64 x 8, where 64-key tiles reach 0.91. `f16_dots` (a float8
+cache only; under trial in that benchmark, off until measured): the dots run in float16, to which
+a float8 pair widens in one instruction (to bfloat16 it takes several); the queries are clamped to
+float16's range."""
 LARGE_DECODE_PROGRAMS = 2048
 """(sequence, KV head) pairs from which a decode batch takes the "large_decode" tiles. It depends on
 the batch shape only, so a CUDA graph captured for a batch size stays valid."""
@@ -119,7 +122,7 @@ def _paged_attention_kernel(
     stride_pt, stride_ph, stride_ps,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, K_ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
@@ -143,6 +146,8 @@ def _paged_attention_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
+    if F16_DOTS:  # the tiles take the queries' type (see TUNING)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     # Keys this block can see: up to its last query's position (causal), then this split's share.
     kv_end = tl.minimum(seq_len, first_pos + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
@@ -248,7 +253,8 @@ def paged_attention(
         num_heads * num_splits, num_splits, 1,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
-        K_ROWS=cfg["k_rows"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        K_ROWS=cfg["k_rows"], F16_DOTS=cfg["f16_dots"] and k_cache.dtype == torch.float8_e4m3fn,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
