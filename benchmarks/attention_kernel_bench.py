@@ -55,7 +55,7 @@ def main() -> None:
     ceilings, _ = measure_ceilings(torch.device("cuda"), 1 << 30, 4096, torch.bfloat16)
     bandwidth = ceilings.copy_bytes_per_s
     variants = [dict(block_n=bn, k_rows=kr, num_warps=nw, num_stages=ns, f16_dots=f16)
-                for bn, kr, nw, ns, f16 in itertools.product([32, 64, 128], [False, True], [4, 8], [2],
+                for bn, kr, nw, ns, f16 in itertools.product([32, 64, 128, 256], [False, True], [4, 8], [2, 3],
                                                              [False, True] if fp8 else [False])]
     gen = torch.Generator().manual_seed(0)
     rows, results = [], []
