@@ -54,7 +54,7 @@ def main() -> None:
     cache_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     ceilings, _ = measure_ceilings(torch.device("cuda"), 1 << 30, 4096, torch.bfloat16)
     bandwidth = ceilings.copy_bytes_per_s
-    variants = [dict(block_n=bn, k_rows=kr, num_warps=nw, num_stages=ns, f16_dots=f16)
+    variants = [dict(block_n=bn, k_rows=kr, num_warps=nw, num_stages=ns, **({"f16_dots": f16} if fp8 else {}))
                 for bn, kr, nw, ns, f16 in itertools.product([32, 64, 128, 256], [False, True], [4, 8], [2, 3],
                                                              [False, True] if fp8 else [False])]
     gen = torch.Generator().manual_seed(0)
@@ -63,7 +63,7 @@ def main() -> None:
         batch, ctx = map(int, shape.split("x"))
         q, cache, table, seq_lens, qsl = decode_batch(batch, ctx, gen, cache_dtype)
         splits = decode_splits(batch, KV_HEADS)
-        kind = "large_decode" if batch * KV_HEADS >= tk.LARGE_DECODE_PROGRAMS else "decode"  # the engine's choice
+        kind = tk.tuning_kind(1, batch, KV_HEADS, cache_dtype)  # the engine's choice
         default = copy.deepcopy(tk.TUNING[kind])
         md = AttentionMetadata(batch, qsl, seq_lens, table, torch.full((batch,), -1, device="cuda"), 1, ctx,
                                qsl.cpu().numpy(), seq_lens.cpu().numpy())

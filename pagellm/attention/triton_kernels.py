@@ -23,17 +23,21 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 
 TUNING = {
-    "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": False},
-    "large_decode": {"block_n": 128, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": False},
-    "prefill": {"block_n": 32, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": False},
+    "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2},
+    "large_decode": {"block_n": 128, "k_rows": False, "num_warps": 4, "num_stages": 2},
+    "prefill": {"block_n": 32, "k_rows": False, "num_warps": 4, "num_stages": 2},
+    "decode_fp8": {"block_n": 128, "k_rows": True, "num_warps": 4, "num_stages": 2, "f16_dots": True},
+    "large_decode_fp8": {"block_n": 128, "k_rows": True, "num_warps": 4, "num_stages": 2, "f16_dots": True},
 }
 """Launch parameters for head_dim 128 by kind of step (short queries, short queries of a large
-batch, prefill chunks); head_dim 64 always takes 64-key tiles. `benchmarks/attention_kernel_bench.py`
-sweeps these on a GPU: on an H200, 128-key tiles read KV at 0.96 of copy bandwidth for 256
-sequences x 8 KV heads but 0.80 for 64 x 8, where 64-key tiles reach 0.91. `f16_dots` (a float8
-cache only; under trial in that benchmark, off until measured): the dots run in float16, to which
-a float8 pair widens in one instruction (to bfloat16 it takes several); the queries are clamped to
-float16's range."""
+batch, prefill chunks; decodes over a float8 cache have their own); head_dim 64 always takes
+64-key tiles. `benchmarks/attention_kernel_bench.py` sweeps these on a GPU. On an H200 a bf16 cache
+reads at 0.95-1.0 of copy bandwidth for 256-512 sequences x 8 KV heads (128-key tiles) and 0.91
+for 64 x 8 (64-key tiles). A float8 cache reads at 0.47 with the bf16 entries, but 0.62-0.64 (and
+0.58 at 64 x 8) with `f16_dots`: the dots run in float16, to which a float8 pair widens in one
+instruction (to bfloat16 it takes several), with the queries clamped to float16's range. It stays
+short of bf16's fraction: the widened tiles take 253 registers a thread, two programs an SM
+(`benchmarks/results/attention_kernel_bench_h200_*`)."""
 LARGE_DECODE_PROGRAMS = 2048
 """(sequence, KV head) pairs from which a decode batch takes the "large_decode" tiles. It depends on
 the batch shape only, so a CUDA graph captured for a batch size stays valid."""
@@ -212,6 +216,18 @@ def _merge_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty))
 
 
+DECODE_QUERY_LEN = 16
+"""Queries up to this long (decodes, speculative tokens) take the decode tiles."""
+
+
+def tuning_kind(max_query_len: int, num_seqs: int, num_kv_heads: int, cache_dtype: torch.dtype) -> str:
+    """The `TUNING` entry a step takes: from the batch's shape and the cache's type only."""
+    if max_query_len > DECODE_QUERY_LEN:
+        return "prefill"
+    kind = "large_decode" if num_seqs * num_kv_heads >= LARGE_DECODE_PROGRAMS else "decode"
+    return kind + "_fp8" if cache_dtype == torch.float8_e4m3fn else kind
+
+
 def paged_attention(
     out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     max_query_len: int, scale: float, num_splits: int = 1,
@@ -231,12 +247,9 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_p = triton.next_power_of_2(group)
     # tl.dot needs at least 16 rows; short queries fill them with more query tokens.
-    decode = max_query_len <= 16
+    decode = max_query_len <= DECODE_QUERY_LEN
     block_q = max(1, (16 if decode else 64) // group_p)
-    if not decode:
-        cfg = TUNING["prefill"]
-    else:
-        cfg = TUNING["large_decode" if num_seqs * num_kv_heads >= LARGE_DECODE_PROGRAMS else "decode"]
+    cfg = TUNING[tuning_kind(max_query_len, num_seqs, num_kv_heads, k_cache.dtype)]
     block_n = 64 if head_dim <= 64 else cfg["block_n"]
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     if num_splits > 1:
@@ -253,7 +266,7 @@ def paged_attention(
         num_heads * num_splits, num_splits, 1,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
-        K_ROWS=cfg["k_rows"], F16_DOTS=cfg["f16_dots"] and k_cache.dtype == torch.float8_e4m3fn,
+        K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False) and k_cache.dtype == torch.float8_e4m3fn,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
