@@ -15,6 +15,8 @@ eight.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -116,10 +118,12 @@ def _dequant_matmul_kernel(
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # one activation row x [K]; the rest as above
     N, K, stride_wn, stride_sn, stride_zn,
+    bits_2_23,  # 0x4B000000, the float 2**23's bits: a run-time value, so that it sits in a register (below)
     GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
     PACKED: tl.constexpr,  # 4-bit codes, w_ptr viewed as int32 words of eight ([N, K / 8]), groups of whole words
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHAIN: tl.constexpr = True,  # TRIAL
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
@@ -131,12 +135,17 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
+    acc_groups = tl.zeros((BLOCK_N, BLOCK_K // GROUP if PER_GROUP else 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
-            # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives 2**23 + c 2**s: minus
-            # 2**23 it is c 2**s exactly, and the input carries 2**-s. One and-or a code; the top
-            # three codes are shifted down once a word first (bits 20..31 to 8..19). A column of
-            # `prod` is a word's eight inputs, `x_col` their sum.
+            # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives f = 2**23 + c 2**s, and
+            # the input carries 2**-s: f y = 2**23 y + c x. For the two lowest codes (s = 0, 4) 2**23
+            # is subtracted from f exactly first; for the other six (s >= 8) each 2**23 y is left in
+            # the sum and all six taken out at once after the word (`y_high`): 2**23 y <= 2**15 x,
+            # so that costs about x / 512 of rounding a word, far below a code's step. One and-or
+            # a code (the magic in a register: with it and the mask both immediates, the compiler
+            # spent two); the top three codes are shifted down once a word first (bits 20..31 to
+            # 8..19). A column of `prod` is a word's eight inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
             words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & w_ok[None, :],
@@ -144,16 +153,23 @@ def _gemv_kernel(
             high = words >> 12
             prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
             x_col = tl.zeros((COLS,), dtype=tl.float32)
+            y_high = tl.zeros((COLS,), dtype=tl.float32)
             for j in tl.static_range(8):
                 x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
                 x_col += x_j
                 if j < 5:
                     bits = words & (0xF << (4 * j))
-                    x_j = x_j * (1.0 / (1 << (4 * j)))
+                    y = x_j * (1.0 / (1 << (4 * j)))
                 else:
                     bits = high & (0xF << (4 * j - 12))
-                    x_j = x_j * (1.0 / (1 << (4 * j - 12)))
-                prod += ((bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * x_j[None, :]
+                    y = x_j * (1.0 / (1 << (4 * j - 12)))
+                f = (bits | bits_2_23).to(tl.float32, bitcast=True)
+                if j < 2 or not CHAIN:
+                    prod += (f - 8388608.0) * y[None, :]
+                else:
+                    prod += f * y[None, :]
+                    y_high += y
+            prod -= 8388608.0 * y_high[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -184,13 +200,15 @@ def _gemv_kernel(
             if OFFSET:
                 offset = tl.load(offset_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
                 dot += offset.to(tl.float32) * group_sum
-            acc += tl.sum(dot, axis=1)
+            acc_groups += dot
         else:
             acc += tl.sum(prod, axis=1)
             x_sum += tl.sum(x_col, axis=0)
-    if GROUP == 0:
+    if PER_GROUP:
+        acc = tl.sum(acc_groups, axis=1)
+    elif GROUP == 0:
         acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    elif not PER_GROUP:  # one group a row (the dispatcher sends no offset here)
+    else:  # one group a row (the dispatcher sends no offset here)
         if ZERO == -1:
             acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * x_sum
         elif ZERO != 0:
@@ -292,6 +310,8 @@ def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
                          "of 32, is needed)")
     return configs
 
+
+INT4_CHAIN = os.environ.get("PAGELLM_INT4_CHAIN", "1") == "1"  # TRIAL
 
 _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
@@ -432,11 +452,12 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         x, weight, *rest = pointers
         words = weight.view(torch.int32)
         pointers, stride_wn = (x, words, *rest), words.stride(0)
-    args = (*pointers, n, k, stride_wn, stride_sn, stride_zn)
+    args = (*pointers, n, k, stride_wn, stride_sn, stride_zn, 0x4B000000)
     if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, layout["GROUP"]) if per_group else 64
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k)
+        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k,
+                                            CHAIN=INT4_CHAIN)
         return
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
-    tuned[grid](*args, **layout, PER_GROUP=per_group)
+    tuned[grid](*args, **layout, PER_GROUP=per_group, CHAIN=INT4_CHAIN)
