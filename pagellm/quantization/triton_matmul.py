@@ -15,8 +15,6 @@ eight.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -123,13 +121,15 @@ def _gemv_kernel(
     PACKED: tl.constexpr,  # 4-bit codes, w_ptr viewed as int32 words of eight ([N, K / 8]), groups of whole words
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CHAIN: tl.constexpr = True,  # TRIAL
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
-    # hold them), so that turning a code into a float costs one integer operation: on the H200
-    # that took the Llama-8B layers from 0.23-0.33 of the copy bandwidth (bytes unpacked into
-    # exact integers) to 0.30-0.45 (benchmarks/results/gemv_sweep_h200_*).
+    # hold them), so that turning a code into a float costs one integer operation. On the H200's
+    # Llama-8B layers (benchmarks/results/gemv_sweep_h200_*): 0.23-0.33 of the copy bandwidth with
+    # bytes unpacked into exact integers, 0.30-0.45 with words, 0.37-0.50 with a code's and-or in
+    # one instruction and the group sums reduced once, after the loop. It is bound by its
+    # instructions, not by memory (Nsight Compute, `benchmarks/kernel_probe.py`: 65% of issue slots
+    # busy and 32% of DRAM throughput at gate_up before those two changes).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -138,13 +138,10 @@ def _gemv_kernel(
     acc_groups = tl.zeros((BLOCK_N, BLOCK_K // GROUP if PER_GROUP else 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
-            # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives f = 2**23 + c 2**s, and
-            # the input carries 2**-s: f y = 2**23 y + c x. For the two lowest codes (s = 0, 4) 2**23
-            # is subtracted from f exactly first; for the other six (s >= 8) each 2**23 y is left in
-            # the sum and all six taken out at once after the word (`y_high`): 2**23 y <= 2**15 x,
-            # so that costs about x / 512 of rounding a word, far below a code's step. One and-or
-            # a code (the magic in a register: with it and the mask both immediates, the compiler
-            # spent two); the top three codes are shifted down once a word first (bits 20..31 to
+            # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives 2**23 + c 2**s: minus
+            # 2**23 it is c 2**s exactly, and the input carries 2**-s. One and-or a code (2**23's bits
+            # in a register: with them and the mask both immediates, the compiler spent two
+            # instructions); the top three codes are shifted down once a word first (bits 20..31 to
             # 8..19). A column of `prod` is a word's eight inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
@@ -153,7 +150,6 @@ def _gemv_kernel(
             high = words >> 12
             prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
             x_col = tl.zeros((COLS,), dtype=tl.float32)
-            y_high = tl.zeros((COLS,), dtype=tl.float32)
             for j in tl.static_range(8):
                 x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
                 x_col += x_j
@@ -163,13 +159,7 @@ def _gemv_kernel(
                 else:
                     bits = high & (0xF << (4 * j - 12))
                     y = x_j * (1.0 / (1 << (4 * j - 12)))
-                f = (bits | bits_2_23).to(tl.float32, bitcast=True)
-                if j < 2 or not CHAIN:
-                    prod += (f - 8388608.0) * y[None, :]
-                else:
-                    prod += f * y[None, :]
-                    y_high += y
-            prod -= 8388608.0 * y_high[None, :]
+                prod += ((bits | bits_2_23).to(tl.float32, bitcast=True) - 8388608.0) * y[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -310,8 +300,6 @@ def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
                          "of 32, is needed)")
     return configs
 
-
-INT4_CHAIN = os.environ.get("PAGELLM_INT4_CHAIN", "1") == "1"  # TRIAL
 
 _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
@@ -455,9 +443,8 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
     args = (*pointers, n, k, stride_wn, stride_sn, stride_zn, 0x4B000000)
     if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, layout["GROUP"]) if per_group else 64
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k,
-                                            CHAIN=INT4_CHAIN)
+        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k)
         return
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
-    tuned[grid](*args, **layout, PER_GROUP=per_group, CHAIN=INT4_CHAIN)
+    tuned[grid](*args, **layout, PER_GROUP=per_group)
