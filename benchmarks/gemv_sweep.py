@@ -46,7 +46,7 @@ def _launch(case: dict[str, Any], x: torch.Tensor, out: torch.Tensor, n: int, k:
     def run() -> None:
         triton_matmul._gemv_kernel[(triton.cdiv(n, block_n),)](
             x, weight, scale, zero_arg, scale, out, n, k, weight.stride(0), scale.stride(0), zero_arg.stride(0),
-            0x4B000000, GROUP=group, PACKED=packed, ZERO=zero_const, OFFSET=False, PER_GROUP=group > 0,
+            GROUP=group, PACKED=packed, ZERO=zero_const, OFFSET=False, PER_GROUP=group > 0,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return run
 

@@ -42,8 +42,7 @@ def gemv() -> None:
             block_n = config.kwargs["BLOCK_N"]
             triton_matmul._gemv_kernel[(triton.cdiv(n, block_n),)](
                 x, weight, case["scale"], zero, case["scale"], torch.empty(1, n, device="cuda", dtype=x.dtype),
-                n, k, weight.stride(0), case["scale"].stride(0), zero.stride(0), 0x4B000000, GROUP=case["group"],
-                PACKED=packed,
+                n, k, weight.stride(0), case["scale"].stride(0), zero.stride(0), GROUP=case["group"], PACKED=packed,
                 ZERO=zero_const, OFFSET=False, PER_GROUP=case["group"] > 0, **config.kwargs,
                 num_warps=config.num_warps, num_stages=config.num_stages)
 

@@ -116,7 +116,6 @@ def _dequant_matmul_kernel(
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # one activation row x [K]; the rest as above
     N, K, stride_wn, stride_sn, stride_zn,
-    bits_2_23,  # 0x4B000000, the float 2**23's bits: a run-time value, so that it sits in a register (below)
     GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr,  # as above
     PACKED: tl.constexpr,  # 4-bit codes, w_ptr viewed as int32 words of eight ([N, K / 8]), groups of whole words
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
@@ -135,13 +134,15 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
+    UNSCALE: tl.constexpr = 18446744073709551616.0 if PACKED else 1.0  # 2**64 (below)
     acc_groups = tl.zeros((BLOCK_N, BLOCK_K // GROUP if PER_GROUP else 1), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
-            # A code at bits s..s+3 (s < 20), or'ed into the float 2**23, gives 2**23 + c 2**s: minus
-            # 2**23 it is c 2**s exactly, and the input carries 2**-s. One and-or a code (2**23's bits
-            # in a register: with them and the mask both immediates, the compiler spent two
-            # instructions); the top three codes are shifted down once a word first (bits 20..31 to
+            # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
+            # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
+            # 2**(85 - s), so their product is c x 2**-64, a normal float for any |x| from 2**-62 to
+            # 2**42, rounded once as c x would be; the sums are scaled back by 2**64 (UNSCALE). One
+            # and a code; the top three codes are shifted down once a word first (bits 20..31 to
             # 8..19). A column of `prod` is a word's eight inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
@@ -155,11 +156,11 @@ def _gemv_kernel(
                 x_col += x_j
                 if j < 5:
                     bits = words & (0xF << (4 * j))
-                    y = x_j * (1.0 / (1 << (4 * j)))
+                    y = x_j * (2.0 ** (85 - 4 * j))
                 else:
                     bits = high & (0xF << (4 * j - 12))
-                    y = x_j * (1.0 / (1 << (4 * j - 12)))
-                prod += ((bits | bits_2_23).to(tl.float32, bitcast=True) - 8388608.0) * y[None, :]
+                    y = x_j * (2.0 ** (97 - 4 * j))
+                prod += bits.to(tl.float32, bitcast=True) * y[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < K
@@ -176,7 +177,7 @@ def _gemv_kernel(
             # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
             # point and offset leave the inner sums; one reduction per group.
             NUM_G: tl.constexpr = BLOCK_K // GROUP
-            dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2)  # [BLOCK_N, NUM_G]
+            dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
             group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
             rg = k0 // GROUP + tl.arange(0, NUM_G)
             g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
@@ -192,7 +193,7 @@ def _gemv_kernel(
                 dot += offset.to(tl.float32) * group_sum
             acc_groups += dot
         else:
-            acc += tl.sum(prod, axis=1)
+            acc += tl.sum(prod, axis=1) * UNSCALE
             x_sum += tl.sum(x_col, axis=0)
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
@@ -274,8 +275,9 @@ def _dot_configs() -> list[triton.Config]:
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The fastest tiles of benchmarks/gemv_sweep.py on the H200's Llama-8B layers (and, for 4-bit,
-    the next larger ones, which the sweep's grid stopped short of)."""
-    tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (16, 4096, 4)) if int4 else \
+    larger ones, which fewer instructions a code may favour)."""
+    tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 2048, 8),
+             (16, 4096, 4)) if int4 else \
         ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
 
@@ -440,7 +442,7 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         x, weight, *rest = pointers
         words = weight.view(torch.int32)
         pointers, stride_wn = (x, words, *rest), words.stride(0)
-    args = (*pointers, n, k, stride_wn, stride_sn, stride_zn, 0x4B000000)
+    args = (*pointers, n, k, stride_wn, stride_sn, stride_zn)
     if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, layout["GROUP"]) if per_group else 64
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k)
