@@ -125,10 +125,11 @@ def _gemv_kernel(
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
     # hold them), so that turning a code into a float costs one integer operation. On the H200's
     # Llama-8B layers (benchmarks/results/gemv_sweep_h200_*): 0.23-0.33 of the copy bandwidth with
-    # bytes unpacked into exact integers, 0.30-0.45 with words, 0.37-0.50 with a code's and-or in
-    # one instruction and the group sums reduced once, after the loop. It is bound by its
-    # instructions, not by memory (Nsight Compute, `benchmarks/kernel_probe.py`: 65% of issue slots
-    # busy and 32% of DRAM throughput at gate_up before those two changes).
+    # bytes unpacked into exact integers, 0.30-0.45 with words made floats by or'ing them into 2**23
+    # (an and, an or and a subtraction a code), 0.37-0.50 with the and-or in one instruction and the
+    # group sums reduced once, after the loop, 0.39-0.63 with codes as subnormals (an and a code).
+    # It is still bound by its instructions more than by memory (Nsight Compute,
+    # `benchmarks/kernel_probe.py`).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -275,8 +276,8 @@ def _dot_configs() -> list[triton.Config]:
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The fastest tiles of benchmarks/gemv_sweep.py on the H200's Llama-8B layers (and, for 4-bit,
-    larger ones, which fewer instructions a code may favour)."""
-    tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 2048, 8),
+    the next larger ones, which the sweep's grid stopped short of)."""
+    tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
              (16, 4096, 4)) if int4 else \
         ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
