@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,6 +155,27 @@ def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monke
         got = triton_matmul.dequant_matmul(x.to(DEVICE), weight, scales16.to(DEVICE), zeros.to(DEVICE), group).cpu()
         torch.testing.assert_close(got, expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
         assert bool(gemv_calls) == by_words
+
+
+@pytest.mark.parametrize("x_scale", [1.0, 2.0**60, 2.0**-40])
+def test_one_row_4bit_codes_multiply_exactly_over_activations_large_and_tiny(x_scale: float) -> None:
+    """The one-row kernel makes each 4-bit code a subnormal float and scales the input by up to
+    2**53 (see the kernel): the products stay exact to float32 rounding for activations far above
+    and below a model's; below 2**-30 each errs by at most 2**-54. One group a row (group 0, a
+    scale per channel) takes the same products."""
+    pytest.importorskip("triton")
+    from pagellm.quantization.triton_matmul import dequant_matmul
+
+    n, k = 16, 128
+    gen = torch.Generator().manual_seed(11)
+    x, q = torch.randn(1, k, generator=gen) * x_scale, torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    q[:, :5] = 0  # zero codes beside large inputs: 0 times an overflowed input would be NaN
+    scale = torch.rand(n, generator=gen) + 0.5
+    expected = (x.double() @ (q.double() * scale.double()[:, None]).t()).float()
+    atol = k * 2**-54 + 1e-6 * x_scale * math.sqrt(k)
+    for rows in (1, 2):  # the one-row kernel, and the tiled one beside it
+        got = dequant_matmul(x.expand(rows, k).to(DEVICE), pack_pairs(q).to(DEVICE), scale.to(DEVICE)).cpu()
+        torch.testing.assert_close(got, expected.expand(rows, n), atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("group", [32, 96, 128, 0])
@@ -747,3 +772,18 @@ def test_eval_through_a_bound_cache_matches_attention_within_the_window(tmp_path
     torch.testing.assert_close(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)
     bind_window_cache(model, 64, torch.float8_e4m3fn, CPU)
     assert not torch.allclose(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)
+
+
+def test_one_row_4bit_kernel_spends_an_and_and_a_multiply_add_a_code() -> None:
+    """At one row the 4-bit kernel is bound by its instructions: its loop over K (compiled for
+    sm_90 here, without a GPU) must keep to one logic op and one multiply-add a code, with no
+    float addition a code (as an or'ed-in 2**23 would need)."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gemv_sass", "--block-n", "16", "--block-k", "2048",
+                           "--warps", "4"], capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent)
+    if proc.returncode != 0:  # e.g. a Triton without the NVIDIA backend's ptxas
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr[-300:]}")
+    ops = {op: int(n) for op, n in (item.split() for item in proc.stdout.strip().splitlines()[-1].split(", "))}
+    codes = 16 * 2048 // 128
+    assert ops["LOP3"] <= 1.1 * codes and ops["FFMA"] <= 1.1 * codes and ops.get("FADD", 0) < codes / 2

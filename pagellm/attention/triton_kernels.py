@@ -26,18 +26,18 @@ TUNING = {
     "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2},
     "large_decode": {"block_n": 128, "k_rows": False, "num_warps": 4, "num_stages": 2},
     "prefill": {"block_n": 32, "k_rows": False, "num_warps": 4, "num_stages": 2},
-    "decode_fp8": {"block_n": 128, "k_rows": True, "num_warps": 4, "num_stages": 2, "f16_dots": True},
-    "large_decode_fp8": {"block_n": 128, "k_rows": True, "num_warps": 4, "num_stages": 2, "f16_dots": True},
+    "decode_fp8": {"block_n": 128, "k_rows": False, "num_warps": 4, "num_stages": 2, "f16_dots": True},
 }
 """Launch parameters for head_dim 128 by kind of step (short queries, short queries of a large
-batch, prefill chunks; decodes over a float8 cache have their own); head_dim 64 always takes
-64-key tiles. `benchmarks/attention_kernel_bench.py` sweeps these on a GPU. On an H200 a bf16 cache
-reads at 0.95-1.0 of copy bandwidth for 256-512 sequences x 8 KV heads (128-key tiles) and 0.91
-for 64 x 8 (64-key tiles). A float8 cache reads at 0.47 with the bf16 entries, but 0.62-0.64 (and
-0.58 at 64 x 8) with `f16_dots`: the dots run in float16, to which a float8 pair widens in one
-instruction (to bfloat16 it takes several), with the queries clamped to float16's range. It stays
-short of bf16's fraction: the widened tiles take 253 registers a thread, two programs an SM
-(`benchmarks/results/attention_kernel_bench_h200_*`)."""
+batch, prefill chunks, short queries over a float8 cache); head_dim 64 always takes 64-key tiles.
+`benchmarks/attention_kernel_bench.py` sweeps these on a GPU. On an H200 a bf16 cache reads at
+0.95-1.0 of copy bandwidth for 256-512 sequences x 8 KV heads (128-key tiles) and 0.91 for 64 x 8
+(64-key tiles). A float8 cache reads at 0.47 with the bf16 decode tiles, but 0.62-0.64 (0.58 at
+64 x 8) with its own: 128-key tiles and `f16_dots`, the dots in float16, to which a float8 pair
+widens in one instruction (to bfloat16 it takes several), the queries clamped to float16's range.
+It stays short of bf16's fraction: the widened tiles take 253 registers a thread, two programs an
+SM (Nsight Compute over `benchmarks/kernel_probe.py`,
+`benchmarks/results/ncu_kernel_probe_h200_20261203.txt`)."""
 LARGE_DECODE_PROGRAMS = 2048
 """(sequence, KV head) pairs from which a decode batch takes the "large_decode" tiles. It depends on
 the batch shape only, so a CUDA graph captured for a batch size stays valid."""
@@ -224,8 +224,9 @@ def tuning_kind(max_query_len: int, num_seqs: int, num_kv_heads: int, cache_dtyp
     """The `TUNING` entry a step takes: from the batch's shape and the cache's type only."""
     if max_query_len > DECODE_QUERY_LEN:
         return "prefill"
-    kind = "large_decode" if num_seqs * num_kv_heads >= LARGE_DECODE_PROGRAMS else "decode"
-    return kind + "_fp8" if cache_dtype == torch.float8_e4m3fn else kind
+    if cache_dtype == torch.float8_e4m3fn:
+        return "decode_fp8"
+    return "large_decode" if num_seqs * num_kv_heads >= LARGE_DECODE_PROGRAMS else "decode"
 
 
 def paged_attention(
@@ -266,7 +267,7 @@ def paged_attention(
         num_heads * num_splits, num_splits, 1,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
-        K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False) and k_cache.dtype == torch.float8_e4m3fn,
+        K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:

@@ -123,28 +123,28 @@ def _gemv_kernel(
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
-    # hold them), so that turning a code into a float costs one integer operation. On the H200's
-    # Llama-8B layers (benchmarks/results/gemv_sweep_h200_*): 0.23-0.33 of the copy bandwidth with
-    # bytes unpacked into exact integers, 0.30-0.45 with words made floats by or'ing them into 2**23
-    # (an and, an or and a subtraction a code), 0.37-0.50 with the and-or in one instruction and the
-    # group sums reduced once, after the loop, 0.39-0.63 with codes as subnormals (an and a code).
-    # It is still bound by its instructions more than by memory (Nsight Compute,
-    # `benchmarks/kernel_probe.py`).
+    # hold them), so that turning a code into a float costs one integer operation: the kernel is
+    # bound by its instructions more than by memory (the README's quantization section has the
+    # measured steps, `benchmarks/gemv_sass.py` counts the instructions).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
-    UNSCALE: tl.constexpr = 18446744073709551616.0 if PACKED else 1.0  # 2**64 (below)
-    acc_groups = tl.zeros((BLOCK_N, BLOCK_K // GROUP if PER_GROUP else 1), dtype=tl.float32)
+    UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
+    NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
+    acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
             # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
             # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
-            # 2**(85 - s), so their product is c x 2**-64, a normal float for any |x| from 2**-62 to
-            # 2**42, rounded once as c x would be; the sums are scaled back by 2**64 (UNSCALE). One
-            # and a code; the top three codes are shifted down once a word first (bits 20..31 to
-            # 8..19). A column of `prod` is a word's eight inputs, `x_col` their sum.
+            # 2**(53 - s), so their product is c x 2**-96, rounded once as c x would be, and the sums
+            # are scaled back by 2**96 (UNSCALE). One and a code; the top three codes are shifted
+            # down once a word first (bits 20..31 to 8..19). This needs float32 multiplies that keep
+            # subnormals (they do in Triton's CUDA code and its interpreter; flushed, every code
+            # would read 0). Exact for |x| from 2**-30 to 2**75; below, a product errs by at most
+            # 2**-54; from 2**75 the scaled input overflows. A column of `prod` is a word's eight
+            # inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
             words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & w_ok[None, :],
@@ -157,10 +157,10 @@ def _gemv_kernel(
                 x_col += x_j
                 if j < 5:
                     bits = words & (0xF << (4 * j))
-                    y = x_j * (2.0 ** (85 - 4 * j))
+                    y = x_j * (2.0 ** (53 - 4 * j))
                 else:
                     bits = high & (0xF << (4 * j - 12))
-                    y = x_j * (2.0 ** (97 - 4 * j))
+                    y = x_j * (2.0 ** (65 - 4 * j))
                 prod += bits.to(tl.float32, bitcast=True) * y[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -173,11 +173,10 @@ def _gemv_kernel(
             else:  # float8: one conversion instruction per two values
                 prod = w.to(tl.float32) * x_col[None, :]
         if GROUP == 0:
-            acc += tl.sum(prod, axis=1)
+            acc += tl.sum(prod, axis=1) * UNSCALE
         elif PER_GROUP:
             # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
             # point and offset leave the inner sums; one reduction per group.
-            NUM_G: tl.constexpr = BLOCK_K // GROUP
             dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
             group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
             rg = k0 // GROUP + tl.arange(0, NUM_G)
@@ -275,8 +274,9 @@ def _dot_configs() -> list[triton.Config]:
 
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
-    """The fastest tiles of benchmarks/gemv_sweep.py on the H200's Llama-8B layers (and, for 4-bit,
-    the next larger ones, which the sweep's grid stopped short of)."""
+    """The tiles the autotuner tries: each was the fastest on one of the H200's Llama-8B layers in
+    a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
+    a later sweep may prune them)."""
     tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
              (16, 4096, 4)) if int4 else \
         ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
