@@ -35,9 +35,9 @@ batch, prefill chunks, short queries over a float8 cache); head_dim 64 always ta
 (64-key tiles). A float8 cache reads at 0.47 with the bf16 decode tiles, but 0.62-0.64 (0.58 at
 64 x 8) with its own: 128-key tiles and `f16_dots`, the dots in float16, to which a float8 pair
 widens in one instruction (to bfloat16 it takes several), the queries clamped to float16's range.
-It stays short of bf16's fraction: the widened tiles take 253 registers a thread, two programs an
-SM (Nsight Compute over `benchmarks/kernel_probe.py`,
-`benchmarks/results/ncu_kernel_probe_h200_20261203.txt`)."""
+It stays short of bf16's fraction: with keys loaded as rows (as fast in the sweep), the widened
+tiles took 253 registers a thread, two programs an SM (Nsight Compute over
+`benchmarks/kernel_probe.py`, `benchmarks/results/ncu_kernel_probe_h200_20261203.txt`)."""
 LARGE_DECODE_PROGRAMS = 2048
 """(sequence, KV head) pairs from which a decode batch takes the "large_decode" tiles. It depends on
 the batch shape only, so a CUDA graph captured for a batch size stays valid."""
