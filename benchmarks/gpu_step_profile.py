@@ -101,11 +101,15 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--quantization", default=None, help="e.g. rtn or fp8 (weights quantized at load)")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--skip-profile", action="store_true", help="no cProfile run at the largest batch")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args()
 
     t = time.perf_counter()
-    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len)
+    llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     startup_s = time.perf_counter() - t
     runner = llm.llm_engine.engine_core.executor.worker.runner
     check = graph_vs_eager(llm, runner)
@@ -126,19 +130,23 @@ def main() -> None:
             for r in table["kernels"][:20]:
                 print(f"  {r['us_per_step']:9.1f} us  x{r['calls_per_step']:5.0f}  {r['name']}")
 
-    profile = cProfile.Profile()
-    batch = args.batch_sizes[-1]
-    prompts = [{"prompt_token_ids": [(5 * i + j) % 30000 + 100 for j in range(args.input_len)]} for i in range(batch)]
-    profile.enable()
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
-    profile.disable()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    if not args.skip_profile:
+        profile = cProfile.Profile()
+        batch = args.batch_sizes[-1]
+        prompts = [{"prompt_token_ids": [(5 * i + j) % 30000 + 100 for j in range(args.input_len)]}
+                   for i in range(batch)]
+        profile.enable()
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True),
+                     use_tqdm=False)
+        profile.disable()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
 
-    payload = {**run_metadata(), "model": args.model, "startup_s": startup_s, "graph_vs_eager": check, "steps": results,
+    payload = {**run_metadata(), "model": args.model, "quantization": args.quantization,
+               "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup_s, "graph_vs_eager": check, "steps": results,
                "graph_sizes": runner.graphs.sizes, "kernel_breakdown": breakdown, "profile_top": text.getvalue()}
     if args.out_dir:
-        write_json(payload, Path(args.out_dir) / "gpu_step_profile.json")
+        write_json(payload, Path(args.out_dir) / f"gpu_step_profile_{args.quantization or 'bf16'}.json")
     print(text.getvalue()[:6000])
     print(f"start-up {startup_s:.1f} s")
     print(format_table(["batch", "graph replay ms", "engine step ms", "host ms", "tok/s"], rows))

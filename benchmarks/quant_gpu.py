@@ -9,7 +9,8 @@ Phases (each optional, `--phases`):
             at M = 1 the fraction of copy bandwidth the weight read reaches
   batch1    each --methods engine: batch-1 decode tok/s (128 in / 128 out), KV blocks
   random    each --random-methods engine: random --num-prompts x --input-len/--output-len throughput
-An engine is a --quantization method, with "+kv8" for --kv-cache-dtype fp8 (e.g. none+kv8).
+An engine is a --quantization method, with "+kv8" for --kv-cache-dtype fp8 (e.g. none+kv8), and
+"@cublas" for one-row steps of dense weights kept on cuBLAS (else timed against the one-row kernel).
 
 On the GPU machine, from the repository root:
     python3 -m benchmarks.quant_gpu --out-dir "$OUT" --commit SHA
@@ -37,7 +38,8 @@ from pagellm.benchmarks.roofline import measure_ceilings
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.benchmarks.throughput import measure_throughput
 from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
-from pagellm.quantization.triton_matmul import dequant_matmul
+from pagellm.quantization import triton_matmul
+from pagellm.quantization.triton_matmul import dense_gemv, dequant_matmul
 from pagellm.quantization.w8a8 import quantize_per_row, w8a8_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -91,6 +93,8 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
                 "int4_g128": (product(int4), xf @ int4["ref"].t(), int4["bytes"]),
                 "fp8_w8a8": (lambda: w8a8_matmul(x, fp8["weight"], fp8["scale"]), None, n * k),
             }
+            if rows == 1:  # the one-row kernel on the dense weight (the engine times it against cuBLAS)
+                cases["bf16_gemv"] = (lambda: dense_gemv(x, w16), xf @ w16.float().t(), 2 * n * k)
             if rows > 16:
                 cases["int8_w8a8"] = (lambda: w8a8_matmul(x, int8["weight"], int8["scale"]), None, n * k)
             for method, (fn, ref, weight_bytes) in cases.items():
@@ -111,7 +115,18 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
 
 def engine_phase(args: argparse.Namespace, method: str, random_run: bool, deadline: float) -> dict[str, Any]:
     start = time.perf_counter()
-    quantization, _, kv = method.partition("+")
+    method_kv, _, cublas = method.partition("@")  # "none@cublas": one-row dense steps kept on cuBLAS
+    chosen = triton_matmul.dense_gemv_is_faster
+    triton_matmul.dense_gemv_is_faster = (lambda x, w: False) if cublas else chosen
+    try:
+        return _engine_run(args, method, method_kv, random_run, deadline, start)
+    finally:
+        triton_matmul.dense_gemv_is_faster = chosen
+
+
+def _engine_run(args: argparse.Namespace, method: str, method_kv: str, random_run: bool, deadline: float,
+                start: float) -> dict[str, Any]:
+    quantization, _, kv = method_kv.partition("+")
     llm = LLM(args.model, load_format="dummy", quantization=quantization, max_num_seqs=args.max_num_seqs,
               kv_cache_dtype="fp8" if kv == "kv8" else "auto")
     config = llm.llm_engine.config

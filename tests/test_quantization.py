@@ -178,6 +178,66 @@ def test_one_row_4bit_codes_multiply_exactly_over_activations_large_and_tiny(x_s
         torch.testing.assert_close(got, expected.expand(rows, n), atol=atol, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_one_row_4bit_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool) -> None:
+    """The autotuner's 4-bit tiles either load each tile's words as they come or one tile ahead;
+    both cover every tile of a K of several (the last one partial) and rows past N's last tile."""
+    pytest.importorskip("triton")
+    from pagellm.quantization import triton_matmul
+
+    n, k, group, block_k = 40, 224, 32, 64  # four tiles of K, the last half empty; three of N, one partial
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
+    q, scales, zeros = quantize_rtn(w, group)
+    qweight, scales16 = pack_pairs(q), scales.half()
+    expected = x @ dequantize(qweight, scales16, zeros, group).t()
+    words = qweight.to(DEVICE).view(torch.int32)
+    out = torch.empty(1, n, device=DEVICE)
+    scales_d, zeros_d = scales16.to(DEVICE), zeros.to(DEVICE)
+    triton_matmul._gemv_kernel[(triton_matmul.triton.cdiv(n, 16),)](
+        x.to(DEVICE), words, scales_d, zeros_d, scales_d, out, n, k, words.stride(0), scales_d.stride(0),
+        zeros_d.stride(0), GROUP=group, ZERO=-1, OFFSET=False, PACKED=True, PER_GROUP=True, BLOCK_N=16,
+        BLOCK_K=block_k, PREFETCH=prefetch)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_one_row_kernel_matches_torch(dtype: torch.dtype) -> None:
+    """A dense weight's one-row product (offered against cuBLAS at batch-1 decode) sums in float32
+    over K tiles and N rows that do not divide evenly; a weight strided by columns is refused."""
+    pytest.importorskip("triton")
+    from pagellm.quantization.triton_matmul import dense_gemv
+
+    n, k = 40, 200
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(1, k, generator=gen).to(dtype), torch.randn(n, k, generator=gen).to(dtype)
+    got = dense_gemv(x.to(DEVICE), w.to(DEVICE)).cpu()
+    assert got.dtype == dtype and got.shape == (1, n)
+    expected = (x.double() @ w.double().t()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, atol=tol * math.sqrt(k), rtol=tol)
+    with pytest.raises(ValueError, match="unit column stride"):
+        dense_gemv(x.to(DEVICE), w.t().contiguous().t().to(DEVICE))  # [n, k], strided (1, n)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuBLAS against the one-row kernel: timed on a GPU")
+def test_dense_one_row_steps_take_the_faster_product_and_agree() -> None:
+    """At one row the unquantized method times the one-row kernel against cuBLAS once per shape
+    and keeps the faster; either way the product agrees with cuBLAS's."""
+    from pagellm.models.layers.linear import ColumnParallelLinear
+    from pagellm.quantization import triton_matmul
+
+    for n, k in ((4096, 4096), (8192, 1024)):
+        layer = ColumnParallelLinear(k, n).to(DEVICE, torch.bfloat16)
+        torch.nn.init.normal_(layer.weight, std=k**-0.5)
+        x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
+        got = layer(x)
+        key = (x.device, (n, k), k, torch.bfloat16, torch.bfloat16)
+        assert key in triton_matmul._DENSE_GEMV_FASTER
+        torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, layer.weight).float(), atol=2e-2,
+                                   rtol=2e-2)
+
+
 @pytest.mark.parametrize("group", [32, 96, 128, 0])
 def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
     """Large steps multiply with cuBLAS on the weight this kernel writes: 4-bit codes with zero

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.ops.dispatch import resolve_impl
+
 FLAG = "quantization (--quantization)"
 """How errors name the flag (and LLM(...)'s keyword)."""
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
@@ -54,6 +56,11 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1 and resolve_impl(x, None) == "triton":
+            from pagellm.quantization import triton_matmul  # noqa: PLC0415 (Triton is optional)
+
+            if triton_matmul.dense_gemv_is_faster(x, layer.weight):
+                return triton_matmul.dense_gemv(x, layer.weight)
         return F.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,13 @@ def _dequant_matmul_kernel(
 
 
 @triton.jit
+def _load_words(w_ptr, rn, n_ok, stride_wn, k0, K, COLS: tl.constexpr):
+    """Rows `rn`' int32 words of 4-bit codes k0 .. k0 + 8 COLS (none past K)."""
+    rw = k0 // 8 + tl.arange(0, COLS)
+    return tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & (rw < K // 8)[None, :], other=0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # one activation row x [K]; the rest as above
     N, K, stride_wn, stride_sn, stride_zn,
@@ -120,6 +127,8 @@ def _gemv_kernel(
     PACKED: tl.constexpr,  # 4-bit codes, w_ptr viewed as int32 words of eight ([N, K / 8]), groups of whole words
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr = False,  # 4-bit: load a tile's words one tile ahead (more registers, fewer stalls)
+    DENSE: tl.constexpr = False,  # w holds the weights themselves (16- or 32-bit floats, GROUP 0): no scale
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
@@ -134,6 +143,8 @@ def _gemv_kernel(
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
     acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
+    if PACKED and PREFETCH:  # each tile's words loaded a tile ahead, in flight while the one before is summed
+        next_words = _load_words(w_ptr, rn, n_ok, stride_wn, 0, K, COLS)
     for k0 in range(0, K, BLOCK_K):
         if PACKED:
             # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
@@ -147,8 +158,11 @@ def _gemv_kernel(
             # inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
-            words = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & w_ok[None, :],
-                            other=0)
+            if PREFETCH:
+                words = next_words
+                next_words = _load_words(w_ptr, rn, n_ok, stride_wn, k0 + BLOCK_K, K, COLS)
+            else:
+                words = _load_words(w_ptr, rn, n_ok, stride_wn, k0, K, COLS)
             high = words >> 12
             prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
             x_col = tl.zeros((COLS,), dtype=tl.float32)
@@ -170,7 +184,7 @@ def _gemv_kernel(
             x_col = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
             if w_ptr.dtype.element_ty == tl.int8:
                 prod = _exact_float(w.to(tl.int32)) * x_col[None, :]
-            else:  # float8: one conversion instruction per two values
+            else:  # float8 (one conversion instruction per two values), or a dense weight
                 prod = w.to(tl.float32) * x_col[None, :]
         if GROUP == 0:
             acc += tl.sum(prod, axis=1) * UNSCALE
@@ -198,7 +212,8 @@ def _gemv_kernel(
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
     elif GROUP == 0:
-        acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        if not DENSE:
+            acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     else:  # one group a row (the dispatcher sends no offset here)
         if ZERO == -1:
             acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * x_sum
@@ -277,10 +292,14 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The tiles the autotuner tries: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
     a later sweep may prune them)."""
-    tiles = ((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
-             (16, 4096, 4)) if int4 else \
-        ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
+    if not int4:
+        tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
+        return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
+    tiles = ((16, 2048, 4, False), (16, 2048, 8, False), (8, 2048, 4, False), (16, 1024, 4, False),
+             (32, 2048, 4, False), (32, 1024, 4, False), (16, 4096, 4, False),
+             (16, 1024, 4, True), (8, 2048, 4, True), (32, 1024, 4, True), (16, 2048, 4, True))
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p}, num_warps=w, num_stages=3)
+            for n, k, w, p in tiles]
 
 
 def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -304,11 +323,18 @@ def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
     return configs
 
 
+def _dense_configs() -> list[triton.Config]:
+    """One-row tiles for a 16-bit weight: twice the bytes of an 8-bit code, so narrower in K."""
+    tiles = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 4))
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
+
+
 _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
 _tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
                                    prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
+_tuned_gemv_dense = triton.autotune(configs=_dense_configs(), key=["N", "K"])(_gemv_kernel)
 _tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
                                    prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
@@ -451,3 +477,42 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
     tuned[grid](*args, **layout, PER_GROUP=per_group)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One row x [1, K] @ W^T for a dense weight W [N, K] (16- or 32-bit floats, unit column
+    stride) -> [1, N] in x's dtype: the one-row kernel's float32 multiply-adds, no scale."""
+    n, k = weight.shape
+    if x.shape != (1, k) or weight.stride(1) != 1:
+        raise ValueError(f"dense_gemv takes x [1, {k}] and a weight with unit column stride, not x "
+                         f"{tuple(x.shape)} and a weight strided {weight.stride()}")
+    x = x.contiguous()
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    args = (x, weight, weight, weight, weight, out, n, k, weight.stride(0), 0, 0)
+    layout = dict(GROUP=0, ZERO=0, OFFSET=False, PACKED=False, PER_GROUP=False, DENSE=True)
+    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, BLOCK_N=16, BLOCK_K=64)
+    else:
+        _tuned_gemv_dense[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **layout)
+    return out
+
+
+_DENSE_GEMV_FASTER: dict[tuple, bool] = {}
+"""Per (device, weight shape, dtypes): whether `dense_gemv` beat cuBLAS at one row."""
+
+
+def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a one-row step on this CUDA weight should take `dense_gemv` rather than cuBLAS:
+    both are timed on the first such step (the warm-up forward before a CUDA graph is captured),
+    and the faster kept. cuBLAS's one-row kernels read some of the H200's Llama-8B layers at
+    0.74-0.84 of copy bandwidth and add a split-K reduction; others at 1.0."""
+    if weight.stride(1) != 1:
+        return False
+    key = (x.device, tuple(weight.shape), weight.stride(0), weight.dtype, x.dtype)
+    if key not in _DENSE_GEMV_FASTER:
+        if torch.cuda.is_current_stream_capturing():
+            return False  # nothing is timed inside a capture (the warm-up forward before it has been)
+        ours = triton.testing.do_bench(lambda: dense_gemv(x, weight))
+        cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, weight))
+        _DENSE_GEMV_FASTER[key] = ours < cublas
+    return _DENSE_GEMV_FASTER[key]
