@@ -98,12 +98,6 @@ def test_split_decode_matches_unsplit(dtype, num_splits: int, num_heads: int, nu
     paged_attention(out, query, *cache, md.block_table, md.seq_lens, md.query_start_loc, 1, 0.125, num_splits)
 
     check(out, ref, dtype)
-    # The last split of each (sequence, KV head) merged within the launch and zeroed its counter:
-    # the next step (or graph replay) starts from zero and merges the same way.
-    assert not triton_kernels._COUNTERS[out.device][-1].any()
-    again = torch.full_like(query, float("nan"))
-    paged_attention(again, query, *cache, md.block_table, md.seq_lens, md.query_start_loc, 1, 0.125, num_splits)
-    assert torch.equal(again, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

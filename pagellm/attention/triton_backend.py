@@ -23,8 +23,8 @@ def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """KV write and paged attention as Triton kernels, one launch each per layer (split decodes
-    merge within the attention launch); no host sync, so decode steps can be captured in CUDA graphs."""
+    """KV write and paged attention as Triton kernels, one launch each per layer (plus a merge
+    launch for split decodes); no host sync, so decode steps can be captured in CUDA graphs."""
 
     name = "triton"
 

@@ -6,8 +6,8 @@ of the tile, so each K/V tile is loaded once for the whole group), and walks tha
 context in BLOCK_N-token tiles gathered through the block table, with an online softmax. Prefill
 chunks attend to their cached prefix and causally to themselves; a decode is a query of length 1.
 When a step has too few (sequence, KV head) pairs to fill the GPU, the context is split into
-NUM_SPLITS ranges that separate programs attend (flash-decoding); the last of them to finish
-merges their partial results by their log-sum-exp.
+NUM_SPLITS ranges that separate programs attend (flash-decoding); a second kernel merges their
+partial results by their log-sum-exp.
 
 Both kernels take every size as a runtime value or a fixed per-shape constant, and never sync
 with the host, so a decode step can be captured in a CUDA graph.
@@ -120,7 +120,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_ml_ptr, counter_ptr, scale_log2,
+    part_out_ptr, part_ml_ptr, scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps,
@@ -193,44 +193,27 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
-        # The last of the tile's splits to finish merges them (no second launch). The barrier
-        # orders every thread's stores before the counter's add, which releases them and
-        # acquires the other splits'; the counter is set back to 0 for the next step.
-        tl.debug_barrier()
-        counter = counter_ptr + (seq * tl.num_programs(1) + q_block) * NUM_KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            tl.atomic_xchg(counter, 0)
-            _merge_splits(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                          part_out_ptr, part_ml_ptr, token * stride_pt + head * stride_ph, stride_ps, row_ok,
-                          BLOCK_M, NUM_SPLITS, HEAD_DIM)
 
 
 @triton.jit
-def _merge_splits(out_ptrs, part_out_ptr, part_ml_ptr, part, stride_ps, row_ok, BLOCK_M: tl.constexpr,
-                  NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows `part` (their split 0's index) of the splits' results, each weighted by its sum of
-    exponentials relative to the largest maximum, -> out_ptrs. A split that saw no key has l = 0
-    and m = -inf: weight 0 (the first split always has keys). Read past L1 (.cg): other
-    multiprocessors wrote them."""
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.load(part_ml_ptr + (part + s * stride_ps) * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    part = token * stride_pt + head * stride_ph + splits
+    m = tl.load(part_ml_ptr + part * 2)
+    l_s = tl.load(part_ml_ptr + part * 2 + 1)
+    m_max = tl.max(m, 0)
+    # Splits that saw no key have l = 0 and m = -inf: weight 0 (the first split always has keys).
+    weight = tl.where(l_s > 0, l_s * tl.exp2(m - m_max), 0.0)
     dims = tl.arange(0, HEAD_DIM)
-    merged = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        at = part + s * stride_ps
-        m = tl.load(part_ml_ptr + at * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        l_s = tl.load(part_ml_ptr + at * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-        weight = tl.where(l_s > 0, l_s * tl.exp2(m - m_max), 0.0)
-        o = tl.load(part_out_ptr + at[:, None] * HEAD_DIM + dims[None, :], mask=(row_ok & (l_s > 0))[:, None],
-                    other=0.0, cache_modifier=".cg")
-        merged += o * weight[:, None]
-        total += weight
-    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptrs, merged.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None])
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :])
+    o = tl.where(weight[:, None] > 0, o, 0.0)
+    merged = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty))
 
 
 DECODE_QUERY_LEN = 16
@@ -273,12 +256,11 @@ def paged_attention(
     if num_splits > 1:
         part_out = query.new_empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32)
         part_ml = query.new_empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32)
-        counters = _split_counters(query.device, grid[0] * grid[1] * num_kv_heads)
     else:
-        part_out = part_ml = counters = out  # unused
+        part_out = part_ml = out  # unused
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        part_out, part_ml, counters, scale * _LOG2E,
+        part_out, part_ml, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
@@ -288,23 +270,11 @@ def paged_attention(
         K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-"""Per device, the split steps' counters: every buffer ever handed out is kept (a captured CUDA
-graph holds its address), the newest is the largest."""
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters, zero, one per (sequence, query block, KV head) of a split step. Each
-    program of a split step leaves them zero, so they are allocated (and zeroed) only when a step
-    needs more than ever before: by the warm-up forward before a CUDA graph is captured, never
-    inside the capture. One stream a device uses them at a time, as the engine runs its steps."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 2 * buffers[-1].numel() if buffers else 4096), dtype=torch.int32,
-                                   device=device))
-    return buffers[-1]
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out, part_out, part_ml, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+        )
 
 
 
