@@ -202,3 +202,53 @@ def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads, f16_dots, monk
         paged_attention(out, query, *fp8_cache, md.block_table, md.seq_lens, md.query_start_loc,
                         md.max_query_len, 0.125)
     check(out, ref, torch.float16 if f16_dots else dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_rotary_fused_with_the_kv_write_matches_both_kernels_and_the_torch_backend(cache_dtype, monkeypatch) -> None:
+    """A layer handing the rotary embedding to the Triton backend gets one launch for the rotation
+    and the KV write: the cache and the output equal those of the rotary kernel, then the write
+    kernel (bit for bit, a float8 cache too), and match the torch backend's; q, k and v are views
+    of one fused projection, and a token whose slot is -1 (already cached) is not written."""
+    from pagellm.attention import triton_backend
+    from pagellm.attention.layer import Attention
+    from pagellm.models.layers.rotary import RotaryEmbedding
+    from pagellm.ops import triton_rotary
+
+    dtype, (num_heads, num_kv_heads, head_dim) = DTYPES[0], (8, 2, 64)
+    md, query, key, value, cache = random_paged_batch(MIXED, 16, num_heads, num_kv_heads, head_dim, dtype, seed=9)
+    unwritten, written = int(md.slot_mapping[1]), int(md.slot_mapping[0])
+    md.slot_mapping[1] = -1
+    qkv = torch.cat([t.flatten(1) for t in (query, key, value)], dim=1)
+    query, key, value = (t.view(md.num_tokens, -1, head_dim) for t in qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1))
+    lens = md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1]
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(md.seq_lens_cpu, lens)]).to(DEVICE)
+    rotary = RotaryEmbedding(head_dim, 1024, 10000.0).to(DEVICE)
+    if cache_dtype is not None:
+        cache = tuple(c.to(cache_dtype) for c in cache)
+    runs = {}
+    for name, backend in (("fused", "triton"), ("torch", "torch")):
+        layer = Attention(num_heads, num_kv_heads, head_dim, 0.125, get_attn_backend(backend))
+        layer.kv_cache = tuple(c.clone() for c in cache)
+        with monkeypatch.context() as patch:
+            if name == "fused":  # neither the rotary kernel nor the write kernel runs
+                patch.setattr(RotaryEmbedding, "forward", None)
+                patch.setattr(triton_backend, "write_kv", None)
+            runs[name] = (layer(query, key, value, md, rotary, positions), layer.kv_cache)
+    q_rot, k_rot = triton_rotary.rotary_embedding(positions, query, key, rotary.cos_sin_cache)
+    two_kernels = tuple(c.clone() for c in cache)
+    runs["two kernels"] = (get_attn_backend("triton").forward(q_rot, k_rot, value, two_kernels, md, 0.125)
+                           .flatten(1), two_kernels)
+
+    (out, (k_cache, v_cache)), (out2, (k2, v2)) = runs["fused"], runs["two kernels"]
+    assert torch.equal(out, out2)
+    assert torch.equal(k_cache.view(torch.uint8), k2.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v2.view(torch.uint8))
+    for new, old in zip((k_cache, v_cache), cache):
+        slots, before = new.view(-1, num_kv_heads, head_dim), old.view(-1, num_kv_heads, head_dim)
+        assert torch.equal(slots[unwritten].view(torch.uint8), before[unwritten].view(torch.uint8))
+        assert not torch.equal(slots[written].view(torch.uint8), before[written].view(torch.uint8))
+    if cache_dtype is None:
+        check(out.view_as(query), runs["torch"][0].view_as(query), dtype)
+        torch.testing.assert_close(k_cache, runs["torch"][1][0], atol=1e-5, rtol=1e-5)

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from pagellm.models.layers.rotary import RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -69,3 +72,19 @@ class AttentionBackend(ABC):
         pass before the cache exists) every sequence must be a prompt starting at position 0, and
         attention is causal within each sequence.
         """
+
+    def forward_rotary(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """`forward` of query and key rotated by `rotary` at `positions` [num_tokens] first; a
+        backend may fuse the rotation with its KV write (the Triton one does)."""
+        query, key = rotary(positions, query, key)
+        return self.forward(query, key, value, kv_cache, metadata, scale)

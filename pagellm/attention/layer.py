@@ -1,10 +1,15 @@
 """The attention module a model layer holds: head geometry, a backend, and its KV cache slot."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+
+if TYPE_CHECKING:
+    from pagellm.models.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -34,19 +39,25 @@ class Attention(nn.Module):
         self.v_scale = 1.0
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: AttentionMetadata
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_metadata: AttentionMetadata,
+        rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query [T, H*D] (or [T, H, D]), key/value [T, Hkv*D] (or [T, Hkv, D]) -> [T, H*D]."""
+        """query [T, H*D] (or [T, H, D]), key/value [T, Hkv*D] (or [T, Hkv, D]) -> [T, H*D]; with
+        `rotary`, query and key are first rotated by their `positions` [T] (by the backend, which
+        may fuse it with its KV write)."""
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         scaled = self.kv_cache is not None and self.kv_cache[0].dtype == torch.float8_e4m3fn and (
             self.k_scale != 1.0 or self.v_scale != 1.0)
         if scaled:
             key, value = key / self.k_scale, value / self.v_scale
-        out = self.backend.forward(
-            query.view(-1, self.num_heads, self.head_dim), key, value, self.kv_cache, attn_metadata,
-            self.scale * self.k_scale if scaled else self.scale,
-        )
+        query = query.view(-1, self.num_heads, self.head_dim)
+        scale = self.scale * self.k_scale if scaled else self.scale
+        if rotary is None:
+            out = self.backend.forward(query, key, value, self.kv_cache, attn_metadata, scale)
+        else:  # a rotation commutes with the float8 scales' division above
+            out = self.backend.forward_rotary(rotary, positions, query, key, value, self.kv_cache, attn_metadata,
+                                              scale)
         if scaled:
             out *= self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)

@@ -1,10 +1,15 @@
 """The `triton` attention backend: the GPU default, tested against the `torch` backend."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from pagellm.attention.triton_kernels import paged_attention, write_kv
+from pagellm.attention.triton_kernels import paged_attention, rotary_write_kv, write_kv
+
+if TYPE_CHECKING:
+    from pagellm.models.layers.rotary import RotaryEmbedding
 
 MAX_SPLITS = 16
 """Most ranges a decode's context is split into (flash-decoding)."""
@@ -23,8 +28,9 @@ def decode_splits(num_seqs: int, num_kv_heads: int) -> int:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """KV write and paged attention as Triton kernels, one launch each per layer (plus a merge
-    launch for split decodes); no host sync, so decode steps can be captured in CUDA graphs."""
+    """KV write (with the rotary embedding, where the layer hands it over) and paged attention as
+    Triton kernels, one launch each per layer (plus a merge launch for split decodes); no host
+    sync, so decode steps can be captured in CUDA graphs."""
 
     name = "triton"
 
@@ -37,19 +43,41 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        out = torch.empty_like(query)
         if kv_cache is None:
+            out = torch.empty_like(query)
             _attend_in_batch(out, query, key, value, metadata, scale)
             return out
-        k_cache, v_cache = kv_cache
-        write_kv(key, value, k_cache, v_cache, metadata.slot_mapping)
-        # Splitting pays on a GPU with idle multiprocessors; Triton's CPU interpreter runs programs
-        # one by one, so there it only multiplies the work.
-        split = metadata.max_query_len == 1 and query.is_cuda
-        splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if split else 1
-        paged_attention(out, query, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
-                        metadata.query_start_loc, metadata.max_query_len, scale, splits)
-        return out
+        write_kv(key, value, *kv_cache, metadata.slot_mapping)
+        return _attend_cached(query, kv_cache, metadata, scale)
+
+    def forward_rotary(
+        self,
+        rotary: RotaryEmbedding,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache | None,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if kv_cache is None:
+            return super().forward_rotary(rotary, positions, query, key, value, kv_cache, metadata, scale)
+        query = rotary_write_kv(positions, query, key, value, rotary.cos_sin_cache, *kv_cache, metadata.slot_mapping)
+        return _attend_cached(query, kv_cache, metadata, scale)
+
+
+def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Paged attention of query over the cache, which holds this step's keys and values."""
+    out = torch.empty_like(query)
+    k_cache, v_cache = kv_cache
+    # Splitting pays on a GPU with idle multiprocessors; Triton's CPU interpreter runs programs
+    # one by one, so there it only multiplies the work.
+    split = metadata.max_query_len == 1 and query.is_cuda
+    splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if split else 1
+    paged_attention(out, query, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
+                    metadata.query_start_loc, metadata.max_query_len, scale, splits)
+    return out
 
 
 def _attend_in_batch(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -1,4 +1,5 @@
-"""Triton kernels of the `triton` attention backend: KV write by slot mapping, and paged attention.
+"""Triton kernels of the `triton` attention backend: KV write by slot mapping (alone, or with the
+rotary embedding of the step's queries and keys), and paged attention.
 
 `paged_attention` serves every kind of step with one kernel: a program owns up to BLOCK_Q query
 tokens of one sequence times the query heads of one KV head (GQA heads are folded into the rows
@@ -19,6 +20,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.ops.triton_rotary import _rotate_heads
+from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
 
 _LOG2E = 1.4426950408889634
 
@@ -80,6 +84,63 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         NUM_KV_HEADS=num_kv_heads, HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
     )
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+    stride_cb, stride_cs, stride_ch,
+    HQ, HK, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # One program a token: its cos/sin row is loaded once for its query and key heads; the rotated
+    # key and the value go straight to the token's cache slot (none where it is < 0).
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
+                  HALF, BLOCK_HQ, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dst, stride_kh, stride_ch, HK, cos, sin,
+                      HALF, BLOCK_HK, BLOCK_HALF)
+        heads = tl.arange(0, BLOCK_HK)[:, None]
+        dims = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = (heads < HK) & (dims < 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
+        tl.store(v_cache_ptr + dst + heads * stride_ch + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_write_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """`rotary_embedding` and `write_kv` in one launch: query [T, H, D] and key [T, Hkv, D] rotated
+    by positions [T] (cos_sin_cache [max_position, D]: cos, then sin), the rotated key and value
+    [T, Hkv, D] stored at their cache slots (slots < 0 skipped). Returns the rotated query (new,
+    contiguous); the key is only stored. Views of a fused qkv are fine (last dims contiguous)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if head_dim % 2 or key.shape[-1] != head_dim or value.shape != key.shape or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"rotary_write_kv needs one even head_dim for query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)}, value {tuple(value.shape)} and cos_sin_cache "
+                         f"{tuple(cos_sin_cache.shape)}")
+    q, k, v, cache = (last_dim_contiguous(x) for x in (query, key, value, cos_sin_cache))
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    block_hq = triton.next_power_of_2(num_heads)
+    _rotary_write_kv_kernel[(num_tokens,)](
+        positions, q, k, v, cache, q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_heads, num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=num_warps_for(block_hq * triton.next_power_of_2(half)),
+    )
+    return q_out
 
 
 @triton.jit

@@ -68,7 +68,7 @@ def why_not_fused(layer: nn.Module) -> str | None:
     if not isinstance(layer, LlamaDecoderLayer):
         return f"{type(layer).__name__} is not a Llama decoder layer"
     attn = layer.self_attn
-    if type(attn).position_encode is not LlamaAttention.position_encode:
+    if type(attn).normalize_qk is not LlamaAttention.normalize_qk:
         return f"{type(attn).__name__} changes q/k before the rotary embedding"
     if parallel_state().tp_size != 1:
         return "tensor parallelism sums the row-parallel projections across ranks"

@@ -93,19 +93,17 @@ class LlamaAttention(nn.Module):
         bias = config.hf_config.get("attention_bias", False)
         return bias, bias
 
-    def position_encode(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, Hkv, D] -> the same, position-encoded."""
-        return self.rotary_emb(positions, q, k)
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] as the rotary embedding takes them (here as projected)."""
+        return q, k
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
         q = q.view(-1, self.attn.num_heads, self.attn.head_dim)
         k = k.view(-1, self.attn.num_kv_heads, self.attn.head_dim)
-        q, k = self.position_encode(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, attn_metadata))
+        q, k = self.normalize_qk(q, k)
+        return self.o_proj(self.attn(q, k, v, attn_metadata, self.rotary_emb, positions))
 
 
 class LlamaDecoderLayer(nn.Module):

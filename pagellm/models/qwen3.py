@@ -15,10 +15,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def position_encode(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().position_encode(positions, self.q_norm(q), self.k_norm(k))
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -11,8 +11,8 @@ from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
 @triton.jit
 def _rotate_heads(
     src_ptr,  # this token's [H, 2 * HALF] heads, last dim contiguous
-    dst_ptr,  # this token's [H, 2 * HALF] output heads, contiguous
-    stride_h, H, cos, sin,  # cos, sin: [BLOCK_HALF] float32
+    dst_ptr,  # this token's [H, 2 * HALF] output heads, last dim contiguous, heads dst_stride_h apart
+    stride_h, dst_stride_h, H, cos, sin,  # cos, sin: [BLOCK_HALF] float32
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -20,9 +20,11 @@ def _rotate_heads(
     mask = (h < H) & (d < HALF)
     x1 = tl.load(src_ptr + h * stride_h + d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + h * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
-    dst = dst_ptr + h * (2 * HALF) + d
+    # Rounded to the source's type first (as the unfused path stores it), then to the destination's
+    # (a float8 KV cache).
+    out1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(src_ptr.dtype.element_ty)
+    out2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(src_ptr.dtype.element_ty)
+    dst = dst_ptr + h * dst_stride_h + d
     tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -46,9 +48,9 @@ def _rotary_kernel(
     row = cache_ptr + pos * stride_cache
     cos = tl.load(row + d, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(row + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, cos, sin,
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HK * 2 * HALF, stride_kh, HK, cos, sin,
+    _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HK * 2 * HALF, stride_kh, 2 * HALF, HK, cos, sin,
                   HALF, BLOCK_HK, BLOCK_HALF)
 
 
