@@ -15,12 +15,16 @@ eight.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from pagellm.quantization.base import QMAX
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -512,7 +516,9 @@ def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if key not in _DENSE_GEMV_FASTER:
         if torch.cuda.is_current_stream_capturing():
             return False  # nothing is timed inside a capture (the warm-up forward before it has been)
-        ours = triton.testing.do_bench(lambda: dense_gemv(x, weight))
-        cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, weight))
-        _DENSE_GEMV_FASTER[key] = ours < cublas
+        ours = triton.testing.do_bench(lambda: dense_gemv(x, weight), return_mode="median")
+        cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, weight), return_mode="median")
+        _DENSE_GEMV_FASTER[key] = faster = ours < cublas
+        logger.info("one-row product of a %s weight %s: the one-row kernel %.1f us, cuBLAS %.1f us: %s",
+                    weight.dtype, tuple(weight.shape), ours * 1e3, cublas * 1e3, "kernel" if faster else "cuBLAS")
     return _DENSE_GEMV_FASTER[key]
