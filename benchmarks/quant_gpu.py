@@ -38,8 +38,8 @@ from pagellm.benchmarks.roofline import measure_ceilings
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.benchmarks.throughput import measure_throughput
 from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
-from pagellm.quantization import triton_matmul
-from pagellm.quantization.triton_matmul import dense_gemv, dequant_matmul
+from pagellm.quantization import dense_one_row
+from pagellm.quantization.triton_matmul import dequant_matmul
 from pagellm.quantization.w8a8 import quantize_per_row, w8a8_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -94,7 +94,7 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
                 "fp8_w8a8": (lambda: w8a8_matmul(x, fp8["weight"], fp8["scale"]), None, n * k),
             }
             if rows == 1:  # the one-row kernel on the dense weight (the engine times it against cuBLAS)
-                cases["bf16_gemv"] = (lambda: dense_gemv(x, w16), xf @ w16.float().t(), 2 * n * k)
+                cases["bf16_gemv"] = (lambda: dense_one_row.dense_gemv(x, w16), xf @ w16.float().t(), 2 * n * k)
             if rows > 16:
                 cases["int8_w8a8"] = (lambda: w8a8_matmul(x, int8["weight"], int8["scale"]), None, n * k)
             for method, (fn, ref, weight_bytes) in cases.items():
@@ -116,12 +116,12 @@ def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
 def engine_phase(args: argparse.Namespace, method: str, random_run: bool, deadline: float) -> dict[str, Any]:
     start = time.perf_counter()
     method_kv, _, cublas = method.partition("@")  # "none@cublas": one-row dense steps kept on cuBLAS
-    chosen = triton_matmul.dense_gemv_is_faster
-    triton_matmul.dense_gemv_is_faster = (lambda x, w: False) if cublas else chosen
+    chosen = dense_one_row.dense_gemv_is_faster
+    dense_one_row.dense_gemv_is_faster = (lambda x, w: False) if cublas else chosen
     try:
         return _engine_run(args, method, method_kv, random_run, deadline, start)
     finally:
-        triton_matmul.dense_gemv_is_faster = chosen
+        dense_one_row.dense_gemv_is_faster = chosen
 
 
 def _engine_run(args: argparse.Namespace, method: str, method_kv: str, random_run: bool, deadline: float,

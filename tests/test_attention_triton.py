@@ -205,7 +205,10 @@ def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads, f16_dots, monk
 
 
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-def test_rotary_fused_with_the_kv_write_matches_both_kernels_and_the_torch_backend(cache_dtype, monkeypatch) -> None:
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 3)])
+def test_rotary_fused_with_the_kv_write_matches_both_kernels_and_the_torch_backend(cache_dtype, num_heads: int,
+                                                                                  num_kv_heads: int,
+                                                                                  monkeypatch) -> None:
     """A layer handing the rotary embedding to the Triton backend gets one launch for the rotation
     and the KV write: the cache and the output equal those of the rotary kernel, then the write
     kernel (bit for bit, a float8 cache too), and match the torch backend's; q, k and v are views
@@ -215,7 +218,7 @@ def test_rotary_fused_with_the_kv_write_matches_both_kernels_and_the_torch_backe
     from pagellm.models.layers.rotary import RotaryEmbedding
     from pagellm.ops import triton_rotary
 
-    dtype, (num_heads, num_kv_heads, head_dim) = DTYPES[0], (8, 2, 64)
+    dtype, head_dim = DTYPES[0], 64
     md, query, key, value, cache = random_paged_batch(MIXED, 16, num_heads, num_kv_heads, head_dim, dtype, seed=9)
     unwritten, written = int(md.slot_mapping[1]), int(md.slot_mapping[0])
     md.slot_mapping[1] = -1

@@ -206,7 +206,7 @@ def test_dense_one_row_kernel_matches_torch(dtype: torch.dtype) -> None:
     """A dense weight's one-row product (offered against cuBLAS at batch-1 decode) sums in float32
     over K tiles and N rows that do not divide evenly; a weight strided by columns is refused."""
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dense_gemv
+    from pagellm.quantization.dense_one_row import dense_gemv
 
     n, k = 40, 200
     gen = torch.Generator().manual_seed(3)
@@ -221,19 +221,30 @@ def test_dense_one_row_kernel_matches_torch(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuBLAS against the one-row kernel: timed on a GPU")
-def test_dense_one_row_steps_take_the_faster_product_and_agree() -> None:
-    """At one row the unquantized method times the one-row kernel against cuBLAS once per shape
-    and keeps the faster; either way the product agrees with cuBLAS's."""
+def test_dense_one_row_steps_take_the_product_timed_faster_at_start_up(monkeypatch) -> None:
+    """At one row the unquantized method takes the one-row kernel where start-up timed it faster
+    than cuBLAS; a shape first met later keeps cuBLAS (nothing is timed while serving). Either
+    way the product agrees with cuBLAS's."""
     from pagellm.models.layers.linear import ColumnParallelLinear
-    from pagellm.quantization import triton_matmul
+    from pagellm.quantization import dense_one_row
 
+    monkeypatch.setattr(dense_one_row, "_FASTER", {})
+    used: list[int] = []
+    real = dense_one_row.dense_gemv
+    monkeypatch.setattr(dense_one_row, "dense_gemv", lambda *a: used.append(1) or real(*a))
     for n, k in ((4096, 4096), (8192, 1024)):
         layer = ColumnParallelLinear(k, n).to(DEVICE, torch.bfloat16)
         torch.nn.init.normal_(layer.weight, std=k**-0.5)
         x = torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16)
-        got = layer(x)
         key = (x.device, (n, k), k, torch.bfloat16, torch.bfloat16)
-        assert key in triton_matmul._DENSE_GEMV_FASTER
+        used.clear()
+        layer(x)  # not at start-up: cuBLAS, untimed
+        assert key not in dense_one_row._FASTER and not used
+        with dense_one_row.timing_one_row_products():
+            layer(x)
+        used.clear()
+        got = layer(x)
+        assert bool(used) == dense_one_row._FASTER[key]
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, layer.weight).float(), atol=2e-2,
                                    rtol=2e-2)
 

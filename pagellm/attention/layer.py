@@ -45,6 +45,8 @@ class Attention(nn.Module):
         """query [T, H*D] (or [T, H, D]), key/value [T, Hkv*D] (or [T, Hkv, D]) -> [T, H*D]; with
         `rotary`, query and key are first rotated by their `positions` [T] (by the backend, which
         may fuse it with its KV write)."""
+        if rotary is not None and positions is None:
+            raise ValueError("a rotary embedding needs the tokens' positions")
         key = key.view(-1, self.num_kv_heads, self.head_dim)
         value = value.view(-1, self.num_kv_heads, self.head_dim)
         scaled = self.kv_cache is not None and self.kv_cache[0].dtype == torch.float8_e4m3fn and (

@@ -1,6 +1,7 @@
 """The `triton` attention backend: the GPU default, tested against the `torch` backend."""
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,10 +62,20 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if kv_cache is None:
+        # The rotation runs in Triton with the write, as the write does whatever `ops.use_impl` says.
+        if kv_cache is None or not _fusable(type(rotary)):
             return super().forward_rotary(rotary, positions, query, key, value, kv_cache, metadata, scale)
         query = rotary_write_kv(positions, query, key, value, rotary.cos_sin_cache, *kv_cache, metadata.slot_mapping)
         return _attend_cached(query, kv_cache, metadata, scale)
+
+
+@functools.cache
+def _fusable(rotary_type: type) -> bool:
+    """Whether a rotary module rotates as `RotaryEmbedding` does (rotate-half by its
+    `cos_sin_cache`), which is the rotation the fused kernel applies."""
+    from pagellm.models.layers.rotary import RotaryEmbedding  # noqa: PLC0415 (the models import attention)
+
+    return rotary_type.forward is RotaryEmbedding.forward
 
 
 def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.ops.triton_rotary import _rotate_heads
+from pagellm.ops.triton_rotary import rotate_heads
 from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
 
 _LOG2E = 1.4426950408889634
@@ -101,12 +101,12 @@ def _rotary_write_kv_kernel(
     d = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
+    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dst, stride_kh, stride_ch, HK, cos, sin,
+        rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dst, stride_kh, stride_ch, HK, cos, sin,
                       HALF, BLOCK_HK, BLOCK_HALF)
         heads = tl.arange(0, BLOCK_HK)[:, None]
         dims = tl.arange(0, 2 * BLOCK_HALF)[None, :]

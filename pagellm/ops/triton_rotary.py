@@ -9,7 +9,7 @@ from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     src_ptr,  # this token's [H, 2 * HALF] heads, last dim contiguous
     dst_ptr,  # this token's [H, 2 * HALF] output heads, last dim contiguous, heads dst_stride_h apart
     stride_h, dst_stride_h, H, cos, sin,  # cos, sin: [BLOCK_HALF] float32
@@ -48,9 +48,9 @@ def _rotary_kernel(
     row = cache_ptr + pos * stride_cache
     cos = tl.load(row + d, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(row + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
+    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
                   HALF, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HK * 2 * HALF, stride_kh, 2 * HALF, HK, cos, sin,
+    rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HK * 2 * HALF, stride_kh, 2 * HALF, HK, cos, sin,
                   HALF, BLOCK_HK, BLOCK_HALF)
 
 

@@ -48,7 +48,8 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense weight in the model's dtype, multiplied with `F.linear`."""
+    """A dense weight in the model's dtype, multiplied with `F.linear`, or at one row on a GPU
+    with the one-row kernel where start-up timed it faster (`dense_one_row`)."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         # Device and dtype come from the caller's `torch.device(...)` context and default dtype.
@@ -57,10 +58,10 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1 and resolve_impl(x, None) == "triton":
-            from pagellm.quantization import triton_matmul  # noqa: PLC0415 (Triton is optional)
+            from pagellm.quantization import dense_one_row  # noqa: PLC0415 (Triton is optional)
 
-            if triton_matmul.dense_gemv_is_faster(x, layer.weight):
-                return triton_matmul.dense_gemv(x, layer.weight)
+            if dense_one_row.dense_gemv_is_faster(x, layer.weight):
+                return dense_one_row.dense_gemv(x, layer.weight)
         return F.linear(x, layer.weight, bias)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,12 @@ eight.
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from pagellm.quantization.base import QMAX
-
-logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -118,7 +114,7 @@ def _dequant_matmul_kernel(
 
 @triton.jit
 def _load_words(w_ptr, rn, n_ok, stride_wn, k0, K, COLS: tl.constexpr):
-    """Rows `rn`' int32 words of 4-bit codes k0 .. k0 + 8 COLS (none past K)."""
+    """The int32 words of rows `rn` holding 4-bit codes k0 .. k0 + 8 COLS (none past K)."""
     rw = k0 // 8 + tl.arange(0, COLS)
     return tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & (rw < K // 8)[None, :], other=0)
 
@@ -295,7 +291,7 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The tiles the autotuner tries: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them)."""
+    a later sweep may prune them). The 4-bit tiles with PREFETCH were added untimed by a sweep."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
@@ -327,18 +323,11 @@ def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
     return configs
 
 
-def _dense_configs() -> list[triton.Config]:
-    """One-row tiles for a 16-bit weight: twice the bytes of an 8-bit code, so narrower in K."""
-    tiles = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 4))
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
-
-
 _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
 _tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
                                    prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
-_tuned_gemv_dense = triton.autotune(configs=_dense_configs(), key=["N", "K"])(_gemv_kernel)
 _tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
                                    prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
@@ -481,63 +470,3 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
     tuned[grid](*args, **layout, PER_GROUP=per_group)
-
-
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One row x [1, K] @ W^T for a dense weight W [N, K] (16- or 32-bit floats, unit column
-    stride) -> [1, N] in x's dtype: the one-row kernel's float32 multiply-adds, no scale."""
-    n, k = weight.shape
-    if x.shape != (1, k) or weight.stride(1) != 1:
-        raise ValueError(f"dense_gemv takes x [1, {k}] and a weight with unit column stride, not x "
-                         f"{tuple(x.shape)} and a weight strided {weight.stride()}")
-    x = x.contiguous()
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    args = (x, weight, weight, weight, weight, out, n, k, weight.stride(0), 0, 0)
-    layout = dict(GROUP=0, ZERO=0, OFFSET=False, PACKED=False, PER_GROUP=False, DENSE=True)
-    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, BLOCK_N=16, BLOCK_K=64)
-    else:
-        _tuned_gemv_dense[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **layout)
-    return out
-
-
-_DENSE_GEMV_FASTER: dict[tuple, bool] = {}
-"""Per (device, weight shape, dtypes): whether `dense_gemv` beat cuBLAS at one row."""
-
-
-def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a one-row step on this CUDA weight should take `dense_gemv` rather than cuBLAS:
-    both are timed on the first such step (the warm-up forward before a CUDA graph is captured),
-    and the faster kept. On the H200's Llama-8B layers, cuBLAS's one-row kernels read some at
-    0.74-0.84 of copy bandwidth and add a split-K reduction; others at 1.0."""
-    if weight.stride(1) != 1:
-        return False
-    key = (x.device, tuple(weight.shape), weight.stride(0), weight.dtype, x.dtype)
-    if key not in _DENSE_GEMV_FASTER:
-        if torch.cuda.is_current_stream_capturing():
-            return False  # nothing is timed inside a capture (the warm-up forward before it has been)
-        weights = _uncached_copies(weight)
-        ours = _replay_us(lambda w: dense_gemv(x, w), weights)
-        cublas = _replay_us(lambda w: torch.nn.functional.linear(x, w), weights)
-        del weights
-        _DENSE_GEMV_FASTER[key] = faster = ours < cublas
-        logger.info("one-row product of a %s weight %s: the one-row kernel %.1f us, cuBLAS %.1f us: %s",
-                    weight.dtype, tuple(weight.shape), ours, cublas, "kernel" if faster else "cuBLAS")
-    return _DENSE_GEMV_FASTER[key]
-
-
-def _uncached_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight and as many copies as make twice the L2 cache: read in turn, each comes from
-    memory, as a model's layers do (a weight read twice running sits in the H200's 50 MB L2 when
-    it is as small as a Llama-8B o_proj, and a flushed L2 is full of lines to write back)."""
-    size = weight.numel() * weight.element_size()
-    count = min(8, -(-2 * torch.cuda.get_device_properties(weight.device).L2_cache_size // size))
-    return [weight, *(weight.clone() for _ in range(count - 1))]
-
-
-def _replay_us(product, weights: list[torch.Tensor]) -> float:
-    """Median microseconds of `product(w)` over `weights` in turn, replayed in a CUDA graph."""
-    for w in weights:
-        product(w)  # compiles and autotunes outside the capture
-    ms = triton.testing.do_bench_cudagraph(lambda: [product(w) for w in weights], rep=20, return_mode="median")
-    return ms * 1e3 / len(weights)

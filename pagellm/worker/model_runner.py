@@ -138,21 +138,27 @@ class ModelRunner:
         one sequence and at many, and one-token decodes beyond the largest captured batch (the
         memory profile's prefill ran before the KV cache existed, through another path). Triton
         compiles a variant on its first use: else the first requests a server takes wait for it,
-        seconds in all. Their KV writes land in block 0, which holds nothing yet."""
+        seconds in all. Their KV writes land in block 0, which holds nothing yet. A one-token step
+        (with its logits) first times each dense weight's one-row product against cuBLAS
+        (`dense_one_row`), before the graphs capture the choice."""
         from pagellm.attention.triton_kernels import LARGE_DECODE_PROGRAMS  # only with Triton
+        from pagellm.quantization.dense_one_row import timing_one_row_products
 
         num_kv_heads = self.kv_caches[0][0].shape[2]
         max_num_seqs = self.config.args.max_num_seqs
         shapes = [(1, 64), (1, 2), (-(-LARGE_DECODE_PROGRAMS // num_kv_heads), 2)]
         if self.config.args.enforce_eager or max_num_seqs > MAX_CAPTURE_SIZE:
             shapes.append((max_num_seqs, 1))
-        for num_seqs, q in shapes:
-            num_seqs = min(num_seqs, max(1, self.config.max_num_batched_tokens // q))
-            blocks = np.zeros((num_seqs, -(-q // self.block_size)), dtype=np.int32)  # all block 0
-            grid = attention_layout(blocks, np.zeros(num_seqs, dtype=np.int64),
-                                    np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)
-            self.model(torch.zeros(num_seqs * q, dtype=torch.int64, device=self.device), grid.positions,
-                       grid.attn_metadata)
+        with timing_one_row_products():
+            for num_seqs, q in [(1, 1), *shapes]:
+                num_seqs = min(num_seqs, max(1, self.config.max_num_batched_tokens // q))
+                blocks = np.zeros((num_seqs, -(-q // self.block_size)), dtype=np.int32)  # all block 0
+                grid = attention_layout(blocks, np.zeros(num_seqs, dtype=np.int64),
+                                        np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)
+                ids = torch.zeros(num_seqs * q, dtype=torch.int64, device=self.device)
+                hidden = self.model(ids, grid.positions, grid.attn_metadata)
+                if num_seqs * q == 1:
+                    self.model.compute_logits(hidden)
         torch.cuda.synchronize(self.device)
 
     # -- one step ------------------------------------------------------------------------------
