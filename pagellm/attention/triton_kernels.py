@@ -50,23 +50,38 @@ the batch shape only, so a CUDA graph captured for a batch size stays valid."""
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    positions_ptr, q_ptr, cos_sin_ptr, q_out_ptr,  # ROTATE only
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    stride_qt, stride_qh, stride_cos, NUM_HEADS,  # ROTATE only
+    NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEADS_Q_P: tl.constexpr, HALF: tl.constexpr,
+    HALF_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    # One program a token. With ROTATE, its cos/sin row is loaded once for its query heads (to
+    # q_out) and its key heads (rotated straight into the cache).
+    token = tl.program_id(0).to(tl.int64)
+    if ROTATE:
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        d = tl.arange(0, HALF_P)
+        cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+        rotate_heads(q_ptr + token * stride_qt, q_out_ptr + token * NUM_HEADS * 2 * HALF, stride_qh, 2 * HALF,
+                     NUM_HEADS, cos, sin, HALF, HEADS_Q_P, HALF_P)
     slot = tl.load(slot_ptr + token)
     if slot < 0:  # padding, or a token whose KV is already cached
         return
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
     heads = tl.arange(0, HEADS_P)[:, None]
-    dims = tl.arange(0, HEAD_DIM)[None, :]
-    mask = heads < NUM_KV_HEADS
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
-    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    dims = tl.arange(0, 2 * HALF_P)[None, :]
+    mask = (heads < NUM_KV_HEADS) & (dims < 2 * HALF)
     # The cache's type (a float8 cache: rounded to nearest; the layer has divided by its scales).
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if ROTATE:
+        rotate_heads(key_ptr + token * stride_kt, k_cache_ptr + dst, stride_kh, stride_ch, NUM_KV_HEADS, cos, sin,
+                     HALF, HEADS_P, HALF_P)
+    else:
+        k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+        tl.store(k_cache_ptr + dst + heads * stride_ch + dims, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(v_cache_ptr + dst + heads * stride_ch + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -74,45 +89,7 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
     The caches' block and slot strides must be the same for K and V (they are allocated alike).
     """
-    num_tokens, num_kv_heads, head_dim = key.shape
-    if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEADS_P=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-    )
-
-
-@triton.jit
-def _rotary_write_kv_kernel(
-    positions_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_cb, stride_cs, stride_ch,
-    HQ, HK, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    # One program a token: its cos/sin row is loaded once for its query and key heads; the rotated
-    # key and the value go straight to the token's cache slot (none where it is < 0).
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-    rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, 2 * HALF, HQ, cos, sin,
-                  HALF, BLOCK_HQ, BLOCK_HALF)
-    slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + dst, stride_kh, stride_ch, HK, cos, sin,
-                      HALF, BLOCK_HK, BLOCK_HALF)
-        heads = tl.arange(0, BLOCK_HK)[:, None]
-        dims = tl.arange(0, 2 * BLOCK_HALF)[None, :]
-        mask = (heads < HK) & (dims < 2 * HALF)
-        v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
-        tl.store(v_cache_ptr + dst + heads * stride_ch + dims, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _write(key, value, k_cache, v_cache, slot_mapping, None)
 
 
 def rotary_write_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cache, slot_mapping) -> torch.Tensor:
@@ -120,27 +97,34 @@ def rotary_write_kv(positions, query, key, value, cos_sin_cache, k_cache, v_cach
     by positions [T] (cos_sin_cache [max_position, D]: cos, then sin), the rotated key and value
     [T, Hkv, D] stored at their cache slots (slots < 0 skipped). Returns the rotated query (new,
     contiguous); the key is only stored. Views of a fused qkv are fine (last dims contiguous)."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
+    head_dim = query.shape[-1]
     if head_dim % 2 or key.shape[-1] != head_dim or value.shape != key.shape or cos_sin_cache.shape[-1] != head_dim:
         raise ValueError(f"rotary_write_kv needs one even head_dim for query {tuple(query.shape)}, key "
                          f"{tuple(key.shape)}, value {tuple(value.shape)} and cos_sin_cache "
                          f"{tuple(cos_sin_cache.shape)}")
-    q, k, v, cache = (last_dim_contiguous(x) for x in (query, key, value, cos_sin_cache))
+    q = last_dim_contiguous(query)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return q_out
-    half = head_dim // 2
-    block_hq = triton.next_power_of_2(num_heads)
-    _rotary_write_kv_kernel[(num_tokens,)](
-        positions, q, k, v, cache, q_out, k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_heads, num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=block_hq,
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=k_cache.shape[1],
-        num_warps=num_warps_for(block_hq * triton.next_power_of_2(half)),
-    )
+    _write(last_dim_contiguous(key), last_dim_contiguous(value), k_cache, v_cache, slot_mapping,
+           (positions, q, last_dim_contiguous(cos_sin_cache), q_out))
     return q_out
+
+
+def _write(key, value, k_cache, v_cache, slot_mapping, rotate) -> None:
+    """One `_write_kv_kernel` launch; `rotate`: (positions, query, cos_sin_cache, query out) or None."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    positions, q, cos_sin, q_out = rotate if rotate is not None else (slot_mapping, key, key, key)  # unused
+    half = head_dim // 2
+    heads_q_p = triton.next_power_of_2(q.shape[1])
+    _write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping, positions, q, cos_sin, q_out,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), cos_sin.stride(0),
+        q.shape[1], NUM_KV_HEADS=num_kv_heads, HEADS_P=triton.next_power_of_2(num_kv_heads), HEADS_Q_P=heads_q_p,
+        HALF=half, HALF_P=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], ROTATE=rotate is not None,
+        num_warps=num_warps_for(heads_q_p * triton.next_power_of_2(half)) if rotate is not None else 4,
+    )
 
 
 @triton.jit

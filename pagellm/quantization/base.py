@@ -57,7 +57,8 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.is_cuda and bias is None and x.dim() == 2 and x.shape[0] == 1 and resolve_impl(x, None) == "triton":
+        # Batch-1 decode on a GPU only; other steps pay one comparison here.
+        if x.shape[0] == 1 and x.dim() == 2 and bias is None and x.is_cuda and resolve_impl(x, None) == "triton":
             from pagellm.quantization import dense_one_row  # noqa: PLC0415 (Triton is optional)
 
             if dense_one_row.dense_gemv_is_faster(x, layer.weight):
