@@ -36,7 +36,7 @@ def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int
     fn = triton_matmul._gemv_kernel
     names = fn.arg_names
     constants = {"GROUP": group, "ZERO": -1, "OFFSET": False, "PACKED": True, "PER_GROUP": True,
-                 "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False}
+                 "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False}
     signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in names}
     divisible = [*POINTERS, "N", "K", "stride_wn", "stride_sn", "stride_zn"]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constants.items()},

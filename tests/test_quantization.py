@@ -179,25 +179,38 @@ def test_one_row_4bit_codes_multiply_exactly_over_activations_large_and_tiny(x_s
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_one_row_4bit_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool) -> None:
-    """The autotuner's 4-bit tiles either load each tile's words as they come or one tile ahead;
-    both cover every tile of a K of several (the last one partial) and rows past N's last tile."""
+@pytest.mark.parametrize("layout", ["int4", "int8", "dense"])
+def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, layout: str) -> None:
+    """The autotuner's one-row tiles either load each tile as it comes or one tile ahead (4-bit
+    words, 8-bit codes, dense weights); both cover every tile of a K of several (the last one
+    partial) and rows past N's last tile."""
     pytest.importorskip("triton")
     from pagellm.quantization import triton_matmul
 
     n, k, group, block_k = 40, 224, 32, 64  # four tiles of K, the last half empty; three of N, one partial
     gen = torch.Generator().manual_seed(5)
     x, w = torch.randn(1, k, generator=gen), torch.randn(n, k, generator=gen)
-    q, scales, zeros = quantize_rtn(w, group)
-    qweight, scales16 = pack_pairs(q), scales.half()
-    expected = x @ dequantize(qweight, scales16, zeros, group).t()
-    words = qweight.to(DEVICE).view(torch.int32)
+    if layout == "int4":
+        q, scales, zeros = quantize_rtn(w, group)
+        qweight, scales16 = pack_pairs(q), scales.half()
+        expected = x @ dequantize(qweight, scales16, zeros, group).t()
+        weight = qweight.to(DEVICE).view(torch.int32)
+        kinds = dict(GROUP=group, ZERO=-1, PACKED=True, PER_GROUP=True)
+    elif layout == "int8":
+        scales = w.abs().amax(1) / 127
+        codes = torch.round(w / scales[:, None]).to(torch.int8)
+        scales16, zeros, weight = scales.half(), torch.zeros(1), codes.to(DEVICE)
+        expected = x @ (codes.float() * scales16.float()[:, None]).t()
+        kinds = dict(GROUP=0, ZERO=0, PACKED=False, PER_GROUP=False)
+    else:
+        expected, weight = x @ w.t(), w.to(DEVICE)
+        scales16, zeros = torch.ones(1), torch.zeros(1)
+        kinds = dict(GROUP=0, ZERO=0, PACKED=False, PER_GROUP=False, DENSE=True)
     out = torch.empty(1, n, device=DEVICE)
     scales_d, zeros_d = scales16.to(DEVICE), zeros.to(DEVICE)
     triton_matmul._gemv_kernel[(triton_matmul.triton.cdiv(n, 16),)](
-        x.to(DEVICE), words, scales_d, zeros_d, scales_d, out, n, k, words.stride(0), scales_d.stride(0),
-        zeros_d.stride(0), GROUP=group, ZERO=-1, OFFSET=False, PACKED=True, PER_GROUP=True, BLOCK_N=16,
-        BLOCK_K=block_k, PREFETCH=prefetch)
+        x.to(DEVICE), weight, scales_d, zeros_d, scales_d, out, n, k, weight.stride(0), scales_d.stride(0),
+        zeros_d.stride(0), **kinds, OFFSET=False, BLOCK_N=16, BLOCK_K=block_k, PREFETCH=prefetch)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 

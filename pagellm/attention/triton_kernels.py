@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from pagellm.ops.triton_rotary import rotate_heads
-from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
+from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_start
 
 _LOG2E = 1.4426950408889634
 
@@ -55,9 +55,11 @@ def _write_kv_kernel(
     stride_qt, stride_qh, stride_cos, NUM_HEADS,  # ROTATE only
     NUM_KV_HEADS: tl.constexpr, HEADS_P: tl.constexpr, HEADS_Q_P: tl.constexpr, HALF: tl.constexpr,
     HALF_P: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROTATE: tl.constexpr,
+    PDL: tl.constexpr = False,  # see `pdl`
 ):
     # One program a token. With ROTATE, its cos/sin row is loaded once for its query heads (to
     # q_out) and its key heads (rotated straight into the cache).
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     if ROTATE:
         pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -124,6 +126,7 @@ def _write(key, value, k_cache, v_cache, slot_mapping, rotate) -> None:
         q.shape[1], NUM_KV_HEADS=num_kv_heads, HEADS_P=triton.next_power_of_2(num_kv_heads), HEADS_Q_P=heads_q_p,
         HALF=half, HALF_P=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1], ROTATE=rotate is not None,
         num_warps=num_warps_for(heads_q_p * triton.next_power_of_2(half)) if rotate is not None else 4,
+        **pdl(key.device),
     )
 
 
@@ -172,7 +175,9 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr,
+    PDL: tl.constexpr = False,  # see `pdl`
 ):
+    pdl_start(PDL)
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) % NUM_KV_HEADS
@@ -244,7 +249,9 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,  # see `pdl`
 ):
+    pdl_start(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -313,12 +320,12 @@ def paged_attention(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
         K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(query.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_ml, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, **pdl(query.device),
         )
 
 

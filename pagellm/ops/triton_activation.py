@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.ops.triton_utils import last_dim_contiguous
+from pagellm.ops.triton_utils import last_dim_contiguous, pdl, pdl_start
 
 _BLOCK = 1024
 
@@ -17,8 +17,10 @@ def _silu_and_mul_kernel(
     stride_xt,
     D,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # see `pdl`
 ):
     # Program (token, column block).
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -37,5 +39,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = last_dim_contiguous(x).reshape(-1, 2 * d)
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, _BLOCK))](x2, out, x2.stride(0), d, BLOCK=_BLOCK, num_warps=4)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, _BLOCK))](x2, out, x2.stride(0), d, BLOCK=_BLOCK, num_warps=4,
+                                                              **pdl(x.device))
     return out

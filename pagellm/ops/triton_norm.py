@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
+from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_wait
 
 
 @triton.jit
@@ -24,6 +24,7 @@ def _rms_norm_kernel(
     B, N, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= N
+    PDL: tl.constexpr = False,  # see `pdl`
 ):
     # One program per row; A and B are the leading dims (tokens, and heads for a per-head norm).
     row = tl.program_id(0).to(tl.int64)
@@ -31,6 +32,9 @@ def _rms_norm_kernel(
     b = row % B
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    pdl_release(PDL)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)  # no kernel writes it: read before the wait
+    pdl_wait(PDL)
     x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + a * stride_ra + b * stride_rb + cols, mask=mask, other=0.0)
@@ -39,7 +43,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / N + eps)
     normed = (x32 * rstd).to(x_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(out_ptr + row * N + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -70,7 +73,7 @@ def _launch(
         x3, r3, weight, out, out if new_residual is None else new_residual,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         x3.shape[1], n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps_for(block), **pdl(x.device),
     )
 
 

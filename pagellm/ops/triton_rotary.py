@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for
+from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_start
 
 
 @triton.jit
@@ -40,8 +40,10 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     HQ, HK,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr = False,  # see `pdl`
 ):
     # One program per token: its cos/sin row is loaded once for every q and k head.
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -78,6 +80,6 @@ def rotary_embedding(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cache.stride(0),
         q.shape[1], k.shape[1],
         HALF=half, BLOCK_HALF=block_half, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        num_warps=num_warps_for(block_hq * block_half),
+        num_warps=num_warps_for(block_hq * block_half), **pdl(q.device),
     )
     return q_out, k_out

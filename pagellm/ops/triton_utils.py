@@ -1,7 +1,12 @@
 """Launch helpers shared by the Triton kernel wrappers."""
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -16,3 +21,43 @@ def num_warps_for(block: int) -> int:
     keep the reduction short.
     """
     return min(max(block // 256, 1), 16)
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl(device: torch.device) -> dict:
+    """Launch options for a kernel that takes a `PDL` constexpr and starts with `pdl_start` (or
+    its two halves): on Hopper and later GPUs, programmatic dependent launch, so that the kernel's
+    programs are placed while the kernel before it finishes and its start-up (and whatever it reads
+    that no earlier kernel writes, e.g. a weight) overlaps that kernel's tail. A one-row step of a
+    large model is some 300 launches of a few microseconds each. Elsewhere (the CPU interpreter,
+    older GPUs) nothing."""
+    if device.type != "cuda" or not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel's programs be placed (once every program of this one has said so)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait until the kernel before has finished and its writes are visible: before any program
+    reads what an earlier kernel wrote, writes anything, or returns (a kernel that ends before the
+    one it follows would let the next read too early)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """`pdl_release` then `pdl_wait`: for a kernel with nothing to read ahead."""
+    pdl_release(PDL)
+    pdl_wait(PDL)

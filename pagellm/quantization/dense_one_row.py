@@ -17,19 +17,17 @@ import torch
 import triton
 import triton.testing
 
-from pagellm.quantization.triton_matmul import _gemv_kernel
+from pagellm.ops.triton_utils import pdl
+from pagellm.quantization.triton_matmul import _gemv_kernel, one_row_configs, one_row_prune
 
 logger = logging.getLogger(__name__)
 
 
-def _configs() -> list[triton.Config]:
-    """One-row tiles for a 16- or 32-bit weight: at least twice an 8-bit code's bytes, so no
-    wider in K than the 8-bit tiles."""
-    tiles = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 4))
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
-
-
-_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
+_TILES = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 4))
+"""One-row tiles for a 16- or 32-bit weight: at least twice an 8-bit code's bytes, so no wider in
+K than the 8-bit tiles. All are also tried with PREFETCH."""
+_tuned = triton.autotune(configs=one_row_configs(_TILES, _TILES), key=["N", "K"],
+                         prune_configs_by={"early_config_prune": one_row_prune})(_gemv_kernel)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -46,7 +44,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, BLOCK_N=16, BLOCK_K=64)
     else:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **layout)
+        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **layout, **pdl(x.device))
     return out
 
 

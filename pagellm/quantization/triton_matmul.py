@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from pagellm.ops.triton_utils import pdl, pdl_release, pdl_wait
 from pagellm.quantization.base import QMAX
 
 
@@ -113,10 +114,18 @@ def _dequant_matmul_kernel(
 
 
 @triton.jit
-def _load_words(w_ptr, rn, n_ok, stride_wn, k0, K, COLS: tl.constexpr):
-    """The int32 words of rows `rn` holding 4-bit codes k0 .. k0 + 8 COLS (none past K)."""
-    rw = k0 // 8 + tl.arange(0, COLS)
-    return tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & (rw < K // 8)[None, :], other=0)
+def _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED: tl.constexpr, COLS: tl.constexpr):
+    """Rows `rn` of the weight for inputs k0 .. k0 + BLOCK_K (none past K): COLS int32 words of
+    eight 4-bit codes (PACKED), else COLS codes or weights."""
+    if PACKED:
+        rw = k0 // 8 + tl.arange(0, COLS)
+        tile = tl.load(w_ptr + rn[:, None] * stride_wn + rw[None, :], mask=n_ok[:, None] & (rw < K // 8)[None, :],
+                       other=0)
+    else:
+        rk = k0 + tl.arange(0, COLS)
+        tile = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :],
+                       other=0.0)
+    return tile
 
 
 @triton.jit
@@ -127,8 +136,9 @@ def _gemv_kernel(
     PACKED: tl.constexpr,  # 4-bit codes, w_ptr viewed as int32 words of eight ([N, K / 8]), groups of whole words
     PER_GROUP: tl.constexpr,  # BLOCK_K holds whole groups (else one group spans the row: scaled at the end)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr = False,  # 4-bit: load a tile's words one tile ahead (more registers, fewer stalls)
+    PREFETCH: tl.constexpr = False,  # load each tile one tile ahead (more registers, fewer stalls)
     DENSE: tl.constexpr = False,  # w holds the weights themselves (16- or 32-bit floats, GROUP 0): no scale
+    PDL: tl.constexpr = False,  # see `pdl`: with PREFETCH, the first tile is read before waiting for x
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
@@ -143,9 +153,16 @@ def _gemv_kernel(
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
     acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
-    if PACKED and PREFETCH:  # each tile's words loaded a tile ahead, in flight while the one before is summed
-        next_words = _load_words(w_ptr, rn, n_ok, stride_wn, 0, K, COLS)
+    pdl_release(PDL)
+    if PREFETCH:  # each tile loaded a tile ahead, in flight while the one before is summed
+        next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, 0, K, PACKED, COLS)
+    pdl_wait(PDL)
     for k0 in range(0, K, BLOCK_K):
+        if PREFETCH:
+            w = next_w
+            next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0 + BLOCK_K, K, PACKED, COLS)
+        else:
+            w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED, COLS)
         if PACKED:
             # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
             # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
@@ -158,11 +175,7 @@ def _gemv_kernel(
             # inputs, `x_col` their sum.
             rw = k0 // 8 + tl.arange(0, COLS)
             w_ok = rw < K // 8
-            if PREFETCH:
-                words = next_words
-                next_words = _load_words(w_ptr, rn, n_ok, stride_wn, k0 + BLOCK_K, K, COLS)
-            else:
-                words = _load_words(w_ptr, rn, n_ok, stride_wn, k0, K, COLS)
+            words = w
             high = words >> 12
             prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
             x_col = tl.zeros((COLS,), dtype=tl.float32)
@@ -178,10 +191,7 @@ def _gemv_kernel(
                 prod += bits.to(tl.float32, bitcast=True) * y[None, :]
         else:
             rk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = rk < K
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            x_col = tl.load(x_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+            x_col = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
             if w_ptr.dtype.element_ty == tl.int8:
                 prod = _exact_float(w.to(tl.int32)) * x_col[None, :]
             else:  # float8 (one conversion instruction per two values), or a dense weight
@@ -291,22 +301,28 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The tiles the autotuner tries: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them). The 4-bit tiles with PREFETCH were added without a sweep."""
+    a later sweep may prune them). The tiles with PREFETCH were added without a sweep."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
-        return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=3) for n, k, w in tiles]
-    tiles = ((16, 2048, 4, False), (16, 2048, 8, False), (8, 2048, 4, False), (16, 1024, 4, False),
-             (32, 2048, 4, False), (32, 1024, 4, False), (16, 4096, 4, False),
-             (16, 1024, 4, True), (8, 2048, 4, True), (32, 1024, 4, True), (16, 2048, 4, True))
+        return one_row_configs(tiles, tiles[:3])
+    return one_row_configs(((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
+                            (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4)))
+
+
+def one_row_configs(tiles: tuple, prefetch_tiles: tuple) -> list[triton.Config]:
+    """(BLOCK_N, BLOCK_K, warps) tiles of the one-row kernel, and those also tried with PREFETCH."""
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p}, num_warps=w, num_stages=3)
-            for n, k, w, p in tiles]
+            for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
 
 
-def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """A one-row tile holds whole groups."""
+def one_row_prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """A one-row tile holds whole groups; under programmatic dependent launch only the PREFETCH
+    tiles are tried (they read their first tile before waiting for the kernel before)."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
     per_group = named_args.get("PER_GROUP", kwargs.get("PER_GROUP", False))
-    return _nonempty([c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
+    pdl = named_args.get("PDL", kwargs.get("PDL", False))
+    return _nonempty([c for c in configs if (not per_group or c.kwargs["BLOCK_K"] % group == 0)
+                      and (c.kwargs["PREFETCH"] or not pdl)], group)
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -327,9 +343,9 @@ _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
 _tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
-                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
+                                   prune_configs_by={"early_config_prune": one_row_prune})(_gemv_kernel)
 _tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
-                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
+                                   prune_configs_by={"early_config_prune": one_row_prune})(_gemv_kernel)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,4 +485,4 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         return
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
-    tuned[grid](*args, **layout, PER_GROUP=per_group)
+    tuned[grid](*args, **layout, PER_GROUP=per_group, **pdl(pointers[0].device))
