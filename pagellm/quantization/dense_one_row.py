@@ -18,7 +18,7 @@ import triton
 import triton.testing
 
 from pagellm.ops.triton_utils import pdl
-from pagellm.quantization.triton_matmul import _gemv_kernel, one_row_configs, one_row_prune
+from pagellm.quantization.triton_matmul import _gemv_kernel, one_row_configs
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +26,7 @@ logger = logging.getLogger(__name__)
 _TILES = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 4))
 """One-row tiles for a 16- or 32-bit weight: at least twice an 8-bit code's bytes, so no wider in
 K than the 8-bit tiles. All are also tried with PREFETCH."""
-_tuned = triton.autotune(configs=one_row_configs(_TILES, _TILES), key=["N", "K"],
-                         prune_configs_by={"early_config_prune": one_row_prune})(_gemv_kernel)
+_tuned = triton.autotune(configs=one_row_configs(_TILES, _TILES), key=["N", "K"])(_gemv_kernel)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

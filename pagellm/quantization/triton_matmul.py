@@ -129,6 +129,74 @@ def _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED: tl.constexpr, COLS: tl
 
 
 @triton.jit
+def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr, offset_ptr, K, stride_sn,
+               stride_zn, GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, PACKED: tl.constexpr,
+               PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_gemv_kernel`'s sums over one tile `w` (from `_load_tile`) of inputs k0 .. k0 + BLOCK_K:
+    (acc, acc_groups, x_sum) updated."""
+    COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
+    UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
+    NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
+    if PACKED:
+        # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
+        # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
+        # 2**(53 - s), so their product is c x 2**-96, rounded once as c x would be, and the sums
+        # are scaled back by 2**96 (UNSCALE). One and a code; the top three codes are shifted
+        # down once a word first (bits 20..31 to 8..19). This needs float32 multiplies that keep
+        # subnormals (they do in Triton's CUDA code and its interpreter; flushed, every code
+        # would read 0). Exact for |x| from 2**-30 to 2**75; below, a product errs by at most
+        # 2**-54; from 2**75 the scaled input overflows. A column of `prod` is a word's eight
+        # inputs, `x_col` their sum.
+        rw = k0 // 8 + tl.arange(0, COLS)
+        w_ok = rw < K // 8
+        words = w
+        high = words >> 12
+        prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+        x_col = tl.zeros((COLS,), dtype=tl.float32)
+        for j in tl.static_range(8):
+            x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
+            x_col += x_j
+            if j < 5:
+                bits = words & (0xF << (4 * j))
+                y = x_j * (2.0 ** (53 - 4 * j))
+            else:
+                bits = high & (0xF << (4 * j - 12))
+                y = x_j * (2.0 ** (65 - 4 * j))
+            prod += bits.to(tl.float32, bitcast=True) * y[None, :]
+    else:
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x_col = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        if w.dtype == tl.int8:
+            prod = _exact_float(w.to(tl.int32)) * x_col[None, :]
+        else:  # float8 (one conversion instruction per two values), or a dense weight
+            prod = w.to(tl.float32) * x_col[None, :]
+    if GROUP == 0:
+        acc += tl.sum(prod, axis=1) * UNSCALE
+    elif PER_GROUP:
+        # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
+        # point and offset leave the inner sums; one reduction per group.
+        dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
+        group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
+        rg = k0 // GROUP + tl.arange(0, NUM_G)
+        g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
+        if ZERO == -1:
+            zero = tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_mask, other=0)
+            dot -= zero.to(tl.float32) * group_sum
+        elif ZERO != 0:
+            dot -= ZERO * group_sum
+        scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
+        dot *= scale.to(tl.float32)
+        if OFFSET:
+            offset = tl.load(offset_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
+            dot += offset.to(tl.float32) * group_sum
+        acc_groups += dot
+    else:
+        acc += tl.sum(prod, axis=1) * UNSCALE
+        x_sum += tl.sum(x_col, axis=0)
+    return acc, acc_groups, x_sum
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, offset_ptr, out_ptr,  # one activation row x [K]; the rest as above
     N, K, stride_wn, stride_sn, stride_zn,
@@ -150,7 +218,6 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
-    UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
     acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
     pdl_release(PDL)
@@ -163,62 +230,9 @@ def _gemv_kernel(
             next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0 + BLOCK_K, K, PACKED, COLS)
         else:
             w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED, COLS)
-        if PACKED:
-            # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
-            # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
-            # 2**(53 - s), so their product is c x 2**-96, rounded once as c x would be, and the sums
-            # are scaled back by 2**96 (UNSCALE). One and a code; the top three codes are shifted
-            # down once a word first (bits 20..31 to 8..19). This needs float32 multiplies that keep
-            # subnormals (they do in Triton's CUDA code and its interpreter; flushed, every code
-            # would read 0). Exact for |x| from 2**-30 to 2**75; below, a product errs by at most
-            # 2**-54; from 2**75 the scaled input overflows. A column of `prod` is a word's eight
-            # inputs, `x_col` their sum.
-            rw = k0 // 8 + tl.arange(0, COLS)
-            w_ok = rw < K // 8
-            words = w
-            high = words >> 12
-            prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-            x_col = tl.zeros((COLS,), dtype=tl.float32)
-            for j in tl.static_range(8):
-                x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
-                x_col += x_j
-                if j < 5:
-                    bits = words & (0xF << (4 * j))
-                    y = x_j * (2.0 ** (53 - 4 * j))
-                else:
-                    bits = high & (0xF << (4 * j - 12))
-                    y = x_j * (2.0 ** (65 - 4 * j))
-                prod += bits.to(tl.float32, bitcast=True) * y[None, :]
-        else:
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x_col = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            if w_ptr.dtype.element_ty == tl.int8:
-                prod = _exact_float(w.to(tl.int32)) * x_col[None, :]
-            else:  # float8 (one conversion instruction per two values), or a dense weight
-                prod = w.to(tl.float32) * x_col[None, :]
-        if GROUP == 0:
-            acc += tl.sum(prod, axis=1) * UNSCALE
-        elif PER_GROUP:
-            # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
-            # point and offset leave the inner sums; one reduction per group.
-            dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
-            group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
-            rg = k0 // GROUP + tl.arange(0, NUM_G)
-            g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
-            if ZERO == -1:
-                zero = tl.load(zero_ptr + rn[:, None] * stride_zn + rg[None, :], mask=g_mask, other=0)
-                dot -= zero.to(tl.float32) * group_sum
-            elif ZERO != 0:
-                dot -= ZERO * group_sum
-            scale = tl.load(scale_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
-            dot *= scale.to(tl.float32)
-            if OFFSET:
-                offset = tl.load(offset_ptr + rn[:, None] * stride_sn + rg[None, :], mask=g_mask, other=0.0)
-                dot += offset.to(tl.float32) * group_sum
-            acc_groups += dot
-        else:
-            acc += tl.sum(prod, axis=1) * UNSCALE
-            x_sum += tl.sum(x_col, axis=0)
+        acc, acc_groups, x_sum = _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr,
+                                            offset_ptr, K, stride_sn, stride_zn, GROUP, ZERO, OFFSET, PACKED,
+                                            PER_GROUP, BLOCK_N, BLOCK_K)
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
     elif GROUP == 0:
@@ -315,14 +329,11 @@ def one_row_configs(tiles: tuple, prefetch_tiles: tuple) -> list[triton.Config]:
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
 
 
-def one_row_prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """A one-row tile holds whole groups; under programmatic dependent launch only the PREFETCH
-    tiles are tried (they read their first tile before waiting for the kernel before)."""
+def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """A one-row tile holds whole groups."""
     group = named_args.get("GROUP", kwargs.get("GROUP", 0))
     per_group = named_args.get("PER_GROUP", kwargs.get("PER_GROUP", False))
-    pdl = named_args.get("PDL", kwargs.get("PDL", False))
-    return _nonempty([c for c in configs if (not per_group or c.kwargs["BLOCK_K"] % group == 0)
-                      and (c.kwargs["PREFETCH"] or not pdl)], group)
+    return _nonempty([c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -343,9 +354,9 @@ _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
 _tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
-                                   prune_configs_by={"early_config_prune": one_row_prune})(_gemv_kernel)
+                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 _tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
-                                   prune_configs_by={"early_config_prune": one_row_prune})(_gemv_kernel)
+                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
