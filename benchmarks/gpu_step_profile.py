@@ -44,7 +44,9 @@ def graph_replay_ms(runner: Any, size: int, q: int = 1, iters: int = 50) -> floa
 
 def kernel_breakdown(runner: Any, size: int, iters: int = 10) -> dict[str, Any]:
     """GPU time per decode step by kernel name, for the graph replay of `size` rows and for the same
-    forward run eagerly (launch gaps show as the difference between the sum and the step time)."""
+    forward run eagerly (launch gaps show as the difference between the sum and the step time).
+    Under programmatic dependent launch (Hopper) a kernel counts from its early start, while it
+    waits for the one before: the sums then exceed the step, and only the replay time is the step's."""
     graph = runner.graphs.graph(size)
     md = runner.graphs._metadata(size)
     ids, positions = runner.graphs.input_ids[:size], runner.graphs.positions[:size]

@@ -291,3 +291,44 @@ def test_kernels_replay_in_a_cuda_graph(rng: torch.Generator) -> None:
     graph.replay()
     for got, want in zip(outs, step("torch")):
         torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+
+
+def test_programmatic_dependent_launch_only_on_hopper_and_later() -> None:
+    """`pdl` asks for programmatic dependent launch on a GPU of compute capability 9 or more, and
+    nothing elsewhere (the interpreter, older GPUs)."""
+    from pagellm.ops.triton_utils import pdl
+
+    assert pdl(torch.device("cpu")) == {}
+    if ON_GPU:
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if hopper else {})
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_a_chain_of_dependent_kernels_replays_in_a_cuda_graph(rng: torch.Generator) -> None:
+    """A decode MLP's chain at one row, each kernel reading the one before's output (under PDL on
+    Hopper, each waits for it): add + RMSNorm, the one-row product, SiLU, the one-row product, add +
+    RMSNorm, replayed in a graph on new inputs, equals the torch ops each time."""
+    from pagellm.quantization.dense_one_row import dense_gemv
+
+    hidden, inter = 4096, 14336
+    x, residual, norm_w = randn(rng, 1, hidden), randn(rng, 1, hidden), randn(rng, hidden, mean=1.0)
+    w_gate_up, w_down = randn(rng, 2 * inter, hidden) / hidden**0.5, randn(rng, hidden, inter) / inter**0.5
+
+    def chain(impl: str) -> list[torch.Tensor]:
+        normed, res = ops.fused_add_rms_norm(x, residual, norm_w, 1e-5, impl=impl)
+        gemv = dense_gemv if impl == "triton" else lambda a, w: a @ w.t()
+        act = ops.silu_and_mul(gemv(normed, w_gate_up), impl=impl)
+        return [res, *ops.fused_add_rms_norm(gemv(act, w_down), res, norm_w, 1e-5, impl=impl)]
+
+    chain("triton")  # compile and autotune before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain("triton")
+    for _ in range(3):
+        for buf in (x, residual):
+            buf.copy_(torch.randn(buf.shape, generator=rng))
+        graph.replay()
+        for got, want in zip(outs, chain("torch")):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
