@@ -21,7 +21,7 @@ from pagellm.config import EngineArgs
 from pagellm.eval.quality import log_probs
 from pagellm.quantization import resolve_quantization
 from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
-from pagellm.quantization.w8a8 import SMALL_BATCH_ROWS, quantize_per_row
+from pagellm.quantization.w8a8 import SMALL_BATCH_ROWS, quantize_per_row, quantize_weight_rows
 from pagellm.worker.loading import build_model
 
 ON_GPU = torch.cuda.is_available()
@@ -183,8 +183,12 @@ def test_one_row_4bit_codes_multiply_exactly_over_activations_large_and_tiny(x_s
 def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, layout: str) -> None:
     """The autotuner's one-row tiles either load each tile as it comes or one tile ahead (4-bit
     words, 8-bit codes, dense weights); both cover every tile of a K of several (the last one
-    partial) and rows past N's last tile."""
+    partial) and rows past N's last tile. On a Hopper GPU under programmatic dependent launch,
+    with x written by a kernel that lets the product start early (the tile-ahead tiles read
+    weights before waiting for it)."""
     pytest.importorskip("triton")
+    from pagellm.ops import triton_norm
+    from pagellm.ops.triton_utils import pdl
     from pagellm.quantization import triton_matmul
 
     n, k, group, block_k = 40, 224, 32, 64  # four tiles of K, the last half empty; three of N, one partial
@@ -193,25 +197,26 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     if layout == "int4":
         q, scales, zeros = quantize_rtn(w, group)
         qweight, scales16 = pack_pairs(q), scales.half()
-        expected = x @ dequantize(qweight, scales16, zeros, group).t()
+        w_ref = dequantize(qweight, scales16, zeros, group)
         weight = qweight.to(DEVICE).view(torch.int32)
         kinds = dict(GROUP=group, ZERO=-1, PACKED=True, PER_GROUP=True)
     elif layout == "int8":
         scales = w.abs().amax(1) / 127
         codes = torch.round(w / scales[:, None]).to(torch.int8)
         scales16, zeros, weight = scales.half(), torch.zeros(1), codes.to(DEVICE)
-        expected = x @ (codes.float() * scales16.float()[:, None]).t()
+        w_ref = codes.float() * scales16.float()[:, None]
         kinds = dict(GROUP=0, ZERO=0, PACKED=False, PER_GROUP=False)
     else:
-        expected, weight = x @ w.t(), w.to(DEVICE)
+        w_ref, weight = w, w.to(DEVICE)
         scales16, zeros = torch.ones(1), torch.zeros(1)
         kinds = dict(GROUP=0, ZERO=0, PACKED=False, PER_GROUP=False, DENSE=True)
     out = torch.empty(1, n, device=DEVICE)
     scales_d, zeros_d = scales16.to(DEVICE), zeros.to(DEVICE)
+    x_d = triton_norm.rms_norm(x.to(DEVICE), torch.ones(k, device=DEVICE), 1e-6)
     triton_matmul._gemv_kernel[(triton_matmul.triton.cdiv(n, 16),)](
-        x.to(DEVICE), weight, scales_d, zeros_d, scales_d, out, n, k, weight.stride(0), scales_d.stride(0),
-        zeros_d.stride(0), **kinds, OFFSET=False, BLOCK_N=16, BLOCK_K=block_k, PREFETCH=prefetch)
-    torch.testing.assert_close(out.cpu(), expected, atol=1e-4 * math.sqrt(k), rtol=1e-4)
+        x_d, weight, scales_d, zeros_d, scales_d, out, n, k, weight.stride(0), scales_d.stride(0),
+        zeros_d.stride(0), **kinds, OFFSET=False, BLOCK_N=16, BLOCK_K=block_k, PREFETCH=prefetch, **pdl(x_d.device))
+    torch.testing.assert_close(out.cpu(), x_d.cpu() @ w_ref.t(), atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -471,6 +476,23 @@ def test_compressed_tensors_checkpoint_written_by_the_library(tmp_path, preset: 
     _assert_matches_hf(model, dense_hf, SMALL_BATCH_ROWS)
 
 
+def test_float8_weights_take_each_rows_nearest_scale() -> None:
+    """fp8 weights quantized at load: each row's scale is max / 448 or one a fraction above it,
+    whichever rounds the row nearest; never below (no weight clipped). Over many rows that errs
+    clearly less than max / 448 alone; int8 keeps max / 127."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(256, 512, generator=gen) * torch.logspace(-3, 1, 256)[:, None]
+    q, scale = quantize_weight_rows(w, torch.float8_e4m3fn)
+    q0, scale0 = quantize_per_row(w, torch.float8_e4m3fn)
+    err = ((q.float() * scale[:, None] - w) ** 2).sum(1)
+    err0 = ((q0.float() * scale0[:, None] - w) ** 2).sum(1)
+    assert bool((err <= err0).all()) and err.sum() < 0.95 * err0.sum()
+    assert bool((scale >= scale0).all()) and bool((scale < 2 * scale0).all())
+    assert q.dtype == torch.float8_e4m3fn and q.float().abs().max() <= 448
+    q8, scale8 = quantize_weight_rows(w, torch.int8)
+    assert torch.equal(q8, quantize_per_row(w, torch.int8)[0]) and torch.equal(scale8, quantize_per_row(w, torch.int8)[1])
+
+
 @pytest.mark.parametrize("method,dtype", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
 def test_online_8bit_quantizes_per_channel_and_activations_per_token(tmp_path, method: str, dtype) -> None:
     hf = _tiny_hf()
@@ -479,7 +501,7 @@ def test_online_8bit_quantizes_per_channel_and_activations_per_token(tmp_path, m
     assert resolved == method
     up = model.model.layers[1].mlp.gate_up_proj
     dense = torch.cat([hf.model.layers[1].mlp.gate_proj.weight, hf.model.layers[1].mlp.up_proj.weight])
-    q, scale = quantize_per_row(dense, dtype)
+    q, scale = quantize_weight_rows(dense, dtype)
     assert up.weight.dtype == dtype and torch.equal(up.weight, q) and torch.equal(up.weight_scale, scale)
     # Few rows: 16-bit activations against the 8-bit weights.
     x = torch.randn(SMALL_BATCH_ROWS, 64)
@@ -493,7 +515,7 @@ def test_online_8bit_quantizes_per_channel_and_activations_per_token(tmp_path, m
     torch.testing.assert_close(up(x), expected, atol=1e-4, rtol=1e-5)
     assert not torch.allclose(up(x), x @ (q.float() * scale[:, None]).t(), atol=1e-5, rtol=1e-5)
     for _, m in _projections(hf):  # Hugging Face on the dequantized weights, for a short prompt
-        q, scale = quantize_per_row(m.weight.data, dtype)
+        q, scale = quantize_weight_rows(m.weight.data, dtype)
         m.weight.data = q.float() * scale[:, None]
     _assert_matches_hf(model, hf, SMALL_BATCH_ROWS)
 

@@ -2,11 +2,16 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: no PDL (`pdl` asks for none)
+    gdc_launch_dependents = gdc_wait = None
 
 
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -33,11 +38,12 @@ def pdl(device: torch.device) -> dict:
     its two halves): on Hopper and later GPUs, programmatic dependent launch, so that the kernel's
     programs are placed while the kernel before it finishes and its start-up (and whatever it reads
     that no earlier kernel writes, e.g. a weight) overlaps that kernel's tail. A one-row step of a
-    large model is some 300 launches of a few microseconds each. Elsewhere (the CPU interpreter,
-    older GPUs) nothing."""
-    if device.type != "cuda" or not _has_pdl(device.index if device.index is not None else torch.cuda.current_device()):
+    large model is some 300 launches of a few microseconds each. Elsewhere nothing: the CPU
+    interpreter (also with CUDA tensors), older or AMD GPUs, a Triton without it."""
+    if device.type != "cuda" or gdc_wait is None or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
         return {}
-    return {"PDL": True, "launch_pdl": True}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _has_pdl(index) else {}
 
 
 @triton.jit

