@@ -56,7 +56,7 @@ from pagellm.loader import resolve_model
 
 DEFAULT_SHAREGPT_REQUESTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_1000_seed0.json.gz")
 DEFAULT_CAPS = {
-    "ceilings": 20, "kernel_tests": 120, "datasets.random": 20, "datasets.sharegpt": 20, "backend_check": 45,
+    "ceilings": 20, "kernel_tests": 240, "datasets.random": 20, "datasets.sharegpt": 20, "backend_check": 45,
     "engine.load": 45, "engine.sampling_features": 20, "engine.batch1_decode": 40, "engine.random": 130,
     "engine.sharegpt": 60, "hf.load": 30, "hf.sharegpt": 110, "hf.random": 100, "hf.batch1_decode": 20,
 }
