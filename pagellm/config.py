@@ -12,6 +12,7 @@ from pagellm.attention import ATTENTION_BACKENDS
 from pagellm.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
 from pagellm.model_arch import ModelArchConfig
+from pagellm.ops.dispatch import triton_interpreting
 from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
 from pagellm.spec_decode import SpeculativeConfig
 
@@ -155,7 +156,7 @@ class EngineArgs:
         elif _has_kv_scales(arch.hf_config):
             logger.info("the checkpoint calibrated float8 KV-cache scales; they apply with --kv-cache-dtype fp8")
         # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU: the tests use it.
-        if attention_backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if attention_backend == "triton" and device.type != "cuda" and not triton_interpreting():
             raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
                              f"{device.type}: use torch")
         speculative = SpeculativeConfig.parse(self.speculative_config)

@@ -293,15 +293,25 @@ def test_kernels_replay_in_a_cuda_graph(rng: torch.Generator) -> None:
         torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
 
 
-def test_programmatic_dependent_launch_only_on_hopper_and_later() -> None:
-    """`pdl` asks for programmatic dependent launch on a GPU of compute capability 9 or more, and
-    nothing elsewhere (the interpreter, older GPUs)."""
-    from pagellm.ops.triton_utils import pdl
+def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch) -> None:
+    """`pdl` asks for programmatic dependent launch on a CUDA GPU of compute capability 9 or more,
+    and nothing elsewhere: CPU tensors, Triton's interpreter (even with CUDA tensors, and before
+    any CUDA call), AMD GPUs, a Triton without grid dependency control."""
+    from pagellm.ops import triton_utils
 
-    assert pdl(torch.device("cpu")) == {}
-    if ON_GPU:
-        hopper = torch.cuda.get_device_capability()[0] >= 9
-        assert pdl(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if hopper else {})
+    assert triton_utils.pdl(torch.device("cpu")) == {}
+    try:
+        triton_utils._pdl_options.cache_clear()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert triton_utils.pdl(torch.device("cuda")) == {}
+        if ON_GPU:
+            triton_utils._pdl_options.cache_clear()
+            monkeypatch.delenv("TRITON_INTERPRET")
+            able = (torch.cuda.get_device_capability()[0] >= 9 and not torch.version.hip
+                    and triton_utils.gdc_wait is not None)
+            assert triton_utils.pdl(torch.device("cuda")) == ({"PDL": True, "launch_pdl": True} if able else {})
+    finally:
+        triton_utils._pdl_options.cache_clear()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")

@@ -15,13 +15,12 @@ with the host, so a decode step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from pagellm.ops.triton_rotary import rotate_heads
+from pagellm.ops.dispatch import triton_interpreting
 from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_start
 
 _LOG2E = 1.4426950408889634
@@ -318,7 +317,7 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         num_heads * num_splits, num_splits, 1,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
-        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=_interpreting(),
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=triton_interpreting(),
         K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(query.device),
     )
@@ -328,7 +327,3 @@ def paged_attention(
             NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, **pdl(query.device),
         )
 
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Literal, get_args
@@ -26,6 +27,17 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (TRITON_INTERPRET, read as Triton
+    reads it: "1", "true", "on" ...)."""
+    if not triton_available():
+        return False
+    import triton  # noqa: PLC0415
+
+    knobs = getattr(triton, "knobs", None)  # Triton 3.4 and later
+    return bool(knobs.runtime.interpret) if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check(impl: str) -> Impl:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.ops.dispatch import triton_interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -28,11 +29,6 @@ def num_warps_for(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-@functools.cache
-def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def pdl(device: torch.device) -> dict:
     """Launch options for a kernel that takes a `PDL` constexpr and starts with `pdl_start` (or
     its two halves): on Hopper and later GPUs, programmatic dependent launch, so that the kernel's
@@ -40,10 +36,16 @@ def pdl(device: torch.device) -> dict:
     that no earlier kernel writes, e.g. a weight) overlaps that kernel's tail. A one-row step of a
     large model is some 300 launches of a few microseconds each. Elsewhere nothing: the CPU
     interpreter (also with CUDA tensors), older or AMD GPUs, a Triton without it."""
-    if device.type != "cuda" or gdc_wait is None or torch.version.hip or os.environ.get("TRITON_INTERPRET") == "1":
+    return {} if device.type != "cuda" else _pdl_options(device.index)
+
+
+@functools.cache
+def _pdl_options(index: int | None) -> dict:
+    """Decided once a device (Triton itself reads TRITON_INTERPRET when a kernel is defined)."""
+    if gdc_wait is None or torch.version.hip or triton_interpreting():
         return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _has_pdl(index) else {}
+    major, _ = torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+    return {"PDL": True, "launch_pdl": True} if major >= 9 else {}
 
 
 @triton.jit
