@@ -116,16 +116,17 @@ def quantize_weight_rows(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     if dtype != torch.float8_e4m3fn:
         return quantize_per_row(w, dtype)
     w32 = w.float()
+
+    def rounding_error(scale: torch.Tensor) -> torch.Tensor:
+        return ((w32 / scale).to(dtype).float() * scale - w32).square_().sum(dim=-1, keepdim=True)
+
     base = w32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / QMAX[dtype]
-    best_scale, best_err = base, None
-    for i in range(FP8_SCALE_STEPS):
+    best_scale, best_err = base, rounding_error(base)
+    for i in range(1, FP8_SCALE_STEPS):
         scale = base * (1 + i / FP8_SCALE_STEPS)
-        err = ((w32 / scale).to(dtype).float() * scale - w32).square_().sum(dim=-1, keepdim=True)
-        if best_err is None:
-            best_err = err
-        else:
-            better = err < best_err
-            best_scale, best_err = torch.where(better, scale, best_scale), torch.where(better, err, best_err)
+        err = rounding_error(scale)
+        better = err < best_err
+        best_scale, best_err = torch.where(better, scale, best_scale), torch.where(better, err, best_err)
     return (w32 / best_scale).to(dtype), best_scale.reshape(-1)
 
 
