@@ -2,7 +2,9 @@
 
 For each batch size: the engine's steady decode step time (wall, from `LLM.generate` with every
 request decoding), the replay time of the captured CUDA graph of the model's forward alone
-(CUDA events), the eager forward's time, and so the host's share of the step. A cProfile of
+(CUDA events) on the inputs of the run's last decode step, still in the graph's buffers (so its
+attention reads as many keys as the steps did; the graph's capture inputs are sequences of one
+token), the eager forward's time, and so the host's share of the step. A cProfile of
 one run at the largest batch shows which host functions cost most.
 
 On the GPU machine, from the repository root:
@@ -119,8 +121,8 @@ def main() -> None:
     rows, results = [], []
     for batch in args.batch_sizes:
         size = next(s for s in runner.graphs.sizes if s >= batch)
-        replay = graph_replay_ms(runner, size)
         step = engine_step_ms(llm, batch, args.input_len, args.output_len)
+        replay = graph_replay_ms(runner, size)  # after the run: its last step's inputs
         results.append({"batch": batch, "graph_size": size, "replay_ms": replay, "engine_step_ms": step,
                         "host_ms": step - replay, "tok_per_s": batch / step * 1e3})
         rows.append([batch, f"{replay:.2f}", f"{step:.2f}", f"{step - replay:.2f}", f"{batch / step * 1e3:.0f}"])

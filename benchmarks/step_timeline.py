@@ -186,13 +186,14 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--quantization", default=None, help="e.g. rtn or fp8 (weights quantized at load)")
     p.add_argument("--async-scheduling", choices=("on", "off"), default=None, help="default: the engine's")
     p.add_argument("--trace-batch", type=int, default=None, help="also write the chrome trace of this batch size")
-    p.add_argument("--out-dir", default=None, help="where step_timeline.json goes; default benchmarks/results/")
+    p.add_argument("--out-dir", default=None, help="where step_timeline[_QUANTIZATION].json goes; default benchmarks/results/")
     args = p.parse_args()
 
     engine_args: dict[str, Any] = {"load_format": args.load_format, "max_model_len": args.max_model_len,
-                                   "max_num_seqs": max(args.batch_sizes)}
+                                   "max_num_seqs": max(args.batch_sizes), "quantization": args.quantization}
     if args.device:
         engine_args["device"] = args.device
     if args.async_scheduling:
@@ -223,7 +224,8 @@ def main() -> None:
         print(f"batch {batch}: cuda runtime per step {found['cuda_runtime_ms']}", flush=True)
     payload = {"benchmark": "step_timeline", **run_metadata(), "model": args.model, "parameters": vars(args),
                "startup_s": startup_s, "async_scheduling": llm.llm_engine.engine_core.overlap, "results": results}
-    out = Path(args.out_dir) / "step_timeline.json" if args.out_dir else default_result_path("step_timeline")
+    name = f"step_timeline_{args.quantization}" if args.quantization else "step_timeline"
+    out = Path(args.out_dir) / f"{name}.json" if args.out_dir else default_result_path(name)
     print(format_table(["batch", "step ms", "replay ms", "step/replay", "profiled step ms", "GPU idle ms",
                         *(f"{name} ms" for name in PHASES)], rows))
     print("wrote", write_json(payload, out))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.sampler import apply_filters, sample
+from pagellm.sample.sampler import apply_filters, in_float32, sample
 from pagellm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -23,6 +23,17 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     argmax = logits.argmax(-1)
     assert out[0] == argmax[0] and out[2] == argmax[2]
     assert out[3] == argmax[3]  # top_k=1 is greedy
+
+
+def test_greedy_batches_sample_bfloat16_logits_as_they_are_and_others_in_float32():
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    logits[1, 5] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins in either dtype
+    greedy = metadata([SamplingParams(temperature=0.0)] * 3, 64)
+    assert in_float32(logits, greedy) is logits  # no float32 copy of an all-greedy batch
+    assert sample(logits, greedy).tolist() == logits.float().argmax(-1).tolist()
+    assert sample(logits, greedy)[1] == 5
+    mixed = metadata([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)] * 2, 64)
+    assert in_float32(logits, mixed).dtype == torch.float32
 
 
 def test_filters_drop_the_right_tokens():

@@ -69,7 +69,7 @@ def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.T
     bound (`bind_window_cache`)."""
     n = len(ids)
     hidden = hidden_states(model, ids, device)[: n - 1]
-    return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]), dim=-1)
+    return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]).float(), dim=-1)
                       for i in range(0, n - 1, _LOGIT_ROWS)])
 
 

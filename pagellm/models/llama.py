@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in the model's dtype."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.sample.metadata import SamplingMetadata
-from pagellm.sample.sampler import apply_filters
+from pagellm.sample.sampler import apply_filters, in_float32
 from pagellm.structured_output.bitmask import apply_token_bitmask
 
 
@@ -22,8 +22,9 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor) 
     Returns (tokens, accepted), both [rows]: `accepted[r]` whether row r's draft is taken (then
     tokens[r] is the draft); a request keeps its rows up to the first one not accepted, whose
     token (the replacement, or the last row's free sample) ends its output for the step."""
+    logits = in_float32(logits, md)
     if md.processors is not None:
-        logits = md.processors.apply(logits.float())
+        logits = md.processors.apply(logits)
     if md.grammar_rows is not None:
         logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
     has_draft = draft_ids >= 0

@@ -9,8 +9,9 @@ from pagellm.structured_output.bitmask import apply_token_bitmask
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """logits [num_rows, vocab] -> token ids [num_rows] int64."""
+    logits = in_float32(logits, md)
     if md.processors is not None:
-        logits = md.processors.apply(logits.float())
+        logits = md.processors.apply(logits)
     if md.grammar_rows is not None:
         logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
     greedy = logits.argmax(dim=-1)
@@ -26,6 +27,14 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         noise[row].exponential_(generator=gen)
     drawn = (probs / noise).argmax(dim=-1)
     return torch.where(md.is_greedy, greedy, drawn)
+
+
+def in_float32(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The logits as sampling computes with them: float32, except for a batch that only takes
+    each row's argmax (the same in the model's dtype, without a float32 copy of every row)."""
+    if md.all_greedy and md.processors is None and md.grammar_rows is None:
+        return logits
+    return logits.float()
 
 
 def apply_filters(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -72,6 +72,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the whole vocabulary; each rank scores its vocab rows, then gather."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in the model's dtype (a greedy step's
+        argmax needs no float32 copy of a batch's logits; the callers that compute with them
+        convert)."""
         logits = tensor_parallel_all_gather(self.quant_method.apply(self, hidden, None), dim=-1)
-        return logits[..., : self.num_embeddings].float()
+        return logits[..., : self.num_embeddings]
