@@ -189,7 +189,8 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="e.g. rtn or fp8 (weights quantized at load)")
     p.add_argument("--async-scheduling", choices=("on", "off"), default=None, help="default: the engine's")
     p.add_argument("--trace-batch", type=int, default=None, help="also write the chrome trace of this batch size")
-    p.add_argument("--out-dir", default=None, help="where step_timeline[_QUANTIZATION].json goes; default benchmarks/results/")
+    p.add_argument("--out-dir", default=None,
+                   help="where step_timeline[_QUANTIZATION].json goes; default benchmarks/results/")
     args = p.parse_args()
 
     engine_args: dict[str, Any] = {"load_format": args.load_format, "max_model_len": args.max_model_len,
