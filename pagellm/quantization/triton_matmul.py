@@ -133,8 +133,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
                stride_zn, GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, PACKED: tl.constexpr,
                PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_gemv_kernel`'s sums over one tile `w` (from `_load_tile`) of inputs k0 .. k0 + BLOCK_K:
-    (acc, acc_groups, x_sum) updated. Without PER_GROUP, acc [BLOCK_N, COLS] and x_sum [COLS]
-    hold per-column sums, reduced once after the loop."""
+    (acc, acc_groups, x_sum) updated."""
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
@@ -152,7 +151,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
         w_ok = rw < K // 8
         words = w
         high = words >> 12
-        prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32) if PER_GROUP else acc
+        prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
         x_col = tl.zeros((COLS,), dtype=tl.float32)
         for j in tl.static_range(8):
             x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
@@ -171,9 +170,9 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
             prod = _exact_float(w.to(tl.int32)) * x_col[None, :]
         else:  # float8 (one conversion instruction per two values), or a dense weight
             prod = w.to(tl.float32) * x_col[None, :]
-        if not PER_GROUP:
-            prod += acc
-    if PER_GROUP:
+    if GROUP == 0:
+        acc += tl.sum(prod, axis=1) * UNSCALE
+    elif PER_GROUP:
         # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
         # point and offset leave the inner sums; one reduction per group.
         dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
@@ -192,9 +191,8 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
             dot += offset.to(tl.float32) * group_sum
         acc_groups += dot
     else:
-        acc = prod
-        if GROUP != 0:
-            x_sum += x_col
+        acc += tl.sum(prod, axis=1) * UNSCALE
+        x_sum += tl.sum(x_col, axis=0)
     return acc, acc_groups, x_sum
 
 
@@ -217,13 +215,10 @@ def _gemv_kernel(
     # measured steps, `benchmarks/gemv_sass.py` counts the instructions).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_sum = tl.zeros((1,), dtype=tl.float32)
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
-    # Without groups in the tile, each thread keeps its own columns' sums and the threads add them
-    # up once, after the loop: a sum across threads each tile (shuffles, and a barrier between
-    # the warps) cost the 8-bit tiles a fifth of their instructions.
-    acc = tl.zeros((BLOCK_N,) if PER_GROUP else (BLOCK_N, COLS), dtype=tl.float32)
-    x_sum = tl.zeros((COLS,), dtype=tl.float32)
     acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
     pdl_release(PDL)
     if PREFETCH:  # each tile loaded a tile ahead, in flight while the one before is summed
@@ -240,19 +235,14 @@ def _gemv_kernel(
                                             PER_GROUP, BLOCK_N, BLOCK_K)
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
-    else:
-        acc = tl.sum(acc, axis=1) * (79228162514264337593543950336.0 if PACKED else 1.0)  # UNSCALE
-    if PER_GROUP:
-        pass
     elif GROUP == 0:
         if not DENSE:
             acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     else:  # one group a row (the dispatcher sends no offset here)
-        row_sum = tl.sum(x_sum, axis=0)
         if ZERO == -1:
-            acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * row_sum
+            acc -= tl.load(zero_ptr + rn * stride_zn, mask=n_ok, other=0).to(tl.float32) * x_sum
         elif ZERO != 0:
-            acc -= ZERO * row_sum
+            acc -= ZERO * x_sum
         acc *= tl.load(scale_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
