@@ -133,7 +133,8 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
                stride_zn, GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, PACKED: tl.constexpr,
                PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_gemv_kernel`'s sums over one tile `w` (from `_load_tile`) of inputs k0 .. k0 + BLOCK_K:
-    (acc, acc_groups, x_sum) updated."""
+    (acc, acc_groups, x_sum) updated. For 8- and 16-bit weights without groups, acc holds
+    [BLOCK_N, S] partial sums, each of a run of BLOCK_K / S inputs in every tile."""
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
@@ -170,7 +171,9 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
             prod = _exact_float(w.to(tl.int32)) * x_col[None, :]
         else:  # float8 (one conversion instruction per two values), or a dense weight
             prod = w.to(tl.float32) * x_col[None, :]
-    if GROUP == 0:
+    if GROUP == 0 and not PACKED:
+        acc += tl.sum(tl.reshape(prod, (BLOCK_N, acc.shape[1], BLOCK_K // acc.shape[1])), axis=2)
+    elif GROUP == 0:
         acc += tl.sum(prod, axis=1) * UNSCALE
     elif PER_GROUP:
         # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
@@ -215,9 +218,15 @@ def _gemv_kernel(
     # measured steps, `benchmarks/gemv_sass.py` counts the instructions).
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    x_sum = tl.zeros((1,), dtype=tl.float32)
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
+    if GROUP == 0 and not PACKED:
+        # A partial sum per run of one 16-byte load's weights: the runs are a thread's own, so
+        # the sums across threads (shuffles, and a barrier between warps), which cost the tiles a
+        # fifth of their instructions each time round, wait for the end of the loop.
+        acc = tl.zeros((BLOCK_N, BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 128), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    x_sum = tl.zeros((1,), dtype=tl.float32)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
     acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
     pdl_release(PDL)
@@ -236,6 +245,8 @@ def _gemv_kernel(
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
     elif GROUP == 0:
+        if not PACKED:
+            acc = tl.sum(acc, axis=1)
         if not DENSE:
             acc *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     else:  # one group a row (the dispatcher sends no offset here)
