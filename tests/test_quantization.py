@@ -221,6 +221,42 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     torch.testing.assert_close(out.cpu(), x_d.cpu() @ w_ref.t(), atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 
+def test_one_row_tile_is_the_fastest_on_copies_timed_once_and_never_in_a_capture(monkeypatch) -> None:
+    """Each weight shape's one-row tile: every candidate that compiles is timed (on the weight's
+    uncached copies), the fastest is kept and not timed again; a shape first met inside a CUDA
+    graph capture takes the first candidate, untimed and not remembered."""
+    import triton
+
+    from pagellm.quantization import one_row_tiles
+
+    configs = [triton.Config({"BLOCK_N": n}) for n in (2, 4, 8, 16)]
+    cost = {2: 9.0, 4: 5.0, 8: 7.0}  # BLOCK_N 16 does not fit the GPU
+    timed: list[int] = []
+    weight = torch.zeros(8, 8)
+
+    def replay(product, weights):
+        product(weights[-1])
+        return cost[timed[-1]]
+
+    def run(config, w):
+        assert w is weight or w.shape == weight.shape
+        timed.append(config.kwargs["BLOCK_N"])
+        if config.kwargs["BLOCK_N"] == 16:
+            raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(one_row_tiles, "_CHOSEN", {})
+    monkeypatch.setattr(one_row_tiles, "uncached_copies", lambda w: [w, w.clone()])
+    monkeypatch.setattr(one_row_tiles, "replay_us", replay)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4
+    assert sorted(set(timed)) == [2, 4, 8, 16]
+    timed.clear()
+    assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4 and not timed
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert one_row_tiles.choose("other", configs, run, weight) is configs[0] and not timed
+    assert "other" not in one_row_tiles._CHOSEN
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dense_one_row_kernel_matches_torch(dtype: torch.dtype) -> None:
     """A dense weight's one-row product (offered against cuBLAS at batch-1 decode) sums in float32

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import triton
-import triton.testing
 
-from pagellm.ops.triton_utils import pdl
-from pagellm.quantization.triton_matmul import _gemv_kernel, one_row_configs
+from pagellm.quantization.one_row_tiles import choose, replay_us, uncached_copies
+from pagellm.quantization.triton_matmul import _gemv_kernel, launch_one_row, one_row_configs
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +25,7 @@ logger = logging.getLogger(__name__)
 _TILES = ((2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 4))
 """One-row tiles for a 16- or 32-bit weight: at least twice an 8-bit code's bytes, so no wider in
 K than the 8-bit tiles. All are also tried with PREFETCH."""
-_tuned = triton.autotune(configs=one_row_configs(_TILES, _TILES), key=["N", "K"])(_gemv_kernel)
+_CONFIGS = one_row_configs(_TILES, _TILES)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -38,12 +37,16 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(x.shape)} and a weight strided {weight.stride()}")
     x = x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    args = (x, weight, weight, weight, weight, out, n, k, weight.stride(0), 0, 0)
     layout = dict(GROUP=0, ZERO=0, OFFSET=False, PACKED=False, PER_GROUP=False, DENSE=True)
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, BLOCK_N=16, BLOCK_K=64)
-    else:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **layout, **pdl(x.device))
+        _gemv_kernel[(triton.cdiv(n, 16),)](x, weight, weight, weight, weight, out, n, k, weight.stride(0), 0, 0,
+                                            **layout, BLOCK_N=16, BLOCK_K=64)
+        return out
+
+    def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
+        launch_one_row(config, n, (x, w, w, w, w, out, n, k, w.stride(0), 0, 0), **layout)
+
+    run(choose((x.device, n, k, weight.stride(0), weight.dtype, x.dtype), _CONFIGS, run, weight), weight)
     return out
 
 
@@ -74,33 +77,11 @@ def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
         if not _timing or torch.cuda.is_current_stream_capturing() or weight.stride(1) != 1 \
                 or weight.shape[0] * weight.stride(0) >= 2**31:
             return False
-        weights = _uncached_copies(weight)
-        ours = _replay_us(lambda w: dense_gemv(x, w), weights)
-        cublas = _replay_us(lambda w: torch.nn.functional.linear(x, w), weights)
+        weights = uncached_copies(weight)
+        ours = replay_us(lambda w: dense_gemv(x, w), weights)
+        cublas = replay_us(lambda w: torch.nn.functional.linear(x, w), weights)
         del weights
         _FASTER[key] = faster = ours < cublas
         logger.info("one-row product of a %s weight %s: the one-row kernel %.1f us, cuBLAS %.1f us: %s",
                     weight.dtype, tuple(weight.shape), ours, cublas, "kernel" if faster else "cuBLAS")
     return faster
-
-
-def _uncached_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight and as many copies as make twice the L2 cache: read in turn, each comes from
-    memory, as a model's layers do. (A weight read twice running sits in the H200's L2 when it is
-    as small as a Llama-8B o_proj; after Triton's L2 flush, the cache is full of lines to write
-    back, and the two products came out within noise of each other, the choice changing from run
-    to run.)"""
-    size = weight.numel() * weight.element_size()
-    count = min(8, -(-2 * torch.cuda.get_device_properties(weight.device).L2_cache_size // size))
-    try:
-        return [weight, *(weight.clone() for _ in range(count - 1))]
-    except torch.cuda.OutOfMemoryError:  # no room beside the KV cache: timed on the one weight
-        return [weight]
-
-
-def _replay_us(product: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor]) -> float:
-    """Median microseconds of `product(w)` over `weights` in turn, replayed in a CUDA graph."""
-    for w in weights:
-        product(w)  # compiles and autotunes outside the capture
-    ms = triton.testing.do_bench_cudagraph(lambda: [product(w) for w in weights], rep=20, return_mode="median")
-    return ms * 1e3 / len(weights)

@@ -22,6 +22,7 @@ from triton.language.extra import libdevice
 
 from pagellm.ops.triton_utils import pdl, pdl_release, pdl_wait
 from pagellm.quantization.base import QMAX
+from pagellm.quantization.one_row_tiles import choose
 
 
 @triton.jit
@@ -324,7 +325,7 @@ def _dot_configs() -> list[triton.Config]:
 
 
 def _gemv_configs(int4: bool) -> list[triton.Config]:
-    """The tiles the autotuner tries: each was the fastest on one of the H200's Llama-8B layers in
+    """The one-row tiles `one_row_tiles.choose` times: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
     a later sweep may prune them). The tiles with PREFETCH were added without a sweep."""
     if not int4:
@@ -338,13 +339,6 @@ def one_row_configs(tiles: tuple, prefetch_tiles: tuple) -> list[triton.Config]:
     """(BLOCK_N, BLOCK_K, warps) tiles of the one-row kernel, and those also tried with PREFETCH."""
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p}, num_warps=w, num_stages=3)
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
-
-
-def _whole_groups(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """A one-row tile holds whole groups."""
-    group = named_args.get("GROUP", kwargs.get("GROUP", 0))
-    per_group = named_args.get("PER_GROUP", kwargs.get("PER_GROUP", False))
-    return _nonempty([c for c in configs if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -364,10 +358,6 @@ def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
 _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
-_tuned_gemv_8bit = triton.autotune(configs=_gemv_configs(False), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
-                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
-_tuned_gemv_int4 = triton.autotune(configs=_gemv_configs(True), key=["N", "K", *_LAYOUT_KEY, "PER_GROUP"],
-                                   prune_configs_by={"early_config_prune": _whole_groups})(_gemv_kernel)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -496,15 +486,30 @@ def _gemv_reads(weight: torch.Tensor, group_size: int) -> bool:
 
 def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, stride_sn: int, stride_zn: int,
           layout: dict, per_group: bool) -> None:
+    x, weight, *rest = pointers
     if layout["PACKED"]:  # eight codes an int32 word
-        x, weight, *rest = pointers
-        words = weight.view(torch.int32)
-        pointers, stride_wn = (x, words, *rest), words.stride(0)
-    args = (*pointers, n, k, stride_wn, stride_sn, stride_zn)
-    if not pointers[0].is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        weight = weight.view(torch.int32)
+        stride_wn = weight.stride(0)
+    constants = dict(**layout, PER_GROUP=per_group)
+    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         block_k = max(64, layout["GROUP"]) if per_group else 64
-        _gemv_kernel[(triton.cdiv(n, 16),)](*args, **layout, PER_GROUP=per_group, BLOCK_N=16, BLOCK_K=block_k)
+        _gemv_kernel[(triton.cdiv(n, 16),)](x, weight, *rest, n, k, stride_wn, stride_sn, stride_zn, **constants,
+                                            BLOCK_N=16, BLOCK_K=block_k)
         return
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    tuned = _tuned_gemv_int4 if layout["PACKED"] else _tuned_gemv_8bit
-    tuned[grid](*args, **layout, PER_GROUP=per_group, **pdl(pointers[0].device))
+    group = layout["GROUP"]  # with PER_GROUP, a tile holds whole groups
+    configs = _nonempty([c for c in _gemv_configs(layout["PACKED"])
+                         if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
+
+    def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
+        launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
+
+    key = (x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, *constants.values())
+    run(choose(key, configs, run, weight), weight)
+
+
+def launch_one_row(config: triton.Config, n: int, args: tuple, **constants: object) -> None:
+    """`_gemv_kernel` over n outputs with the given tile (`one_row_tiles.choose`'s), under
+    programmatic dependent launch where the GPU has it."""
+    _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+        *args, **constants, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl(args[0].device))

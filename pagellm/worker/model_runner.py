@@ -140,7 +140,8 @@ class ModelRunner:
         compiles a variant on its first use: else the first requests a server takes wait for it,
         seconds in all. Their KV writes land in block 0, which holds nothing yet. A one-token step
         (with its logits) first times each dense weight's one-row product against cuBLAS
-        (`dense_one_row`), before the graphs capture the choice."""
+        (`dense_one_row`), and the one-row kernel's tiles for each weight shape (`one_row_tiles`),
+        before the graphs capture the choices."""
         from pagellm.attention.triton_kernels import LARGE_DECODE_PROGRAMS  # only with Triton
         from pagellm.quantization.dense_one_row import timing_one_row_products
 
