@@ -15,6 +15,8 @@ eight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -496,15 +498,23 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         _gemv_kernel[(triton.cdiv(n, 16),)](x, weight, *rest, n, k, stride_wn, stride_sn, stride_zn, **constants,
                                             BLOCK_N=16, BLOCK_K=block_k)
         return
-    group = layout["GROUP"]  # with PER_GROUP, a tile holds whole groups
-    configs = _nonempty([c for c in _gemv_configs(layout["PACKED"])
-                         if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
+    configs = one_row_candidates(constants)
 
     def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
         launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
 
-    key = (x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, *constants.values())
+    key = (x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
     run(choose(key, configs, run, weight), weight)
+
+
+def one_row_candidates(constants: dict) -> list[triton.Config]:
+    """The one-row tiles for a layout (`_gemv`'s constants): with PER_GROUP, those of whole groups."""
+    return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"])
+
+
+@functools.cache
+def _one_row_candidates(packed: bool, group: int, per_group: bool) -> list[triton.Config]:
+    return _nonempty([c for c in _gemv_configs(packed) if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
 
 
 def launch_one_row(config: triton.Config, n: int, args: tuple, **constants: object) -> None:
