@@ -3,7 +3,7 @@
 Phases (each optional, `--phases`):
   gemv   the one-row kernel (decode at batch 1) for fp8 / int8 per-channel and int4 groups of 128
          with zero points: every (BLOCK_N, BLOCK_K, warps, stages) of a grid, timed by CUDA-graph
-         replay, as a fraction of the copy bandwidth; the autotuned kernel and bf16 `F.linear`
+         replay, as a fraction of the copy bandwidth; the engine's choice (`one_row_tiles`) and bf16 `F.linear`
          beside them. The fastest tiles are what `triton_matmul._gemv_configs` should hold.
   large  many rows: the tiled kernel (dequantizing in registers) against dequantizing the whole
          weight once and multiplying with cuBLAS (`triton_matmul.DEQUANTIZE_ROWS` picks between
@@ -67,7 +67,7 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
             expected = x.float() @ case["ref"].t()
             tuned = bench_us(lambda: triton_matmul.dequant_matmul(x, case["weight"], case["scale"], case["zero"],
                                                                   case["group"]))
-            records.append({"layer": layer, "method": method, "config": "autotuned", "us": tuned,
+            records.append({"layer": layer, "method": method, "config": "chosen", "us": tuned,
                             "bw_fraction": case["bytes"] / (tuned * 1e-6) / bandwidth})
             for cfg in grid4 if method.startswith("int4") else grid8:
                 out = torch.empty(1, n, device=DEVICE, dtype=x.dtype)
@@ -84,9 +84,9 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
                     record["error"] = f"{type(e).__name__}: {e}"[:200]
                 records.append(record)
             best = min((r for r in records if r["layer"] == layer and r["method"] == method and "us" in r
-                        and not r.get("wrong") and r["config"] != "autotuned"), key=lambda r: r["us"], default=None)
+                        and not r.get("wrong") and r["config"] != "chosen"), key=lambda r: r["us"], default=None)
             found = f"{best['config']} {best['us']:.1f} us" if best else "none (every tile failed)"
-            print(f"{layer} {method}: bf16 {base:.1f} us, autotuned {tuned:.1f} us, best {found}", flush=True)
+            print(f"{layer} {method}: bf16 {base:.1f} us, chosen {tuned:.1f} us, best {found}", flush=True)
     return records
 
 
@@ -163,7 +163,7 @@ def summary(payload: dict[str, Any]) -> str:
         rows = []
         for layer, method in dict.fromkeys((r["layer"], r["method"]) for r in gemv):
             mine = [r for r in gemv if r["layer"] == layer and r["method"] == method and "us" in r]
-            tuned = next(r for r in mine if r["config"] in ("autotuned", "cuBLAS"))  # always timed first
+            tuned = next(r for r in mine if r["config"] in ("chosen", "cuBLAS"))  # always timed first
             ranked = sorted((r for r in mine if r is not tuned and not r.get("wrong")), key=lambda r: r["us"])
             for r in [tuned, *ranked[:3]]:
                 rows.append([layer, method, r["config"], f"{r['us']:.1f}", f"{r['bw_fraction']:.2f}"])

@@ -60,12 +60,12 @@ def main() -> None:
     llm = LLM(args.model, load_format="dummy", quantization=args.quantization, max_num_seqs=1)
     runner = llm.llm_engine.engine_core.executor.worker.runner
     chosen = {key: config for key, config in one_row_tiles._CHOSEN.items()
-              if len(key) > 6 and key[4] == CODES[args.quantization]}
+              if key.weight_dtype == CODES[args.quantization]}
     if not chosen:
         raise SystemExit(f"no one-row products of {args.quantization} weights were timed at start-up")
-    candidates = {key: triton_matmul.one_row_candidates(dict(key[7])) for key in chosen}
+    candidates = {key: triton_matmul.one_row_candidates(dict(key.layout)) for key in chosen}
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "chosen_tok_s": decode_tok_s(llm),
-                              "chosen": {str(key[1:3]): str(c) for key, c in chosen.items()}, "uniform": {},
+                              "chosen": {f"{key.n}x{key.k}": str(c) for key, c in chosen.items()}, "uniform": {},
                               "per_shape": {}}
 
     def forced(tiles: dict) -> float | str:
@@ -86,7 +86,7 @@ def main() -> None:
         rows.append(["every shape", str(config), tok_s if isinstance(tok_s, str) else f"{tok_s:.1f}"])
     if args.per_shape:
         for key in chosen:
-            shape = str(key[1:3])
+            shape = f"{key.n}x{key.k}"
             result["per_shape"][shape] = {str(c): forced({key: c}) for c in candidates[key]}
             for c, tok_s in result["per_shape"][shape].items():
                 rows.append([shape, c, tok_s if isinstance(tok_s, str) else f"{tok_s:.1f}"])

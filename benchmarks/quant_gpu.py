@@ -39,6 +39,7 @@ from pagellm.benchmarks.runner import engine_summary
 from pagellm.benchmarks.throughput import measure_throughput
 from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
 from pagellm.quantization import dense_one_row
+from pagellm.quantization.one_row_tiles import timing_one_row_products
 from pagellm.quantization.triton_matmul import dequant_matmul
 from pagellm.quantization.w8a8 import quantize_per_row, w8a8_matmul
 
@@ -47,10 +48,12 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def bench_us(fn) -> float:
-    """Microseconds of `fn` by CUDA-graph replay, compiled and autotuned first."""
+    """Microseconds of `fn` by CUDA-graph replay, compiled, autotuned and its one-row tiles chosen
+    first (as at an engine's start-up)."""
     import triton.testing
 
-    fn()  # compile / autotune outside the graph
+    with timing_one_row_products():
+        fn()  # compile / autotune / choose tiles outside the graph
     torch.cuda.synchronize()
     return 1000 * triton.testing.do_bench_cudagraph(fn, rep=50)
 

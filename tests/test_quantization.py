@@ -221,10 +221,11 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     torch.testing.assert_close(out.cpu(), x_d.cpu() @ w_ref.t(), atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 
-def test_one_row_tile_is_the_fastest_on_copies_timed_once_and_never_in_a_capture(monkeypatch) -> None:
-    """Each weight shape's one-row tile: every candidate that compiles is timed (on the weight's
-    uncached copies), the fastest is kept and not timed again; a shape first met inside a CUDA
-    graph capture takes the first candidate, untimed and not remembered."""
+def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monkeypatch) -> None:
+    """Each weight shape's one-row tile: within start-up's timing, every candidate that compiles is
+    timed (on the weight's uncached copies), the fastest is kept and not timed again; a shape first
+    met outside it, or inside a CUDA graph capture, takes the first candidate, untimed and not
+    remembered; a shape no candidate compiles for is an error that names it."""
     import triton
 
     from pagellm.quantization import one_row_tiles
@@ -244,17 +245,24 @@ def test_one_row_tile_is_the_fastest_on_copies_timed_once_and_never_in_a_capture
         if config.kwargs["BLOCK_N"] == 16:
             raise triton.runtime.errors.OutOfResources(300000, 232448, "shared memory")
 
+    capturing = [False]
     monkeypatch.setattr(one_row_tiles, "_CHOSEN", {})
     monkeypatch.setattr(one_row_tiles, "uncached_copies", lambda w: [w, w.clone()])
     monkeypatch.setattr(one_row_tiles, "replay_us", replay)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4
-    assert sorted(set(timed)) == [2, 4, 8, 16]
-    timed.clear()
-    assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4 and not timed
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert one_row_tiles.choose("other", configs, run, weight) is configs[0] and not timed
-    assert "other" not in one_row_tiles._CHOSEN
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert one_row_tiles.choose("shape", configs, run, weight, "w") is configs[0] and not timed  # serving
+    with one_row_tiles.timing_one_row_products():
+        assert one_row_tiles.choose("shape", configs, run, weight, "w").kwargs["BLOCK_N"] == 4
+        assert sorted(set(timed)) == [2, 4, 8, 16]
+        timed.clear()
+        assert one_row_tiles.choose("shape", configs, run, weight, "w").kwargs["BLOCK_N"] == 4 and not timed
+        capturing[0] = True
+        assert one_row_tiles.choose("other", configs, run, weight, "w") is configs[0] and not timed
+        capturing[0] = False
+        assert "other" not in one_row_tiles._CHOSEN
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+        with pytest.raises(RuntimeError, match="no one-row tile compiles for the big weight"):
+            one_row_tiles.choose("huge", configs[3:], run, weight, "the big weight")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -282,7 +290,7 @@ def test_dense_one_row_steps_take_the_product_timed_faster_at_start_up(monkeypat
     than cuBLAS; a shape first met later keeps cuBLAS (nothing is timed while serving). Either
     way the product agrees with cuBLAS's."""
     from pagellm.models.layers.linear import ColumnParallelLinear
-    from pagellm.quantization import dense_one_row
+    from pagellm.quantization import dense_one_row, one_row_tiles
 
     monkeypatch.setattr(dense_one_row, "_FASTER", {})
     used: list[int] = []
@@ -296,7 +304,7 @@ def test_dense_one_row_steps_take_the_product_timed_faster_at_start_up(monkeypat
         used.clear()
         layer(x)  # not at start-up: cuBLAS, untimed
         assert key not in dense_one_row._FASTER and not used
-        with dense_one_row.timing_one_row_products():
+        with one_row_tiles.timing_one_row_products():
             layer(x)
         used.clear()
         got = layer(x)

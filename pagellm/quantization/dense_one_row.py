@@ -3,21 +3,19 @@ weights, where it beats cuBLAS on the GPU at hand.
 
 cuBLAS's one-row kernels read some of the H200's Llama-8B layers at 0.74-0.84 of copy bandwidth
 and add a split-K reduction; others at 1.0. Which is faster depends on the shape and the GPU, so
-each weight shape is timed once, at start-up (`timing_one_row_products`, entered by the model
-runner around its warm-up steps), and the faster kept. A shape first met later, or while a CUDA
+each weight shape is timed once, at start-up (`one_row_tiles.timing_one_row_products`, entered by
+the model runner around its warm-up steps), and the faster kept. A shape first met later, or while a CUDA
 graph is captured, takes cuBLAS: nothing is timed in the middle of serving.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 
 import torch
 import triton
 
-from pagellm.quantization.one_row_tiles import choose, replay_us, uncached_copies
-from pagellm.quantization.triton_matmul import _gemv_kernel, launch_one_row, one_row_configs
+from pagellm.quantization.one_row_tiles import choose, replay_us, timing, uncached_copies
+from pagellm.quantization.triton_matmul import OneRowKey, _gemv_kernel, launch_one_row, one_row_configs
 
 logger = logging.getLogger(__name__)
 
@@ -46,25 +44,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
         launch_one_row(config, n, (x, w, w, w, w, out, n, k, w.stride(0), 0, 0), **layout)
 
-    run(choose((x.device, n, k, weight.stride(0), weight.dtype, x.dtype), _CONFIGS, run, weight), weight)
+    key = OneRowKey(x.device, n, k, weight.stride(0), weight.dtype, x.dtype, None, tuple(layout.items()))
+    run(choose(key, _CONFIGS, run, weight, f"a {weight.dtype} weight {tuple(weight.shape)}"), weight)
     return out
 
 
 _FASTER: dict[tuple, bool] = {}
 """Per (device, weight shape and row stride, dtypes): whether `dense_gemv` beat cuBLAS."""
-_timing = False
-
-
-@contextlib.contextmanager
-def timing_one_row_products() -> Iterator[None]:
-    """Within the block, a one-row product of a weight shape not yet timed is timed (start-up's
-    warm-up steps, outside graph capture)."""
-    global _timing
-    _timing = True
-    try:
-        yield
-    finally:
-        _timing = False
 
 
 def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -74,9 +60,9 @@ def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     key = (x.device, tuple(weight.shape), weight.stride(0), weight.dtype, x.dtype)
     faster = _FASTER.get(key)
     if faster is None:
-        if not _timing or torch.cuda.is_current_stream_capturing() or weight.stride(1) != 1 \
-                or weight.shape[0] * weight.stride(0) >= 2**31:
+        if not timing() or weight.stride(1) != 1 or weight.shape[0] * weight.stride(0) >= 2**31:
             return False
+        dense_gemv(x, weight)  # its tile chosen first, on copies of its own
         weights = uncached_copies(weight)
         ours = replay_us(lambda w: dense_gemv(x, w), weights)
         cublas = replay_us(lambda w: torch.nn.functional.linear(x, w), weights)

@@ -1,6 +1,6 @@
-"""Which tile the one-row kernel (`triton_matmul._gemv_kernel`) takes for a weight: each candidate
-timed on copies of the weight that together exceed the L2 cache, replayed in a CUDA graph, and the
-fastest kept per weight shape and layout.
+"""Which tile the one-row kernel (`triton_matmul._gemv_kernel`) takes for a weight: at start-up, each
+candidate timed on copies of the weight, replayed in a CUDA graph, and the fastest kept per weight
+shape and layout.
 
 A model's layers stream their weights from memory once a step. Triton's autotuner times one weight
 over and over: a weight as small as a Llama-8B o_proj then sits in the H200's L2, or, after the
@@ -8,55 +8,89 @@ autotuner's cache flush, competes with the flush's write-backs. Several tiles ti
 percent of each other there, and its choice changed from one engine start to the next; in the
 engine the choices differed by up to a tenth of batch-1 decode speed
 (`benchmarks/results/one_row_tiles_in_situ_*.json`).
+
+Timing happens only within `timing_one_row_products()` (the model runner's warm-up steps, before
+its CUDA graphs are captured, and benchmarks): nothing is timed in the middle of serving. A shape
+first met elsewhere takes its first candidate, each list's best tile on every shape in the engine.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 import triton
 import triton.testing
+from triton.compiler.errors import CompileTimeAssertionFailure
+from triton.runtime.errors import OutOfResources, PTXASError
 
 logger = logging.getLogger(__name__)
 
+MAX_COPIES = 32
+"""Copies a weight is timed over at most: twice the L2 cache of weights smaller than 1/16 of it
+(a 135M model's) is more graph nodes than the timing needs, and such weights run from L2 anyway."""
+
 _CHOSEN: dict[Hashable, triton.Config] = {}
 """Per (device, weight shape, layout, dtypes): the tile timed fastest."""
+_timing = False
+
+
+@contextlib.contextmanager
+def timing_one_row_products() -> Iterator[None]:
+    """Within the block, a one-row product of a weight shape not yet timed is timed: its tile here,
+    and whether a dense weight's beats cuBLAS (`dense_one_row`)."""
+    global _timing
+    _timing = True
+    try:
+        yield
+    finally:
+        _timing = False
+
+
+def timing() -> bool:
+    """Whether a product first met now may be timed (within `timing_one_row_products`, outside a
+    CUDA graph capture)."""
+    return _timing and not torch.cuda.is_current_stream_capturing()
 
 
 def choose(key: Hashable, configs: list[triton.Config], run: Callable[[triton.Config, torch.Tensor], object],
-           weight: torch.Tensor) -> triton.Config:
-    """The tile for `key`: timed on first use, `run(config, w)` launching the product on weight `w`
-    (the layer's weight or a copy of it). Nothing is timed while a CUDA graph is captured: a shape
-    first met there takes the first candidate (the engine's warm-up steps run every shape before
-    its capture)."""
+           weight: torch.Tensor, label: str) -> triton.Config:
+    """The tile for `key`, timed on its first use within `timing_one_row_products`, else the first
+    of `configs`. `run(config, w)` launches the product on weight `w` (the layer's weight or a copy
+    of it); `label` names the weight in the log."""
     chosen = _CHOSEN.get(key)
     if chosen is not None:
         return chosen
-    if torch.cuda.is_current_stream_capturing():
+    if not timing():
         return configs[0]
     weights = uncached_copies(weight)
-    times = {}
+    times: dict[triton.Config, float] = {}
     for config in configs:
         try:
             times[config] = replay_us(lambda w, c=config: run(c, w), weights)
-        except triton.runtime.errors.OutOfResources:  # the tile needs more registers or shared memory
+        except (OutOfResources, PTXASError, CompileTimeAssertionFailure):  # the tile does not fit this GPU
             continue
     del weights
+    if not times:
+        raise RuntimeError(f"no one-row tile compiles for {label} on {torch.cuda.get_device_name(weight.device)}")
     chosen = _CHOSEN[key] = min(times, key=times.__getitem__)
-    logger.info("one-row tile for a %s weight %s: %s (%.1f us; slowest candidate %.1f us)", weight.dtype,
-                tuple(weight.shape), chosen, times[chosen], max(times.values()))
+    logger.info("one-row tile for %s: %s (%.1f us; slowest candidate %.1f us)", label, chosen, times[chosen],
+                max(times.values()))
     return chosen
 
 
 def uncached_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight and as many copies as make twice the L2 cache: read in turn, each comes from
-    memory, as a model's layers do."""
+    """The weight and as many copies as make twice the L2 cache (at most MAX_COPIES in all): read
+    in turn, each comes from memory, as a model's layers do."""
     size = weight.numel() * weight.element_size()
-    count = min(8, -(-2 * torch.cuda.get_device_properties(weight.device).L2_cache_size // size))
-    try:
-        return [weight, *(weight.clone() for _ in range(count - 1))]
-    except torch.cuda.OutOfMemoryError:  # no room beside the KV cache: timed on the one weight
+    count = min(MAX_COPIES, -(-2 * torch.cuda.get_device_properties(weight.device).L2_cache_size // size))
+    try:  # with the weight's own strides: the same product, the same tile key
+        return [weight, *(torch.empty_strided(weight.shape, weight.stride(), dtype=weight.dtype,
+                                              device=weight.device).copy_(weight) for _ in range(count - 1))]
+    except torch.cuda.OutOfMemoryError:
+        logger.warning("no room for copies of a weight %s: its one-row product is timed on the weight alone, "
+                       "which may answer from the L2 cache", tuple(weight.shape))
         return [weight]
 
 

@@ -16,6 +16,7 @@ eight.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -136,7 +137,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
                stride_zn, GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, PACKED: tl.constexpr,
                PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_gemv_kernel`'s sums over one tile `w` (from `_load_tile`) of inputs k0 .. k0 + BLOCK_K:
-    (acc, acc_groups, x_sum) updated. For 8- and 16-bit weights without groups, acc holds
+    (acc, acc_groups, x_sum) updated. For 8-bit codes and dense weights without groups, acc holds
     [BLOCK_N, S] partial sums, each of a run of BLOCK_K / S inputs in every tile."""
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
@@ -226,7 +227,9 @@ def _gemv_kernel(
         # A partial sum per run of one 16-byte load's weights: the runs are a thread's own, so
         # the sums across threads (shuffles, and a barrier between warps), which cost the tiles a
         # fifth of their instructions each time round, wait for the end of the loop.
-        acc = tl.zeros((BLOCK_N, BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 128), dtype=tl.float32)
+        RUNS: tl.constexpr = BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 128
+        tl.static_assert(RUNS > 0, "a one-row tile spans at least one 16-byte load of a row")
+        acc = tl.zeros((BLOCK_N, RUNS), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     x_sum = tl.zeros((1,), dtype=tl.float32)
@@ -503,18 +506,33 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
     def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
         launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
 
-    key = (x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
-    run(choose(key, configs, run, weight), weight)
+    key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
+    codes = "4-bit codes" if layout["PACKED"] else f"{weight.dtype} codes"
+    run(choose(key, configs, run, weight, f"{codes} [{n}, {k}]"), weight)
+
+
+class OneRowKey(NamedTuple):
+    """What a one-row tile is chosen for (`one_row_tiles.choose`)."""
+    device: torch.device
+    n: int
+    k: int
+    row_stride: int  # of the weight as the kernel reads it (int32 words for 4-bit codes)
+    weight_dtype: torch.dtype
+    x_dtype: torch.dtype
+    scale_dtype: torch.dtype | None  # None: a dense weight
+    layout: tuple  # the kernel's constants, (name, value) pairs
 
 
 def one_row_candidates(constants: dict) -> list[triton.Config]:
     """The one-row tiles for a layout (`_gemv`'s constants): with PER_GROUP, those of whole groups."""
-    return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"])
+    return list(_one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"]))
 
 
 @functools.cache
-def _one_row_candidates(packed: bool, group: int, per_group: bool) -> list[triton.Config]:
-    return _nonempty([c for c in _gemv_configs(packed) if not per_group or c.kwargs["BLOCK_K"] % group == 0], group)
+def _one_row_candidates(packed: bool, group: int, per_group: bool) -> tuple[triton.Config, ...]:
+    """`one_row_candidates`, computed once a layout."""
+    return tuple(_nonempty([c for c in _gemv_configs(packed) if not per_group or c.kwargs["BLOCK_K"] % group == 0],
+                           group))
 
 
 def launch_one_row(config: triton.Config, n: int, args: tuple, **constants: object) -> None:

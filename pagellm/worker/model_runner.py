@@ -15,7 +15,7 @@ from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection import verify
-from pagellm.sample.sampler import sample
+from pagellm.sample.sampler import in_float32, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
@@ -107,6 +107,7 @@ class ModelRunner:
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50).apply_model_defaults({})] * num_seqs
         sampling = SamplingMetadata.build(params, [0] * num_seqs, self.arch.vocab_size, self.device,
                                           self._default_generator)
+        logits = in_float32(logits, sampling)  # the model-dtype logits freed, as in a step (the profiled peak)
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -143,7 +144,7 @@ class ModelRunner:
         (`dense_one_row`), and the one-row kernel's tiles for each weight shape (`one_row_tiles`),
         before the graphs capture the choices."""
         from pagellm.attention.triton_kernels import LARGE_DECODE_PROGRAMS  # only with Triton
-        from pagellm.quantization.dense_one_row import timing_one_row_products
+        from pagellm.quantization.one_row_tiles import timing_one_row_products
 
         num_kv_heads = self.kv_caches[0][0].shape[2]
         max_num_seqs = self.config.args.max_num_seqs
@@ -298,6 +299,7 @@ class ModelRunner:
             md.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], dtype=torch.int64).to(
                 self.device, non_blocking=True)
             md.grammar_bitmask = torch.from_numpy(grammar.bits).to(self.device, non_blocking=True)
+        logits = in_float32(logits, md)  # the model-dtype logits freed before sampling's buffers
         sampled = sample(logits, md)
         if self.ps.pp_size == 1:
             tensor_parallel_broadcast(sampled)
@@ -326,6 +328,7 @@ class ModelRunner:
             md.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], dtype=torch.int64).to(
                 self.device, non_blocking=True)
             md.grammar_bitmask = torch.from_numpy(grammar.bits).to(self.device, non_blocking=True)
+        logits = in_float32(logits, md)  # the model-dtype logits freed before verification's buffers
         tokens, accepted = verify(logits, md, batch.draft_ids)
         out = [tokens, accepted.to(torch.int64)]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
