@@ -250,19 +250,19 @@ def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monke
     monkeypatch.setattr(one_row_tiles, "uncached_copies", lambda w: [w, w.clone()])
     monkeypatch.setattr(one_row_tiles, "replay_us", replay)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    assert one_row_tiles.choose("shape", configs, run, weight, "w") is configs[0] and not timed  # serving
+    assert one_row_tiles.choose("shape", configs, run, weight) is configs[0] and not timed  # serving
     with one_row_tiles.timing_one_row_products():
-        assert one_row_tiles.choose("shape", configs, run, weight, "w").kwargs["BLOCK_N"] == 4
+        assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4
         assert sorted(set(timed)) == [2, 4, 8, 16]
         timed.clear()
-        assert one_row_tiles.choose("shape", configs, run, weight, "w").kwargs["BLOCK_N"] == 4 and not timed
+        assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4 and not timed
         capturing[0] = True
-        assert one_row_tiles.choose("other", configs, run, weight, "w") is configs[0] and not timed
+        assert one_row_tiles.choose("other", configs, run, weight) is configs[0] and not timed
         capturing[0] = False
         assert "other" not in one_row_tiles._CHOSEN
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
-        with pytest.raises(RuntimeError, match="no one-row tile compiles for the big weight"):
-            one_row_tiles.choose("huge", configs[3:], run, weight, "the big weight")
+        with pytest.raises(RuntimeError, match="no one-row tile compiles for huge on a GPU"):
+            one_row_tiles.choose("huge", configs[3:], run, weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

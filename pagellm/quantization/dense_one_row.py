@@ -15,7 +15,7 @@ import torch
 import triton
 
 from pagellm.quantization.one_row_tiles import choose, replay_us, timing, uncached_copies
-from pagellm.quantization.triton_matmul import OneRowKey, _gemv_kernel, launch_one_row, one_row_configs
+from pagellm.quantization.triton_matmul import OneRowKey, interpreter_tile, launch_one_row, one_row_configs
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +36,15 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     layout = dict(GROUP=0, ZERO=0, OFFSET=False, PACKED=False, PER_GROUP=False, DENSE=True)
-    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
-        _gemv_kernel[(triton.cdiv(n, 16),)](x, weight, weight, weight, weight, out, n, k, weight.stride(0), 0, 0,
-                                            **layout, BLOCK_N=16, BLOCK_K=64)
-        return out
 
     def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
         launch_one_row(config, n, (x, w, w, w, w, out, n, k, w.stride(0), 0, 0), **layout)
 
+    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        run(interpreter_tile(64), weight)
+        return out
     key = OneRowKey(x.device, n, k, weight.stride(0), weight.dtype, x.dtype, None, tuple(layout.items()))
-    run(choose(key, _CONFIGS, run, weight, f"a {weight.dtype} weight {tuple(weight.shape)}"), weight)
+    run(choose(key, _CONFIGS, run, weight), weight)
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 import torch
 import triton
@@ -54,11 +54,11 @@ def timing() -> bool:
     return _timing and not torch.cuda.is_current_stream_capturing()
 
 
-def choose(key: Hashable, configs: list[triton.Config], run: Callable[[triton.Config, torch.Tensor], object],
-           weight: torch.Tensor, label: str) -> triton.Config:
-    """The tile for `key`, timed on its first use within `timing_one_row_products`, else the first
-    of `configs`. `run(config, w)` launches the product on weight `w` (the layer's weight or a copy
-    of it); `label` names the weight in the log."""
+def choose(key: Hashable, configs: Sequence[triton.Config], run: Callable[[triton.Config, torch.Tensor], object],
+           weight: torch.Tensor) -> triton.Config:
+    """The tile for `key` (which names the weight in the log), timed on its first use within
+    `timing_one_row_products`, else the first of `configs`. `run(config, w)` launches the product
+    on weight `w` (the layer's weight or a copy of it)."""
     chosen = _CHOSEN.get(key)
     if chosen is not None:
         return chosen
@@ -73,9 +73,9 @@ def choose(key: Hashable, configs: list[triton.Config], run: Callable[[triton.Co
             continue
     del weights
     if not times:
-        raise RuntimeError(f"no one-row tile compiles for {label} on {torch.cuda.get_device_name(weight.device)}")
+        raise RuntimeError(f"no one-row tile compiles for {key} on {torch.cuda.get_device_name(weight.device)}")
     chosen = _CHOSEN[key] = min(times, key=times.__getitem__)
-    logger.info("one-row tile for %s: %s (%.1f us; slowest candidate %.1f us)", label, chosen, times[chosen],
+    logger.info("one-row tile for %s: %s (%.1f us; slowest candidate %.1f us)", key, chosen, times[chosen],
                 max(times.values()))
     return chosen
 

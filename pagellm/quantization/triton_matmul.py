@@ -496,19 +496,15 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         weight = weight.view(torch.int32)
         stride_wn = weight.stride(0)
     constants = dict(**layout, PER_GROUP=per_group)
-    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
-        block_k = max(64, layout["GROUP"]) if per_group else 64
-        _gemv_kernel[(triton.cdiv(n, 16),)](x, weight, *rest, n, k, stride_wn, stride_sn, stride_zn, **constants,
-                                            BLOCK_N=16, BLOCK_K=block_k)
-        return
-    configs = one_row_candidates(constants)
 
     def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
         launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
 
+    if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
+        run(interpreter_tile(max(64, layout["GROUP"]) if per_group else 64), weight)
+        return
     key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
-    codes = "4-bit codes" if layout["PACKED"] else f"{weight.dtype} codes"
-    run(choose(key, configs, run, weight, f"{codes} [{n}, {k}]"), weight)
+    run(choose(key, one_row_candidates(constants), run, weight), weight)
 
 
 class OneRowKey(NamedTuple):
@@ -523,9 +519,9 @@ class OneRowKey(NamedTuple):
     layout: tuple  # the kernel's constants, (name, value) pairs
 
 
-def one_row_candidates(constants: dict) -> list[triton.Config]:
+def one_row_candidates(constants: dict) -> tuple[triton.Config, ...]:
     """The one-row tiles for a layout (`_gemv`'s constants): with PER_GROUP, those of whole groups."""
-    return list(_one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"]))
+    return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"])
 
 
 @functools.cache
@@ -533,6 +529,11 @@ def _one_row_candidates(packed: bool, group: int, per_group: bool) -> tuple[trit
     """`one_row_candidates`, computed once a layout."""
     return tuple(_nonempty([c for c in _gemv_configs(packed) if not per_group or c.kwargs["BLOCK_K"] % group == 0],
                            group))
+
+
+def interpreter_tile(block_k: int) -> triton.Config:
+    """The one tile the one-row kernel takes under Triton's interpreter (the tests' small shapes)."""
+    return triton.Config({"BLOCK_N": 16, "BLOCK_K": block_k})
 
 
 def launch_one_row(config: triton.Config, n: int, args: tuple, **constants: object) -> None:
