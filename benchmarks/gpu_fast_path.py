@@ -47,7 +47,8 @@ from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.datasets import BenchRequest, dataset_requests, load_requests, random_requests, save_requests
 from pagellm.benchmarks.latency import measure_latency
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
-from pagellm.benchmarks.roofline import ModelCost, decode_floor, measure_ceilings, run_floor, with_fraction
+from pagellm.benchmarks.roofline import (ModelCost, decode_floor, measure_ceilings, run_floor, serial_floor,
+                                       with_fraction)
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.benchmarks.throughput import measure_throughput
 from pagellm.config import EngineConfig
@@ -267,9 +268,13 @@ def _engine_throughput(llm: LLM, requests: list[BenchRequest], deadline: float, 
     numbers, run = measure_throughput(llm, requests, deadline)
     work = [(t.prompt_tokens, t.output_tokens) for t in run.requests if t.output_tokens]
     config = llm.llm_engine.config
-    numbers["floor"] = None if ctx.ceilings is None else with_fraction(
-        run_floor(ctx.cost, ctx.ceilings, work, config.args.max_num_seqs, config.max_num_batched_tokens),
-        run.elapsed_s)
+    if ctx.ceilings is None:
+        numbers["floor"] = None
+        return numbers
+    limits = (config.args.max_num_seqs, config.max_num_batched_tokens)
+    numbers["floor"] = with_fraction(run_floor(ctx.cost, ctx.ceilings, work, *limits), run.elapsed_s)
+    serial = serial_floor(ctx.cost, ctx.ceilings, work, *limits)
+    numbers["serial_floor"] = {**serial, "fraction_of_serial_floor": serial["serial_s"] / run.elapsed_s}
     return numbers
 
 

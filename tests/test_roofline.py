@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from pagellm.benchmarks.roofline import Ceilings, ModelCost, decode_floor, measure_ceilings, run_floor, with_fraction
+from pagellm.benchmarks.roofline import (Ceilings, ModelCost, decode_floor, measure_ceilings, run_floor, serial_floor,
+                                       with_fraction)
 from pagellm.loader import resolve_model
 
 
@@ -65,3 +66,33 @@ def test_measure_ceilings_on_the_cpu():
     assert math.isfinite(ceilings.copy_bytes_per_s) and ceilings.copy_bytes_per_s > 0
     assert ceilings.matmul_flops_per_s == pytest.approx(2 * 64 ** 3 / record["matmul_best_s"])
     assert ceilings.copy_bytes_per_s == pytest.approx(2 * (1 << 20) / record["copy_best_s"])
+
+
+def test_serial_floor_steps_follow_the_schedule_and_never_beat_the_run_floor():
+    cost = ModelCost(layer_params=1000, lm_head_params=300, step_weight_bytes=2600, kv_bytes_per_token=8,
+                     attention_flops_per_pair=16)
+    ceilings = Ceilings(copy_bytes_per_s=1e4, matmul_flops_per_s=1e5)
+    requests = [(5, 5), (6, 3), (13, 9)]
+    # Budget 8: step 1 prefills 5 + 3 of the second prompt; step 2 decodes one, finishes the
+    # second prompt (3) and starts the third (4); steps 3 and 4 decode two and take the third's
+    # next 6 and last 3 tokens; its 8 decodes end at step 12.
+    serial = serial_floor(cost, ceilings, requests, max_num_seqs=8, max_num_batched_tokens=8)
+    assert serial["steps"] == 12
+    assert serial["serial_s"] == pytest.approx(serial["matmul_s"] + serial["attention_s"])
+    for max_num_seqs, budget in [(1, 100), (8, 100), (8, 3), (2, 7)]:
+        serial = serial_floor(cost, ceilings, requests, max_num_seqs, budget)
+        floor = run_floor(cost, ceilings, requests, max_num_seqs, budget)
+        assert serial["steps"] >= floor["min_steps"]
+        assert serial["serial_s"] >= floor["floor_s"]
+
+
+def test_serial_floor_charges_a_decode_step_its_weights_and_its_kv_reads():
+    cost = ModelCost(layer_params=1000, lm_head_params=300, step_weight_bytes=2600, kv_bytes_per_token=8,
+                     attention_flops_per_pair=16)
+    ceilings = Ceilings(copy_bytes_per_s=1e4, matmul_flops_per_s=1e5)
+    serial = serial_floor(cost, ceilings, [(4, 3)], max_num_seqs=1, max_num_batched_tokens=16)
+    # Prefill (4 tokens, 10 pairs, 1 sampled), then two decodes at contexts 5 and 6: weight-bound steps.
+    prefill = max(2600 / 1e4, (2 * 1000 * 4 + 2 * 300) / 1e5) + 16 * 10 / 1e5
+    decodes = sum(2600 / 1e4 + max(8 * c / 1e4, 16 * c / 1e5) for c in (5, 6))
+    assert serial["steps"] == 3
+    assert serial["serial_s"] == pytest.approx(prefill + decodes)

@@ -9,6 +9,10 @@ KV cache of its context. FLOPs: 2 per weight per token through the layers, the L
 tokens that are sampled, and 4 * layers * heads * head_dim per (query, key) pair of attention.
 Norms, biases, activations and the KV writes are left out: the floor stays a lower bound.
 A result's `fraction_of_floor` is floor time / achieved time (1.0 would be the hardware's limit).
+
+`serial_floor` is tighter for engines that run attention after the projections within a step (this
+one, vLLM, SGLang): it follows the scheduler's policy step by step and charges each step
+max(weights, matmul FLOPs) plus its attention, since a step's two cannot hide each other.
 """
 from __future__ import annotations
 
@@ -86,6 +90,55 @@ def run_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[int,
     flops = (2 * cost.layer_params * tokens + 2 * cost.lm_head_params * outputs
              + cost.attention_flops_per_pair * (prefill_pairs + decode_pairs))
     return {**_floor(num_bytes, flops, ceilings), "min_steps": min_steps}
+
+
+def serial_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[int, int]], max_num_seqs: int,
+                 max_num_batched_tokens: int) -> dict[str, float]:
+    """Floor of running `(prompt_len, output_len)` requests, all queued at once, under the scheduler's
+    policy (decodes first, then prompt chunks first come first served within the token budget, at
+    most `max_num_seqs` running; KV capacity and preemption not modelled), when a step's attention
+    runs after its matmuls: each step costs max(weight bytes / bandwidth, matmul FLOPs / matmul
+    rate) plus its attention (decodes: the larger of KV bytes / bandwidth and FLOPs / matmul rate;
+    prompt chunks: FLOPs / matmul rate).
+
+    Returns the floor and its parts: `serial_s`, `steps`, `matmul_s`, `attention_s`.
+    """
+    bw, rate = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
+    pending = list(enumerate(requests))[::-1]  # waiting, first served last in the list
+    running: dict[int, list[int]] = {}  # index -> [prompt tokens done, tokens generated]
+    steps = 0
+    matmul_s = attention_s = 0.0
+    while pending or running:
+        budget, tokens, sampled, kv_tokens, prompt_pairs = max_num_batched_tokens, 0, 0, 0, 0
+        for i, (done, generated) in running.items():
+            prompt, _ = requests[i]
+            if done == prompt:  # decode: the token at prompt + generated - 1 attends prompt + generated keys
+                kv_tokens += prompt + generated
+                running[i][1] += 1
+                tokens, sampled, budget = tokens + 1, sampled + 1, budget - 1
+        for i, state in running.items():
+            prompt = requests[i][0]
+            if state[0] < prompt and budget > 0:
+                chunk = min(prompt - state[0], budget)
+                prompt_pairs += _sum_range(state[0] + 1, state[0] + chunk)
+                state[0] += chunk
+                if state[0] == prompt:  # the prompt's last chunk samples the first output token
+                    state[1], sampled = 1, sampled + 1
+                tokens, budget = tokens + chunk, budget - chunk
+        while pending and budget > 0 and len(running) < max_num_seqs:
+            i, (prompt, _) = pending.pop()
+            chunk = min(prompt, budget)
+            prompt_pairs += _sum_range(1, chunk)
+            running[i] = [chunk, 1 if chunk == prompt else 0]
+            sampled += chunk == prompt
+            tokens, budget = tokens + chunk, budget - chunk
+        flops = 2 * cost.layer_params * tokens + 2 * cost.lm_head_params * sampled
+        matmul_s += max(cost.step_weight_bytes / bw, flops / rate)
+        attention_s += (max(kv_tokens * cost.kv_bytes_per_token / bw, cost.attention_flops_per_pair * kv_tokens / rate)
+                        + cost.attention_flops_per_pair * prompt_pairs / rate)
+        steps += 1
+        running = {i: state for i, state in running.items() if state[1] < requests[i][1]}
+    return {"serial_s": matmul_s + attention_s, "steps": steps, "matmul_s": matmul_s, "attention_s": attention_s}
 
 
 def with_fraction(floor: dict[str, float], achieved_s: float) -> dict[str, float]:
