@@ -88,12 +88,12 @@ def test_two_replicas_serve_64_concurrent_requests_by_prefix_with_the_outputs_of
 def test_a_dead_replica_fails_its_requests_while_the_other_finishes_its_own():
     llm = AsyncLLM.from_engine_args(EngineArgs(**CPU, data_parallel_size=2))
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    progress = {"0": 0, "1": 0}
+    progress = {"0": 0, "1": 0}  # tokens received (one output may carry several steps' tokens)
 
     async def consume(request_id: str, prompt: str) -> str:
         text = ""
         async for out in llm.generate(prompt, long, request_id):
-            progress[request_id] += 1
+            progress[request_id] = len(out.outputs[0].token_ids)
             text = out.outputs[0].text
         return text
 
