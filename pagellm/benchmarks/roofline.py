@@ -80,7 +80,7 @@ def run_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[int,
     The first output token comes from the prefill step, each later one from a decode step that
     processes the previous token at position prompt_len + j - 1 and reads the KV of its context.
     """
-    decode_pairs = sum(_sum_range(p + 1, p + o - 1) for p, o in requests)  # keys seen by decode tokens
+    decode_pairs = sum(sum_range(p + 1, p + o - 1) for p, o in requests)  # keys seen by decode tokens
     prefill_pairs = sum(p * (p + 1) // 2 for p, _ in requests)
     tokens = sum(p + o - 1 for p, o in requests)
     outputs = sum(o for _, o in requests)
@@ -103,7 +103,6 @@ def serial_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[i
 
     Returns the floor and its parts: `serial_s`, `steps`, `matmul_s`, `attention_s`.
     """
-    bw, rate = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
     pending = list(enumerate(requests))[::-1]  # waiting, first served last in the list
     running: dict[int, list[int]] = {}  # index -> [prompt tokens done, tokens generated]
     steps = 0
@@ -120,7 +119,7 @@ def serial_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[i
             prompt = requests[i][0]
             if state[0] < prompt and budget > 0:
                 chunk = min(prompt - state[0], budget)
-                prompt_pairs += _sum_range(state[0] + 1, state[0] + chunk)
+                prompt_pairs += sum_range(state[0] + 1, state[0] + chunk)
                 state[0] += chunk
                 if state[0] == prompt:  # the prompt's last chunk samples the first output token
                     state[1], sampled = 1, sampled + 1
@@ -128,17 +127,29 @@ def serial_floor(cost: ModelCost, ceilings: Ceilings, requests: Sequence[tuple[i
         while pending and budget > 0 and len(running) < max_num_seqs:
             i, (prompt, _) = pending.pop()
             chunk = min(prompt, budget)
-            prompt_pairs += _sum_range(1, chunk)
+            prompt_pairs += sum_range(1, chunk)
             running[i] = [chunk, 1 if chunk == prompt else 0]
             sampled += chunk == prompt
             tokens, budget = tokens + chunk, budget - chunk
-        flops = 2 * cost.layer_params * tokens + 2 * cost.lm_head_params * sampled
-        matmul_s += max(cost.step_weight_bytes / bw, flops / rate)
-        attention_s += (max(kv_tokens * cost.kv_bytes_per_token / bw, cost.attention_flops_per_pair * kv_tokens / rate)
-                        + cost.attention_flops_per_pair * prompt_pairs / rate)
+        step_matmul_s, step_attention_s = serial_step_s(cost, ceilings, tokens, sampled, kv_tokens, prompt_pairs)
+        matmul_s += step_matmul_s
+        attention_s += step_attention_s
         steps += 1
         running = {i: state for i, state in running.items() if state[1] < requests[i][1]}
     return {"serial_s": matmul_s + attention_s, "steps": steps, "matmul_s": matmul_s, "attention_s": attention_s}
+
+
+def serial_step_s(cost: ModelCost, ceilings: Ceilings, tokens: int, sampled: int, kv_tokens: int,
+                  prompt_pairs: int) -> tuple[float, float]:
+    """The least time of one step whose attention runs after its matmuls, as (matmuls, attention):
+    `tokens` through the layers, `sampled` of them through the LM head, decodes attending to
+    `kv_tokens` cached keys in all, and `prompt_pairs` (query, key) pairs of prompt chunks."""
+    bw, rate = ceilings.copy_bytes_per_s, ceilings.matmul_flops_per_s
+    flops = 2 * cost.layer_params * tokens + 2 * cost.lm_head_params * sampled
+    matmul_s = max(cost.step_weight_bytes / bw, flops / rate)
+    attention_s = (max(kv_tokens * cost.kv_bytes_per_token / bw, cost.attention_flops_per_pair * kv_tokens / rate)
+                   + cost.attention_flops_per_pair * prompt_pairs / rate)
+    return matmul_s, attention_s
 
 
 def with_fraction(floor: dict[str, float], achieved_s: float) -> dict[str, float]:
@@ -166,7 +177,7 @@ def _floor(num_bytes: float, flops: float, ceilings: Ceilings) -> dict[str, floa
             "floor_s": max(memory_s, compute_s)}
 
 
-def _sum_range(first: int, last: int) -> int:
+def sum_range(first: int, last: int) -> int:
     """first + (first + 1) + ... + last; 0 when last < first."""
     return (first + last) * (last - first + 1) // 2 if last >= first else 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from pagellm.benchmarks.datasets import BenchRequest, dataset_requests, random_requests
@@ -44,14 +45,18 @@ def run_cli(ns: argparse.Namespace) -> int:
 
 
 def measure_throughput(llm: LLM, requests: list[BenchRequest], deadline: float | None = None,
-                       progress: bool = False) -> tuple[dict[str, Any], RunResult]:
+                       progress: bool = False,
+                       before_timed: Callable[[], None] | None = None) -> tuple[dict[str, Any], RunResult]:
     """Warm up, then time `requests` (see the module docstring): the numbers and the run they came
     from. `deadline` (perf_counter seconds) cuts a long run short: the numbers then say
-    `complete: False` and count what was done."""
+    `complete: False` and count what was done. `before_timed` is called between the warm-up and
+    the timed run (a benchmark starting its own records)."""
     engine = llm.llm_engine
     warmup = random_requests(_WARMUP["num"], _WARMUP["input_len"], _WARMUP["output_len"],
                              engine.config.source.arch.vocab_size, _WARMUP_SEED)
     run_requests(engine, warmup)
+    if before_timed is not None:
+        before_timed()
     run = run_requests(engine, requests, deadline=deadline, progress=progress)
     return throughput_numbers(run), run
 
