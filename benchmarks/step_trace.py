@@ -167,6 +167,20 @@ def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
     return float(np.median(times))
 
 
+def kernel_us(graph: torch.cuda.CUDAGraph, iters: int) -> dict[str, float]:
+    """GPU microseconds per replay of each kernel of `graph` (the torch profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    found = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if us > 0:
+            found[evt.key[:100]] = us / iters
+    return dict(sorted(found.items(), key=lambda item: -item[1]))
+
+
 def capture(fn) -> torch.cuda.CUDAGraph:
     fn()  # compiles and settles the allocator
     torch.cuda.synchronize()
@@ -219,7 +233,12 @@ def overlap_probe(llm: LLM, shapes: list[tuple[int, int]], iters: int) -> list[d
         for name, fn in (("whole_ms", run_whole), ("halves_in_turn_ms", run_halves), ("halves_two_streams_ms", run_streams)):
             graph = capture(fn)
             row[name] = replay_ms(graph, iters)
+            if name == "whole_ms":
+                row["whole_kernels_us"] = kernel_us(graph, iters)
             del graph
+        attention = sum(us for kernel, us in row["whole_kernels_us"].items() if "attention" in kernel or "merge" in kernel)
+        row["whole_attention_ms"] = attention / 1e3
+        row["whole_other_kernels_ms"] = (sum(row["whole_kernels_us"].values()) - attention) / 1e3
         # The halves' inputs are the whole batch's rows in another block order: compare by content.
         ref = model(*a)
         row["two_streams_vs_in_turn_max_abs"] = float((out["a"].float() - ref.float()).abs().max())
@@ -289,12 +308,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             raise SystemExit("--overlap needs a CUDA device")
         shapes = list(zip(args.overlap_shapes[::2], args.overlap_shapes[1::2]))
         payload["overlap"] = overlap_probe(llm, shapes, args.iters)
-        print(format_table(["batch", "context", "whole ms", "halves in turn", "two streams", "streams / whole",
-                            "max |diff|"],
-                           [[r["batch"], r["context"], *(f"{r[k]:.3f}" for k in (
-                               "whole_ms", "halves_in_turn_ms", "halves_two_streams_ms", "two_streams_over_whole",
-                               "two_streams_vs_in_turn_max_abs"))] if "whole_ms" in r else
-                            [r["batch"], r["context"], r["skipped"], "", "", "", ""] for r in payload["overlap"]]))
+        keys = ("whole_ms", "whole_attention_ms", "whole_other_kernels_ms", "halves_in_turn_ms",
+                "halves_two_streams_ms", "two_streams_over_whole", "two_streams_vs_in_turn_max_abs")
+        print(format_table(["batch", "context", "whole ms", "its attention", "its other kernels", "halves in turn",
+                            "two streams", "streams / whole", "max |diff|"],
+                           [[r["batch"], r["context"], *(f"{r[k]:.3f}" for k in keys)] if "whole_ms" in r else
+                            [r["batch"], r["context"], r["skipped"], *[""] * (len(keys) - 1)]
+                            for r in payload["overlap"]]))
     path = default_result_path("step_trace")
     paths = [write_json(payload, path)]
     if args.out_dir:
