@@ -7,6 +7,11 @@ takes the ceilings it measured, the model and the limits each phase ran with, re
 requests (random: fixed lengths; ShareGPT: the requests file the run used) and prints each phase's
 floors against what it achieved, so a target can be checked against what the design allows.
 
+It also prints what fp8 weights could gain over the run's 16-bit ones at most, with the KV cache
+kept in 16 bits: the serial floor again with half the weight bytes and matmuls `--fp8-speedup`
+times faster (2, the H200 datasheet's fp8 / bf16 ratio, unless told otherwise), as the ratio of the
+two floors. An engine at the same fraction of both floors gains exactly that.
+
     .venv/bin/python -m benchmarks.serial_floor benchmarks/results/gpu_fast_path_h200_..._a707125.json
 """
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pagellm.benchmarks.roofline import Ceilings, ModelCost, run_floor, serial_f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path, help="a gpu_fast_path results JSON")
+    parser.add_argument("--fp8-speedup", type=float, default=2.0,
+                        help="fp8 matmul rate over the measured bf16 one (default 2: the datasheet's)")
     parser.add_argument("--output-json", type=Path, default=None,
                         help="default: benchmarks/results/serial_floor_<date>.json")
     ns = parser.parse_args(argv)
@@ -49,13 +56,20 @@ def main(argv: list[str] | None = None) -> int:
         limits = (engine["max_num_seqs"], engine["max_num_batched_tokens"])
         achieved = run["result"]["elapsed_s"]
         floor, serial = run_floor(cost, ceilings, work, *limits), serial_floor(cost, ceilings, work, *limits)
+        fp8 = serial_floor(dataclasses.replace(cost, step_weight_bytes=cost.step_weight_bytes // 2),
+                           dataclasses.replace(ceilings, matmul_flops_per_s=ceilings.matmul_flops_per_s * ns.fp8_speedup),
+                           work, *limits)
         records[name] = {"max_num_seqs": limits[0], "max_num_batched_tokens": limits[1], "achieved_s": achieved,
-                         "achieved_steps": run["result"]["num_steps"], "floor": floor, "serial_floor": serial}
+                         "achieved_steps": run["result"]["num_steps"], "floor": floor, "serial_floor": serial,
+                         "fp8_weights_serial_floor": {**fp8, "fp8_matmul_speedup": ns.fp8_speedup,
+                                                      "max_gain": serial["serial_s"] / fp8["serial_s"]}}
         rows.append([name, f"{achieved:.2f}", run["result"]["num_steps"], f"{floor['floor_s']:.2f}",
                      f"{serial['serial_s']:.2f}", serial["steps"], f"{serial['matmul_s']:.2f}",
-                     f"{serial['attention_s']:.2f}", f"{serial['serial_s'] / achieved:.2f}"])
+                     f"{serial['attention_s']:.2f}", f"{serial['serial_s'] / achieved:.2f}", f"{fp8['serial_s']:.2f}",
+                     f"{serial['serial_s'] / fp8['serial_s']:.3f}"])
     print(format_table(["phase", "achieved s", "steps", "floor s", "serial floor s", "steps", "matmuls s",
-                        "attention s", "serial / achieved"], rows, left=[0]))
+                        "attention s", "serial / achieved", "fp8 weights: serial floor s", "max gain"], rows,
+                       left=[0]))
     payload = {"benchmark": "serial_floor", **run_metadata(), "source": str(ns.results),
                "source_commit": source["git"]["commit"], "ceilings": dataclasses.asdict(ceilings), "phases": records}
     print("wrote", write_json(payload, ns.output_json or default_result_path("serial_floor")))
