@@ -18,6 +18,7 @@ import io
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,8 @@ from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.results import format_table, run_metadata, write_json
 
 
-def graph_replay_ms(runner: Any, size: int, q: int = 1, iters: int = 50) -> float:
-    """GPU time of one replay of the captured graph of `size` sequences of `q` tokens."""
-    graph = runner.graphs.graph(size, q)
+def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 50) -> float:
+    """GPU time of one replay of `graph`: the mean of `iters` back-to-back replays (CUDA events)."""
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -44,6 +44,28 @@ def graph_replay_ms(runner: Any, size: int, q: int = 1, iters: int = 50) -> floa
     return start.elapsed_time(end) / iters
 
 
+def graph_replay_ms(runner: Any, size: int, q: int = 1, iters: int = 50) -> float:
+    """GPU time of one replay of the captured graph of `size` sequences of `q` tokens."""
+    return replay_ms(runner.graphs.graph(size, q), iters)
+
+
+def kernel_times_us(step: Callable[[], object], iters: int = 10) -> dict[str, Any]:
+    """GPU time per call of `step` by kernel name (the torch profiler), slowest first (at most 40)."""
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if us > 0:
+            kernels.append({"name": evt.key[:120], "calls_per_step": evt.count / iters, "us_per_step": us / iters})
+    kernels.sort(key=lambda r: -r["us_per_step"])
+    return {"sum_us_per_step": sum(r["us_per_step"] for r in kernels), "kernels": kernels[:40]}
+
+
 def kernel_breakdown(runner: Any, size: int, iters: int = 10) -> dict[str, Any]:
     """GPU time per decode step by kernel name, for the graph replay of `size` rows and for the same
     forward run eagerly (launch gaps show as the difference between the sum and the step time).
@@ -52,22 +74,8 @@ def kernel_breakdown(runner: Any, size: int, iters: int = 10) -> dict[str, Any]:
     graph = runner.graphs.graph(size)
     md = runner.graphs._metadata(size)
     ids, positions = runner.graphs.input_ids[:size], runner.graphs.positions[:size]
-    found = {}
-    for label, step in (("graph", graph.replay), ("eager", lambda: runner.model(ids, positions, md))):
-        step()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-        kernels = []
-        for evt in prof.key_averages():
-            us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-            if us > 0:
-                kernels.append({"name": evt.key[:120], "calls_per_step": evt.count / iters, "us_per_step": us / iters})
-        kernels.sort(key=lambda r: -r["us_per_step"])
-        found[label] = {"sum_us_per_step": sum(r["us_per_step"] for r in kernels), "kernels": kernels[:40]}
-    return found
+    return {label: kernel_times_us(step, iters)
+            for label, step in (("graph", graph.replay), ("eager", lambda: runner.model(ids, positions, md)))}
 
 
 def engine_step_ms(llm: LLM, batch: int, input_len: int, output_len: int) -> float:

@@ -23,6 +23,7 @@ On the CPU (the trace only), with DIR a folder holding a small Llama's config.js
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ if __package__ in (None, ""):
 import numpy as np
 import torch
 
+from benchmarks.gpu_step_profile import kernel_times_us, replay_ms
 from pagellm import LLM
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.benchmarks.datasets import load_requests, random_requests
@@ -43,8 +45,9 @@ from pagellm.benchmarks.roofline import Ceilings, ModelCost, measure_ceilings, s
 from pagellm.benchmarks.throughput import measure_throughput
 
 DEFAULT_REQUESTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_1000_seed0.json.gz")
-DECODE_GROUPS = (1, 2, 8, 32, 128, 256, 512, 1024)
-"""Upper bounds of the decode-only groups of steps (by decodes per step)."""
+DECODE_GROUPS = ((1, 1), (2, 2), (3, 8), (9, 32), (33, 128), (129, 256), (257, 512), (513, 1024))
+"""The decode-only groups of steps, by decodes per step (larger steps: one group more)."""
+GROUP_NAMES = ["prompt chunks", *(f"decode {lo}-{hi}" for lo, hi in DECODE_GROUPS), f"decode > {DECODE_GROUPS[-1][1]}"]
 
 
 @dataclass(slots=True)
@@ -65,7 +68,7 @@ def trace_steps(llm: LLM) -> list[StepRecord]:
     core = llm.llm_engine.engine_core
     scheduler, executor = core.scheduler, core.executor
     records: list[StepRecord] = []
-    launched: list[StepRecord] = []
+    launched: collections.deque[StepRecord] = collections.deque()
     execute, collect = executor.execute_model, core._collect
 
     def execute_traced(so):
@@ -87,7 +90,7 @@ def trace_steps(llm: LLM) -> list[StepRecord]:
 
     def collect_traced():
         outputs = collect()
-        record = launched.pop(0)
+        record = launched.popleft()
         record.done_s = time.perf_counter()
         records.append(record)
         return outputs
@@ -99,10 +102,8 @@ def trace_steps(llm: LLM) -> list[StepRecord]:
 
 def group_of(record: StepRecord) -> str:
     if record.prompt_tokens:
-        return "prompt chunks"
-    bound = next((b for b in DECODE_GROUPS if record.decodes <= b), None)
-    lower = DECODE_GROUPS[DECODE_GROUPS.index(bound) - 1] + 1 if bound and bound > 1 else 1
-    return f"decode {lower}-{bound}" if bound else f"decode > {DECODE_GROUPS[-1]}"
+        return GROUP_NAMES[0]
+    return next((f"decode {lo}-{hi}" for lo, hi in DECODE_GROUPS if record.decodes <= hi), GROUP_NAMES[-1])
 
 
 def summarize(records: list[StepRecord], start_s: float, cost: ModelCost, ceilings: Ceilings) -> list[dict[str, Any]]:
@@ -121,10 +122,8 @@ def summarize(records: list[StepRecord], start_s: float, cost: ModelCost, ceilin
         g["attention_floor_s"] += attention
         g["decodes"] += r.decodes
         g["prompt_tokens"] += r.prompt_tokens
-    order = ["prompt chunks"] + [group_of(StepRecord(b, 0, 0, 0, 0)) for b in DECODE_GROUPS] + [
-        f"decode > {DECODE_GROUPS[-1]}"]
     rows = []
-    for name in order:
+    for name in GROUP_NAMES:
         if name in groups:
             g = groups[name]
             floor = g["matmul_floor_s"] + g["attention_floor_s"]
@@ -152,33 +151,6 @@ def decode_inputs(batch: int, context: int, block_size: int, first_block: int, d
     ids = torch.randint(0, vocab, (batch,), generator=gen).to(device)
     positions = torch.full((batch,), context - 1, dtype=torch.int64, device=device)
     return ids, positions, md
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return float(np.median(times))
-
-
-def kernel_us(graph: torch.cuda.CUDAGraph, iters: int) -> dict[str, float]:
-    """GPU microseconds per replay of each kernel of `graph` (the torch profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            graph.replay()
-        torch.cuda.synchronize()
-    found = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if us > 0:
-            found[evt.key[:100]] = us / iters
-    return dict(sorted(found.items(), key=lambda item: -item[1]))
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
@@ -235,11 +207,12 @@ def overlap_probe(llm: LLM, shapes: list[tuple[int, int]], iters: int) -> list[d
             graph = capture(fn)
             row[name] = replay_ms(graph, iters)
             if name == "whole_ms":
-                row["whole_kernels_us"] = kernel_us(graph, iters)
+                row["whole_kernels"] = kernel_times_us(graph.replay, iters)
             del graph
-        attention = sum(us for kernel, us in row["whole_kernels_us"].items() if "attention" in kernel or "merge" in kernel)
+        kernels = row["whole_kernels"]
+        attention = sum(k["us_per_step"] for k in kernels["kernels"] if "attention" in k["name"] or "merge" in k["name"])
         row["whole_attention_ms"] = attention / 1e3
-        row["whole_other_kernels_ms"] = (sum(row["whole_kernels_us"].values()) - attention) / 1e3
+        row["whole_other_kernels_ms"] = (kernels["sum_us_per_step"] - attention) / 1e3
         ref = model(*a)  # the first half alone: running beside the other half must not change it
         row["two_streams_vs_in_turn_max_abs"] = float((out["a"].float() - ref.float()).abs().max())
         row["two_streams_over_whole"] = row["halves_two_streams_ms"] / row["whole_ms"]
