@@ -59,10 +59,8 @@ def layer_records(name: str, n: int, k: int, bandwidth: float) -> list[dict[str,
                 "max_rel_error": error(F.linear(x, w16))}]
     del w16
     copies = one_row_tiles.uncached_copies(words)
-    candidates = [("cuda cores", c) for c in triton_matmul.one_row_candidates(constants)]
-    candidates += [("tensor cores", c) for c in int4_mma_gemv.configs()
-                   if int4_mma_gemv.fits(n, k, 128, c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"])]
-    for kernel, config in candidates:
+    for config in triton_matmul.one_row_tiles(constants, n, k, x.dtype):
+        kernel = "tensor cores" if config.kwargs.get("MMA") else "cuda cores"
         def run(weight: torch.Tensor, config=config) -> None:
             if config.kwargs.get("MMA"):
                 int4_mma_gemv.launch(config, x, weight, scale, zero, out, n, k, weight.stride(0), scale.stride(0),

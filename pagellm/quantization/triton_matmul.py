@@ -510,12 +510,7 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         run(interpreter_tile(max(64, layout["GROUP"]) if per_group else 64), weight)
         return
     key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
-    candidates = one_row_candidates(constants)
-    if layout["PACKED"] and not layout["OFFSET"] and x.dtype == torch.bfloat16:
-        candidates = (*candidates, *(c for c in int4_mma_gemv.configs()
-                                     if int4_mma_gemv.fits(n, k, layout["GROUP"], c.kwargs["BLOCK_N"],
-                                                           c.kwargs["SPLIT_K"])))
-    run(choose(key, candidates, run, weight), weight)
+    run(choose(key, one_row_tiles(constants, n, k, x.dtype), run, weight), weight)
 
 
 class OneRowKey(NamedTuple):
@@ -528,6 +523,16 @@ class OneRowKey(NamedTuple):
     x_dtype: torch.dtype
     scale_dtype: torch.dtype | None  # None: a dense weight
     layout: tuple  # the kernel's constants, (name, value) pairs
+
+
+def one_row_tiles(constants: dict, n: int, k: int, x_dtype: torch.dtype) -> tuple[triton.Config, ...]:
+    """Every tile `_gemv` may take for a layer: the CUDA-core kernel's, and for 4-bit codes in
+    groups of whole chunks with bfloat16 activations the tensor-core kernel's (`int4_mma_gemv`)."""
+    tiles = one_row_candidates(constants)
+    if constants["PACKED"] and not constants["OFFSET"] and x_dtype == torch.bfloat16:
+        tiles += tuple(c for c in int4_mma_gemv.configs()
+                       if int4_mma_gemv.fits(n, k, constants["GROUP"], c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"]))
+    return tiles
 
 
 def one_row_candidates(constants: dict) -> tuple[triton.Config, ...]:
