@@ -47,9 +47,9 @@ def test_tensor_core_tiles_are_offered_only_for_layouts_they_take() -> None:
         return {c.kwargs["SPLIT_K"] for c in triton_matmul.one_row_tiles(constants, 4096, k, x_dtype)
                 if c.kwargs.get("MMA")}
 
-    assert mma_splits() == {1, 2, 4, 8}
+    assert mma_splits() == {1, 2, 4, 8, 16}
     assert mma_splits(k=384) == {1}  # three chunks split no way
-    assert mma_splits(GROUP=4096, PER_GROUP=False) == {1, 2, 4, 8}  # one group a row
+    assert mma_splits(GROUP=4096, PER_GROUP=False) == {1, 2, 4, 8, 16}  # one group a row
     assert not mma_splits(GROUP=64)
     assert not mma_splits(GROUP=32, OFFSET=True)  # GGUF's 4-bit blocks
     assert not mma_splits(x_dtype=torch.float16)
