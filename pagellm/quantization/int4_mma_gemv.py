@@ -108,13 +108,15 @@ def int4_mma_gemv_kernel(
     GROUP: tl.constexpr,  # input features a scale, a multiple of CHUNK
     ZERO: tl.constexpr,  # -1: zero_ptr's uint8 [N, K / GROUP]; else every code's zero point
     SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,  # BLOCK_N divides N
     ASM: tl.constexpr,  # the GPU's planes (see _planes)
     PDL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
+    # no masks where tiles fill N: their compares cost a tenth of the loop
+    n_ok = tl.full((BLOCK_N,), True, tl.int1) if EVEN_N else rn < N
     ri = tl.arange(0, CHUNK // 8)  # a chunk's words
     rows = tl.arange(0, 16)  # of the activations' operand
     DOT: tl.constexpr = tl.bfloat16 if ASM else tl.float32
@@ -125,7 +127,11 @@ def int4_mma_gemv_kernel(
     pdl_release(PDL)
     pdl_wait(PDL)
     for k0 in range(pid_k * span, (pid_k + 1) * span, CHUNK):
-        planes = _planes(tl.load(w_cols + k0 // 8 + ri[:, None], mask=n_ok[None, :], other=0), ASM)
+        if EVEN_N:
+            words = tl.load(w_cols + k0 // 8 + ri[:, None])
+        else:
+            words = tl.load(w_cols + k0 // 8 + ri[:, None], mask=n_ok[None, :], other=0)
+        planes = _planes(words, ASM)
         sums = tl.zeros((16, BLOCK_N), dtype=tl.float32)
         for q in tl.static_range(4):
             low, high = _x_planes(x_ptr, k0, ri, rows, q, ASM)
@@ -197,5 +203,5 @@ def launch(config: triton.Config, x: torch.Tensor, w: torch.Tensor, scale: torch
     count = counters(x.device) if split_k > 1 else w
     int4_mma_gemv_kernel[(triton.cdiv(n, block_n), split_k)](
         x, w, scale, zero, out, part, count, n, k, stride_wn, stride_sn, stride_zn, GROUP=group, ZERO=zero_const,
-        SPLIT_K=split_k, BLOCK_N=block_n, ASM=not triton_interpreting(), num_warps=config.num_warps,
+        SPLIT_K=split_k, BLOCK_N=block_n, EVEN_N=n % block_n == 0, ASM=not triton_interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages, **pdl(x.device))
