@@ -1,6 +1,5 @@
-"""The one-row kernels' instructions without a GPU: compile `_gemv_kernel` (or, with `--mma`, the
-tensor-core `int4_mma_gemv_kernel`) for sm_90 (Hopper) with the installed Triton's ptxas and count
-the SASS instructions of its loop over K, by opcode.
+"""The one-row kernel's instructions without a GPU: compile `_gemv_kernel` for sm_90 (Hopper) with
+the installed Triton's ptxas and count the SASS instructions of its loop over K, by opcode.
 
 The GEMV at one row is bound by its instructions (Nsight Compute), so their count per code is what
 a change to it should lower. The counts depend on the Triton version: the H200 image has 3.6
@@ -8,7 +7,6 @@ a change to it should lower. The counts depend on the Triton version: the H200 i
 specialized as the engine's Llama-8B layers would be (pointers and sizes divisible by 16).
 
     .venv/bin/python -m benchmarks.gemv_sass --block-n 16 --block-k 2048 --warps 4
-    .venv/bin/python -m benchmarks.gemv_sass --mma --block-n 256 --warps 4
 """
 from __future__ import annotations
 
@@ -27,27 +25,20 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.quantization import int4_mma_gemv, triton_matmul
+from pagellm.quantization import triton_matmul
 
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*u8", "offset_ptr": "*fp16",
-            "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+            "out_ptr": "*bf16"}
 
 
-def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int, prefetch: bool = False,
-                 mma_split_k: int = 0) -> bytes:
-    """The cubin of the 4-bit kernel with per-group zero points (GPTQ / AWQ / rtn's layout): the
-    CUDA-core one, or with `mma_split_k` the tensor-core one (K split that many ways)."""
-    if mma_split_k:
-        fn = int4_mma_gemv.int4_mma_gemv_kernel
-        constants = {"GROUP": group, "ZERO": -1, "SPLIT_K": mma_split_k, "BLOCK_N": block_n, "EVEN_N": True,
-                     "ASM": True, "PDL": False}
-    else:
-        fn = triton_matmul._gemv_kernel
-        constants = {"GROUP": group, "ZERO": -1, "OFFSET": False, "PACKED": True, "PER_GROUP": True,
-                     "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False}
+def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int, prefetch: bool = False) -> bytes:
+    """The cubin of the 4-bit kernel with per-group zero points (GPTQ / AWQ / rtn's layout)."""
+    fn = triton_matmul._gemv_kernel
     names = fn.arg_names
+    constants = {"GROUP": group, "ZERO": -1, "OFFSET": False, "PACKED": True, "PER_GROUP": True,
+                 "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False}
     signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in names}
-    divisible = [n for n in (*POINTERS, "N", "K", "stride_wn", "stride_sn", "stride_zn") if n in names]
+    divisible = [*POINTERS, "N", "K", "stride_wn", "stride_sn", "stride_zn"]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -74,18 +65,14 @@ def main(argv: list[str] | None = None) -> collections.Counter:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--prefetch", action="store_true", help="the variant loading words a tile ahead")
-    p.add_argument("--mma", action="store_true", help="the tensor-core kernel (its chunk of 128 inputs a time)")
-    p.add_argument("--split-k", type=int, default=1, help="with --mma: parts K is split into")
     args = p.parse_args(argv)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch,
-                             args.split_k if args.mma else 0))
+        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch))
         f.flush()
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     ops = loop_opcodes(sass)
-    block_k = int4_mma_gemv.CHUNK.value if args.mma else args.block_k
-    codes = args.block_n * block_k // (32 * args.warps)  # a thread's codes each time round
+    codes = args.block_n * args.block_k // (32 * args.warps)  # a thread's codes each time round
     total = sum(ops.values())
     print(f"triton {triton.__version__}: loop of {total} instructions for {codes} codes a thread "
           f"({total / codes:.2f} a code)")

@@ -24,7 +24,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from pagellm.ops.triton_utils import pdl, pdl_release, pdl_wait
-from pagellm.quantization import int4_mma_gemv
 from pagellm.quantization.base import QMAX
 from pagellm.quantization.one_row_tiles import choose
 
@@ -499,18 +498,13 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
     constants = dict(**layout, PER_GROUP=per_group)
 
     def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
-        if config.kwargs.get("MMA"):
-            scale, zero = rest[0], rest[1]
-            int4_mma_gemv.launch(config, x, w, scale, zero, rest[3], n, k, w.stride(0), stride_sn, stride_zn,
-                                 layout["GROUP"], layout["ZERO"])
-        else:
-            launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
+        launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
 
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         run(interpreter_tile(max(64, layout["GROUP"]) if per_group else 64), weight)
         return
     key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
-    run(choose(key, one_row_tiles(constants, n, k, x.dtype), run, weight), weight)
+    run(choose(key, one_row_candidates(constants), run, weight), weight)
 
 
 class OneRowKey(NamedTuple):
@@ -523,16 +517,6 @@ class OneRowKey(NamedTuple):
     x_dtype: torch.dtype
     scale_dtype: torch.dtype | None  # None: a dense weight
     layout: tuple  # the kernel's constants, (name, value) pairs
-
-
-def one_row_tiles(constants: dict, n: int, k: int, x_dtype: torch.dtype) -> tuple[triton.Config, ...]:
-    """Every tile `_gemv` may take for a layer: the CUDA-core kernel's, and for 4-bit codes in
-    groups of whole chunks with bfloat16 activations the tensor-core kernel's (`int4_mma_gemv`)."""
-    tiles = one_row_candidates(constants)
-    if constants["PACKED"] and not constants["OFFSET"] and x_dtype == torch.bfloat16:
-        tiles += tuple(c for c in int4_mma_gemv.configs()
-                       if int4_mma_gemv.fits(n, k, constants["GROUP"], c.kwargs["BLOCK_N"], c.kwargs["SPLIT_K"]))
-    return tiles
 
 
 def one_row_candidates(constants: dict) -> tuple[triton.Config, ...]:
