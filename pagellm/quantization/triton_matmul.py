@@ -332,15 +332,12 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The one-row tiles `one_row_tiles.choose` times: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them). The tiles with PREFETCH were added without a sweep, and so were
-    the 4-bit 64-row ones: the fewest instructions a code (3.05 against 3.42-3.59, benchmarks/gemv_sass.py),
-    a thread's rows sharing its activations, but a program for every 64 rows only."""
+    a later sweep may prune them). The tiles with PREFETCH were added without a sweep."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return one_row_configs(tiles, tiles[:3])
     return one_row_configs(((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
-                            (16, 4096, 4), (64, 1024, 4), (64, 2048, 8)),
-                           ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4)))
+                            (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4)))
 
 
 def one_row_configs(tiles: tuple, prefetch_tiles: tuple) -> list[triton.Config]:
