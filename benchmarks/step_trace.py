@@ -103,7 +103,8 @@ def trace_steps(llm: LLM) -> list[StepRecord]:
 def group_of(record: StepRecord) -> str:
     if record.prompt_tokens:
         return GROUP_NAMES[0]
-    return next((f"decode {lo}-{hi}" for lo, hi in DECODE_GROUPS if record.decodes <= hi), GROUP_NAMES[-1])
+    return next((GROUP_NAMES[1 + i] for i, (_, hi) in enumerate(DECODE_GROUPS) if record.decodes <= hi),
+                GROUP_NAMES[-1])
 
 
 def summarize(records: list[StepRecord], start_s: float, cost: ModelCost, ceilings: Ceilings) -> list[dict[str, Any]]:
