@@ -31,12 +31,14 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr":
             "out_ptr": "*bf16"}
 
 
-def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int, prefetch: bool = False) -> bytes:
+def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int, prefetch: bool = False,
+                 half: bool = False) -> bytes:
     """The cubin of the 4-bit kernel with per-group zero points (GPTQ / AWQ / rtn's layout)."""
     fn = triton_matmul._gemv_kernel
     names = fn.arg_names
     constants = {"GROUP": group, "ZERO": -1, "OFFSET": False, "PACKED": True, "PER_GROUP": True,
-                 "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False}
+                 "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False,
+                 "HALF": half}
     signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in names}
     divisible = [*POINTERS, "N", "K", "stride_wn", "stride_sn", "stride_zn"]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constants.items()},
@@ -65,10 +67,11 @@ def main(argv: list[str] | None = None) -> collections.Counter:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--prefetch", action="store_true", help="the variant loading words a tile ahead")
+    p.add_argument("--half", action="store_true", help="the variant multiplying in float16 pairs")
     args = p.parse_args(argv)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch))
+        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch, args.half))
         f.flush()
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     ops = loop_opcodes(sass)

@@ -221,6 +221,50 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     torch.testing.assert_close(out.cpu(), x_d.cpu() @ w_ref.t(), atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="inline PTX: Triton's interpreter does not run it")
+@pytest.mark.parametrize("inputs", ["normal", "tiny", "large", "outlier"])
+@pytest.mark.parametrize("group", [32, 128, 0, -1])
+def test_one_row_4bit_float16_tiles_match_float64(group: int, inputs: str) -> None:
+    """Every HALF tile (codes as float16 subnormals, products in float16 pairs) against float64 on
+    the dequantized weight: inputs from 2**-20 to 3e4 in bfloat16 (scaled per tile, never
+    overflowing), and one input a thousand times the rest; groups of 32 and 128 with zero
+    points, a scale per channel (0), one group a row (-1); K and N not multiples of the tiles."""
+    from pagellm.quantization import triton_matmul
+
+    n, k = 4104, 4352
+    group_size = k if group == -1 else group
+    gen = torch.Generator().manual_seed(group + 7)
+    x = torch.randn(1, k, generator=gen) * {"normal": 1.0, "tiny": 2.0**-20, "large": 3e4, "outlier": 1.0}[inputs]
+    if inputs == "outlier":
+        x[0, 1000] = 1000.0
+    x = x.bfloat16()
+    w = torch.randn(n, k, generator=gen)
+    if group:
+        q, scales, zeros = quantize_rtn(w, group_size)
+        qweight, scales16 = pack_pairs(q), scales.half()
+        w_ref = dequantize(qweight, scales16, zeros, group_size).double()
+    else:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        qweight, scales16, zeros = pack_pairs(q), (torch.rand(n, generator=gen) + 0.5).half(), 0
+        w_ref = q.double() * scales16.double()[:, None]
+    ref = (x.double() @ w_ref.t())[0]
+    bound = (x.double().abs() @ w_ref.abs().t())[0]
+    words = qweight.to(DEVICE).view(torch.int32)
+    zero_arg, zero_const = triton_matmul._zero_args(zeros.to(DEVICE) if group else 0, scales16.to(DEVICE))
+    constants = dict(GROUP=group_size if group else 0, ZERO=zero_const, OFFSET=False, PACKED=True,
+                     PER_GROUP=triton_matmul._whole_group_tiles(group_size if group else 0))
+    half = [c for c in triton_matmul.one_row_candidates(constants) if c.kwargs["HALF"]]
+    assert len(half) >= 5
+    x_d, scales_d = x.to(DEVICE), scales16.to(DEVICE)
+    for config in half:
+        out = torch.full((n,), float("nan"), dtype=torch.float32, device=DEVICE)
+        triton_matmul.launch_one_row(config, n, (x_d, words, scales_d, zero_arg, scales_d, out, n, k, words.stride(0),
+                                                 scales_d.stride(0), zero_arg.stride(0)), **constants)
+        err = (out.double().cpu() - ref).abs()
+        assert err.max() <= 2e-3 * ref.abs().max(), (config, err.max(), ref.abs().max())
+        assert bool((err <= 2.0**-9 * bound + 1e-30).all()), config
+
+
 def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monkeypatch) -> None:
     """Each weight shape's one-row tile: within start-up's timing, every candidate that compiles is
     timed (on the weight's uncached copies), the fastest is kept and not timed again; a shape first
@@ -930,18 +974,25 @@ def test_eval_through_a_bound_cache_matches_attention_within_the_window(tmp_path
     assert not torch.allclose(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)
 
 
-def test_one_row_4bit_kernel_spends_an_and_and_a_multiply_add_a_code() -> None:
+@pytest.mark.parametrize("half", [False, True])
+def test_one_row_4bit_kernel_spends_an_and_and_a_multiply_add_a_code(half: bool) -> None:
     """At one row the 4-bit kernel is bound by its instructions: its loop over K (compiled for
     sm_90 here, without a GPU) must keep to one logic op and one multiply-add a code, with no
-    float addition a code (as an or'ed-in 2**23 would need)."""
+    float addition a code (as an or'ed-in 2**23 would need); its float16 tiles (HALF) to one
+    logic op and one packed multiply-add for two codes, and fewer instructions in all."""
     triton = pytest.importorskip("triton")
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     if not ((tools / "ptxas").exists() and (tools / "cuobjdump").exists()):
         pytest.skip("this Triton has no NVIDIA backend tools: nothing compiles for sm_90 here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gemv_sass", "--block-n", "16", "--block-k", "2048",
-                           "--warps", "4"], capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent)
+                           "--warps", "4", *(["--half"] if half else [])], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).parent.parent)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ops = {op: int(n) for op, n in (item.split() for item in proc.stdout.strip().splitlines()[-1].split(", "))}
     codes = 16 * 2048 // 128
-    assert ops["LOP3"] <= 1.1 * codes and ops["FFMA"] <= 1.1 * codes and ops.get("FADD", 0) < codes / 2
+    if half:
+        assert ops["LOP3"] <= 0.6 * codes and ops["HFMA2"] <= 0.6 * codes and ops.get("FFMA", 0) < codes / 8
+        assert sum(ops.values()) <= 2.6 * codes
+    else:
+        assert ops["LOP3"] <= 1.1 * codes and ops["FFMA"] <= 1.1 * codes and ops.get("FADD", 0) < codes / 2

@@ -77,6 +77,7 @@ def choose(key: Hashable, configs: Sequence[triton.Config], run: Callable[[trito
     chosen = _CHOSEN[key] = min(times, key=times.__getitem__)
     logger.info("one-row tile for %s: %s (%.1f us; slowest candidate %.1f us)", key, chosen, times[chosen],
                 max(times.values()))
+    logger.debug("one-row candidates for %s: %s", key, {str(c): round(t, 2) for c, t in times.items()})
     return chosen
 
 

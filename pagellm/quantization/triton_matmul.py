@@ -133,16 +133,132 @@ def _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED: tl.constexpr, COLS: tl
 
 
 @triton.jit
+def _f16_pairs(lo, hi):
+    """float32 lo, hi -> one int32: the float16 pair (lo in the low half), rounded to nearest."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3):
+    """The sum over four words of codes w0..w3 (a row's, consecutive) of code j times its input's
+    float16 y_j, in float32: a_t, b_t, c_t, d_t hold word t's inputs as pairs (y_0, y_4), (y_1, y_5),
+    (y_2, y_6), (y_3, y_7), the odd ones divided by 16. A code and its partner four codes on
+    (bits 4p..4p+3 and 16 higher, after a shift by 8 for p >= 2) masked out of their word are the
+    float16 pair of subnormals c 2**-24 (16 c 2**-24 for odd p): one and for two codes, no
+    subtraction, and one packed multiply-add (HFMA2) for two products."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 v<4>, s<4>, h<2>;
+        .reg .f16 l, u;
+        .reg .f32 fl, fu;
+        mov.b32 h0, 0;
+        mov.b32 h1, 0;
+        and.b32 v0, $1, 0x000F000F;
+        and.b32 v1, $1, 0x00F000F0;
+        shr.u32 s0, $1, 8;
+        and.b32 v2, s0, 0x000F000F;
+        and.b32 v3, s0, 0x00F000F0;
+        fma.rn.f16x2 h0, v0, $5, h0;
+        fma.rn.f16x2 h1, v1, $9, h1;
+        fma.rn.f16x2 h0, v2, $13, h0;
+        fma.rn.f16x2 h1, v3, $17, h1;
+        and.b32 v0, $2, 0x000F000F;
+        and.b32 v1, $2, 0x00F000F0;
+        shr.u32 s1, $2, 8;
+        and.b32 v2, s1, 0x000F000F;
+        and.b32 v3, s1, 0x00F000F0;
+        fma.rn.f16x2 h0, v0, $6, h0;
+        fma.rn.f16x2 h1, v1, $10, h1;
+        fma.rn.f16x2 h0, v2, $14, h0;
+        fma.rn.f16x2 h1, v3, $18, h1;
+        and.b32 v0, $3, 0x000F000F;
+        and.b32 v1, $3, 0x00F000F0;
+        shr.u32 s2, $3, 8;
+        and.b32 v2, s2, 0x000F000F;
+        and.b32 v3, s2, 0x00F000F0;
+        fma.rn.f16x2 h0, v0, $7, h0;
+        fma.rn.f16x2 h1, v1, $11, h1;
+        fma.rn.f16x2 h0, v2, $15, h0;
+        fma.rn.f16x2 h1, v3, $19, h1;
+        and.b32 v0, $4, 0x000F000F;
+        and.b32 v1, $4, 0x00F000F0;
+        shr.u32 s3, $4, 8;
+        and.b32 v2, s3, 0x000F000F;
+        and.b32 v3, s3, 0x00F000F0;
+        fma.rn.f16x2 h0, v0, $8, h0;
+        fma.rn.f16x2 h1, v1, $12, h1;
+        fma.rn.f16x2 h0, v2, $16, h0;
+        fma.rn.f16x2 h1, v3, $20, h1;
+        add.rn.f16x2 h0, h0, h1;
+        mov.b32 {l, u}, h0;
+        cvt.f32.f16 fl, l;
+        cvt.f32.f16 fu, u;
+        add.f32 $0, fl, fu;
+        }""",
+        "=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3],
+        dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _split4(v, R: tl.constexpr, C: tl.constexpr):
+    """[R, 4C] -> its four interleaved parts [R, C] (columns 4i, 4i + 1, 4i + 2, 4i + 3)."""
+    a, b = tl.split(tl.reshape(v, (R, C, 2, 2)))
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+@triton.jit
+def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
+    """The 4-bit products of one tile of words w [BLOCK_N, COLS] in float16 (HALF): [BLOCK_N, COLS / 4]
+    sums over four words each, in units of the returned `unscale`, and x_col, each word's inputs'
+    sum. The inputs are scaled by a power of two that brings the tile's largest to [2**14, 2**15)
+    (2**-24 times a code at most 15 * 2**-9, so the float16 sums of 16 products never overflow),
+    rounded once to float16; the products and the four words' sums round in float16 (11 bits)."""
+    C4: tl.constexpr = COLS // 4
+    rw = k0 // 8 + tl.arange(0, COLS)
+    w_ok = rw < K // 8
+    x0 = tl.load(x_ptr + 8 * rw, mask=w_ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + 8 * rw + 1, mask=w_ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + 8 * rw + 2, mask=w_ok, other=0.0).to(tl.float32)
+    x3 = tl.load(x_ptr + 8 * rw + 3, mask=w_ok, other=0.0).to(tl.float32)
+    x4 = tl.load(x_ptr + 8 * rw + 4, mask=w_ok, other=0.0).to(tl.float32)
+    x5 = tl.load(x_ptr + 8 * rw + 5, mask=w_ok, other=0.0).to(tl.float32)
+    x6 = tl.load(x_ptr + 8 * rw + 6, mask=w_ok, other=0.0).to(tl.float32)
+    x7 = tl.load(x_ptr + 8 * rw + 7, mask=w_ok, other=0.0).to(tl.float32)
+    x_col = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                     tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+    # The largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay finite
+    # here): inputs times 2**(141 - e), the sums back by 2**(e - 117) (2**24 for the subnormals).
+    e = tl.minimum(tl.maximum(tl.max(big, axis=0).to(tl.int32, bitcast=True) >> 23, 14), 244)
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
+    up16 = up * 0.0625  # odd pairs: their codes sit four bits up (16 c)
+    a0, a1, a2, a3 = _split4(_f16_pairs(x0 * up, x4 * up)[None, :], 1, C4)
+    b0, b1, b2, b3 = _split4(_f16_pairs(x1 * up16, x5 * up16)[None, :], 1, C4)
+    c0, c1, c2, c3 = _split4(_f16_pairs(x2 * up, x6 * up)[None, :], 1, C4)
+    d0, d1, d2, d3 = _split4(_f16_pairs(x3 * up16, x7 * up16)[None, :], 1, C4)
+    w0, w1, w2, w3 = _split4(w, BLOCK_N, C4)
+    prod = _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+    return prod, x_col, unscale
+
+
+@triton.jit
 def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr, offset_ptr, K, stride_sn,
                stride_zn, GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, PACKED: tl.constexpr,
-               PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr):
     """`_gemv_kernel`'s sums over one tile `w` (from `_load_tile`) of inputs k0 .. k0 + BLOCK_K:
     (acc, acc_groups, x_sum) updated. For 8-bit codes and dense weights without groups, acc holds
     [BLOCK_N, S] partial sums, each of a run of BLOCK_K / S inputs in every tile."""
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
-    if PACKED:
+    unscale = UNSCALE
+    if HALF:
+        prod, x_col, unscale = _half_tile_sums(w, k0, x_ptr, K, BLOCK_N, COLS)
+    elif PACKED:
         # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
         # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
         # 2**(53 - s), so their product is c x 2**-96, rounded once as c x would be, and the sums
@@ -178,11 +294,12 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
     if GROUP == 0 and not PACKED:
         acc += tl.sum(tl.reshape(prod, (BLOCK_N, acc.shape[1], BLOCK_K // acc.shape[1])), axis=2)
     elif GROUP == 0:
-        acc += tl.sum(prod, axis=1) * UNSCALE
+        acc += tl.sum(prod, axis=1) * unscale
     elif PER_GROUP:
         # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
         # point and offset leave the inner sums; one reduction per group.
-        dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, COLS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
+        SUMS: tl.constexpr = COLS // 4 if HALF else COLS  # prod's columns
+        dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, SUMS // NUM_G)), axis=2) * unscale  # [BLOCK_N, NUM_G]
         group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
         rg = k0 // GROUP + tl.arange(0, NUM_G)
         g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
@@ -198,7 +315,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
             dot += offset.to(tl.float32) * group_sum
         acc_groups += dot
     else:
-        acc += tl.sum(prod, axis=1) * UNSCALE
+        acc += tl.sum(prod, axis=1) * unscale
         x_sum += tl.sum(x_col, axis=0)
     return acc, acc_groups, x_sum
 
@@ -214,6 +331,7 @@ def _gemv_kernel(
     PREFETCH: tl.constexpr = False,  # load each tile one tile ahead (more registers, fewer stalls)
     DENSE: tl.constexpr = False,  # w holds the weights themselves (16- or 32-bit floats, GROUP 0): no scale
     PDL: tl.constexpr = False,  # see `pdl`: with PREFETCH, the first tile is read before waiting for x
+    HALF: tl.constexpr = False,  # 4-bit codes multiplied in float16 pairs (`_half_tile_sums`; compiled only)
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
@@ -247,7 +365,7 @@ def _gemv_kernel(
             w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED, COLS)
         acc, acc_groups, x_sum = _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr,
                                             offset_ptr, K, stride_sn, stride_zn, GROUP, ZERO, OFFSET, PACKED,
-                                            PER_GROUP, BLOCK_N, BLOCK_K)
+                                            PER_GROUP, BLOCK_N, BLOCK_K, HALF)
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
     elif GROUP == 0:
@@ -332,17 +450,21 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The one-row tiles `one_row_tiles.choose` times: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them). The tiles with PREFETCH were added without a sweep."""
+    a later sweep may prune them). The tiles with PREFETCH, and the float16 ones (HALF: fewer
+    instructions a code with more rows a thread, `benchmarks/gemv_sass.py --half`), were added
+    without a sweep."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return one_row_configs(tiles, tiles[:3])
+    half_tiles = ((16, 2048, 4), (32, 1024, 4), (32, 2048, 8), (16, 1024, 4), (64, 1024, 4))
     return one_row_configs(((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
-                            (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4)))
+                            (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4))) + \
+        one_row_configs(half_tiles, half_tiles[1:2] + half_tiles[3:4], half=True)
 
 
-def one_row_configs(tiles: tuple, prefetch_tiles: tuple) -> list[triton.Config]:
+def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False) -> list[triton.Config]:
     """(BLOCK_N, BLOCK_K, warps) tiles of the one-row kernel, and those also tried with PREFETCH."""
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p}, num_warps=w, num_stages=3)
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half}, num_warps=w, num_stages=3)
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
 
 
@@ -527,8 +649,8 @@ def one_row_candidates(constants: dict) -> tuple[triton.Config, ...]:
 @functools.cache
 def _one_row_candidates(packed: bool, group: int, per_group: bool) -> tuple[triton.Config, ...]:
     """`one_row_candidates`, computed once a layout."""
-    return tuple(_nonempty([c for c in _gemv_configs(packed) if not per_group or c.kwargs["BLOCK_K"] % group == 0],
-                           group))
+    return tuple(_nonempty([c for c in _gemv_configs(packed) if (not per_group or c.kwargs["BLOCK_K"] % group == 0)
+                            and (not c.kwargs["HALF"] or group % 32 == 0)], group))  # HALF: 4 words a group
 
 
 def interpreter_tile(block_k: int) -> triton.Config:
