@@ -212,10 +212,11 @@ def _split4(v, R: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
     """The 4-bit products of one tile of words w [BLOCK_N, COLS] in float16 (HALF): [BLOCK_N, COLS / 4]
-    sums over four words each, in units of the returned `unscale`, and x_col, each word's inputs'
-    sum. The inputs are scaled by a power of two that brings the tile's largest to [2**14, 2**15)
-    (2**-24 times a code at most 15 * 2**-9, so the float16 sums of 16 products never overflow),
-    rounded once to float16; the products and the four words' sums round in float16 (11 bits)."""
+    sums, each over a run of four words (32 inputs), and x_col, each word's inputs' sum. Each run's
+    inputs are scaled by a power of two that brings its largest to [2**14, 2**15) (2**-24 times a
+    code, at most 15 * 2**-9: the float16 sums of 16 products never overflow, and an outlier
+    input coarsens only its own run), rounded once to float16; the products and the run's sum
+    round in float16 (11 bits), the sum is scaled back in float32."""
     C4: tl.constexpr = COLS // 4
     rw = k0 // 8 + tl.arange(0, COLS)
     w_ok = rw < K // 8
@@ -230,10 +231,10 @@ def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
     x_col = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-    # The largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay finite
-    # here): inputs times 2**(141 - e), the sums back by 2**(e - 117) (2**24 for the subnormals).
-    e = tl.minimum(tl.maximum(tl.max(big, axis=0).to(tl.int32, bitcast=True) >> 23, 14), 244)
-    up = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    # Each run's largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay
+    # finite here): inputs times 2**(141 - e), the sums back by 2**(e - 117) (2**24 for the subnormals).
+    e = tl.minimum(tl.maximum(tl.max(tl.reshape(big, (C4, 4)), axis=1).to(tl.int32, bitcast=True) >> 23, 14), 244)
+    up = tl.reshape(tl.broadcast_to((((268 - e) << 23).to(tl.float32, bitcast=True))[:, None], (C4, 4)), (COLS,))
     unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
     up16 = up * 0.0625  # odd pairs: their codes sit four bits up (16 c)
     a0, a1, a2, a3 = _split4(_f16_pairs(x0 * up, x4 * up)[None, :], 1, C4)
@@ -242,7 +243,7 @@ def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
     d0, d1, d2, d3 = _split4(_f16_pairs(x3 * up16, x7 * up16)[None, :], 1, C4)
     w0, w1, w2, w3 = _split4(w, BLOCK_N, C4)
     prod = _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
-    return prod, x_col, unscale
+    return prod * unscale[None, :], x_col
 
 
 @triton.jit
@@ -253,11 +254,10 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
     (acc, acc_groups, x_sum) updated. For 8-bit codes and dense weights without groups, acc holds
     [BLOCK_N, S] partial sums, each of a run of BLOCK_K / S inputs in every tile."""
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
-    UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED else 1.0  # 2**96 (below)
+    UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED and not HALF else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
-    unscale = UNSCALE
     if HALF:
-        prod, x_col, unscale = _half_tile_sums(w, k0, x_ptr, K, BLOCK_N, COLS)
+        prod, x_col = _half_tile_sums(w, k0, x_ptr, K, BLOCK_N, COLS)
     elif PACKED:
         # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
         # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
@@ -294,12 +294,12 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
     if GROUP == 0 and not PACKED:
         acc += tl.sum(tl.reshape(prod, (BLOCK_N, acc.shape[1], BLOCK_K // acc.shape[1])), axis=2)
     elif GROUP == 0:
-        acc += tl.sum(prod, axis=1) * unscale
+        acc += tl.sum(prod, axis=1) * UNSCALE
     elif PER_GROUP:
         # (c - zero) s . x + o sum(x) = s (c . x - zero sum(x)) + o sum(x) per group: the zero
         # point and offset leave the inner sums; one reduction per group.
         SUMS: tl.constexpr = COLS // 4 if HALF else COLS  # prod's columns
-        dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, SUMS // NUM_G)), axis=2) * unscale  # [BLOCK_N, NUM_G]
+        dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, SUMS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
         group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
         rg = k0 // GROUP + tl.arange(0, NUM_G)
         g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
@@ -315,7 +315,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
             dot += offset.to(tl.float32) * group_sum
         acc_groups += dot
     else:
-        acc += tl.sum(prod, axis=1) * unscale
+        acc += tl.sum(prod, axis=1) * UNSCALE
         x_sum += tl.sum(x_col, axis=0)
     return acc, acc_groups, x_sum
 
@@ -456,10 +456,10 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return one_row_configs(tiles, tiles[:3])
-    half_tiles = ((16, 2048, 4), (32, 1024, 4), (32, 2048, 8), (16, 1024, 4), (64, 1024, 4))
+    half_tiles = ((16, 1024, 4), (16, 2048, 4), (16, 4096, 4), (16, 2048, 8), (32, 2048, 8))
     return one_row_configs(((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
                             (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4))) + \
-        one_row_configs(half_tiles, half_tiles[1:2] + half_tiles[3:4], half=True)
+        one_row_configs(half_tiles, half_tiles[:2], half=True)
 
 
 def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False) -> list[triton.Config]:
