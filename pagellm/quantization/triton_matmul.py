@@ -626,7 +626,7 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         run(interpreter_tile(max(64, layout["GROUP"]) if per_group else 64), weight)
         return
     key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
-    run(choose(key, one_row_candidates(constants), run, weight), weight)
+    run(choose(key, one_row_candidates(constants, x.dtype), run, weight), weight)
 
 
 class OneRowKey(NamedTuple):
@@ -641,16 +641,19 @@ class OneRowKey(NamedTuple):
     layout: tuple  # the kernel's constants, (name, value) pairs
 
 
-def one_row_candidates(constants: dict) -> tuple[triton.Config, ...]:
-    """The one-row tiles for a layout (`_gemv`'s constants): with PER_GROUP, those of whole groups."""
-    return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"])
+def one_row_candidates(constants: dict, x_dtype: torch.dtype) -> tuple[triton.Config, ...]:
+    """The one-row tiles for a layout (`_gemv`'s constants) and activations of `x_dtype`: with
+    PER_GROUP, those of whole groups; the float16 ones (HALF) for 16-bit activations only (float32
+    models keep float32 products) and groups of whole runs of four words."""
+    return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"],
+                               x_dtype.itemsize == 2)
 
 
 @functools.cache
-def _one_row_candidates(packed: bool, group: int, per_group: bool) -> tuple[triton.Config, ...]:
+def _one_row_candidates(packed: bool, group: int, per_group: bool, half: bool) -> tuple[triton.Config, ...]:
     """`one_row_candidates`, computed once a layout."""
     return tuple(_nonempty([c for c in _gemv_configs(packed) if (not per_group or c.kwargs["BLOCK_K"] % group == 0)
-                            and (not c.kwargs["HALF"] or group % 32 == 0)], group))  # HALF: 4 words a group
+                            and (not c.kwargs["HALF"] or half and group % 32 == 0)], group))
 
 
 def interpreter_tile(block_k: int) -> triton.Config:
