@@ -9,6 +9,9 @@ Phases (each optional, `--phases`; a failure is recorded and the rest still run)
   smollm2    the real SmolLM2-135M file (--smollm2, Q4_1 layers, Q8_0 table): float32 greedy tokens
              with the blocks kept (gguf) and dequantized at load (none) against Hugging Face
              transformers on the same file; then bf16 batch-1 decode of both
+  half       the real file in bfloat16, blocks kept (gguf: Q4_1, groups of 32 with offsets) and rtn (groups of
+             64): greedy tokens and their log-probabilities with the one-row tiles limited to the float16 ones
+             (HALF) against those limited to float32 products, in one process
   synthetic  a Llama-3.1-8B-shaped file written here with Q4_K_M's mix (Q4_K; Q6_K for attn_v,
              ffn_down and output), random blocks, a placeholder vocabulary of the same size, no
              llama3 rope scaling: batch-1 decode against the bf16 dummy-weight llama-3.1-8b preset
@@ -41,7 +44,7 @@ from pagellm.benchmarks.results import default_result_path, format_table, run_me
 from pagellm.benchmarks.roofline import measure_ceilings
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.loader.presets import get_preset
-from pagellm.quantization import gguf_blocks
+from pagellm.quantization import gguf_blocks, one_row_tiles, triton_matmul
 from pagellm.tokenizer.gguf_tokenizer import byte_to_unicode
 
 TYPE_NAMES = {gguf_blocks.Q4_0: "Q4_0", gguf_blocks.Q4_1: "Q4_1", gguf_blocks.Q5_0: "Q5_0", gguf_blocks.Q5_1: "Q5_1",
@@ -160,6 +163,36 @@ def smollm2_phase(path: str, max_tokens: int) -> dict[str, Any]:
     return result
 
 
+def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
+    real = triton_matmul.one_row_candidates
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    result: dict[str, Any] = {}
+    try:
+        for method in ("gguf", "rtn"):
+            runs = {}
+            for half in (False, True):
+                triton_matmul.one_row_candidates = lambda c, d, h=half: tuple(
+                    t for t in real(c, d) if t.kwargs["HALF"] == h) or real(c, d)
+                one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
+                llm = LLM(path, dtype="bfloat16", quantization=method)
+                outputs = llm.generate(PROMPTS, params)
+                runs[half] = [(list(o.outputs[0].token_ids),
+                               [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outputs]
+                chosen = {f"{k.n}x{k.k}": str(c) for k, c in one_row_tiles._CHOSEN.items() if k.weight_dtype == torch.int32}
+                del llm
+                _free()
+            first = [next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), max_tokens)
+                     for a, b in zip(runs[False], runs[True])]
+            diffs = [abs(x - y) for a, b, f in zip(runs[False], runs[True], first) for x, y in zip(a[1][:f], b[1][:f])]
+            result[method] = {"prompts_equal": sum(f == max_tokens for f in first), "prompts": len(first),
+                              "first_difference": first, "max_abs_logprob_diff_while_equal": max(diffs),
+                              "mean_abs_logprob_diff_while_equal": sum(diffs) / len(diffs), "half_tiles": chosen}
+            print(f"SmolLM2 bf16 {method}, HALF against float32 one-row tiles: {result[method]}", flush=True)
+    finally:
+        triton_matmul.one_row_candidates = real
+    return result
+
+
 Q4_K_M = {"attn_q": gguf_blocks.Q4_K, "attn_k": gguf_blocks.Q4_K, "attn_v": gguf_blocks.Q6_K,
           "attn_output": gguf_blocks.Q4_K, "ffn_gate": gguf_blocks.Q4_K, "ffn_up": gguf_blocks.Q4_K,
           "ffn_down": gguf_blocks.Q6_K, "token_embd": gguf_blocks.Q4_K, "output": gguf_blocks.Q6_K}
@@ -253,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload["ceilings"] = measure_ceilings(torch.device("cuda"), 1 << 30, 8192, torch.bfloat16)[1]
     phases = {"kernels": lambda: kernel_phase(args.rows),
               "smollm2": lambda: smollm2_phase(args.smollm2, args.max_tokens),
+              "half": lambda: half_phase(args.smollm2, args.max_tokens),
               "synthetic": lambda: synthetic_phase(args.preset)}
     for name in args.phases:
         try:
