@@ -174,7 +174,7 @@ def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
                 triton_matmul.one_row_candidates = lambda c, d, h=half: tuple(
                     t for t in real(c, d) if t.kwargs["HALF"] == h) or real(c, d)
                 one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
-                llm = LLM(path, dtype="bfloat16", quantization=method)
+                llm = LLM(path, dtype="bfloat16", quantization=method, max_num_seqs=1)  # one-row decode steps
                 outputs = llm.generate(PROMPTS, params)
                 runs[half] = [(list(o.outputs[0].token_ids),
                                [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outputs]
