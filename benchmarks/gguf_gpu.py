@@ -9,9 +9,10 @@ Phases (each optional, `--phases`; a failure is recorded and the rest still run)
   smollm2    the real SmolLM2-135M file (--smollm2, Q4_1 layers, Q8_0 table): float32 greedy tokens
              with the blocks kept (gguf) and dequantized at load (none) against Hugging Face
              transformers on the same file; then bf16 batch-1 decode of both
-  half       the real file in bfloat16, blocks kept (gguf: Q4_1, groups of 32 with offsets) and rtn (groups of
-             64): greedy tokens and their log-probabilities with the one-row tiles limited to the float16 ones
-             (HALF) against those limited to float32 products, in one process
+  half       the real file, one sequence at a time, blocks kept (gguf: Q4_1, groups of 32 with offsets) and rtn
+             (groups of 64): bfloat16 greedy tokens and their log-probabilities with the one-row tiles limited to
+             the float16 ones (HALF) against those limited to float32 products; for gguf both also against
+             float32 activations
   synthetic  a Llama-3.1-8B-shaped file written here with Q4_K_M's mix (Q4_K; Q6_K for attn_v,
              ffn_down and output), random blocks, a placeholder vocabulary of the same size, no
              llama3 rope scaling: batch-1 decode against the bf16 dummy-weight llama-3.1-8b preset
@@ -164,32 +165,47 @@ def smollm2_phase(path: str, max_tokens: int) -> dict[str, Any]:
 
 
 def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
+    """Greedy runs of one sequence at a time (one-row decode steps): per method, bfloat16 with the
+    one-row tiles limited to float32 products and to the float16 ones (HALF); for gguf (the same
+    blocks at every dtype) also float32 activations, the reference both are held to."""
     real = triton_matmul.one_row_candidates
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    result: dict[str, Any] = {}
+    runs: dict[str, list[tuple[list[int], list[float]]]] = {}
+    chosen: dict[str, dict[str, str]] = {}
+
+    def run(name: str, method: str, dtype: str, half: bool | None) -> None:
+        triton_matmul.one_row_candidates = lambda c, d: tuple(
+            t for t in real(c, d) if half is None or t.kwargs["HALF"] == half) or real(c, d)
+        one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
+        llm = LLM(path, dtype=dtype, quantization=method, max_num_seqs=1)
+        outputs = llm.generate(PROMPTS, params)
+        runs[name] = [(list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+                      for o in outputs]
+        chosen[name] = {f"{k.n}x{k.k}": str(c) for k, c in one_row_tiles._CHOSEN.items() if k.weight_dtype == torch.int32}
+        del llm
+        _free()
+
+    def agreement(a: str, b: str) -> dict[str, Any]:
+        first = [next((i for i, (x, y) in enumerate(zip(p[0], q[0])) if x != y), max_tokens)
+                 for p, q in zip(runs[a], runs[b])]
+        diffs = [abs(x - y) for p, q, f in zip(runs[a], runs[b], first) for x, y in zip(p[1][:f], q[1][:f])]
+        return {"prompts_equal": sum(f == max_tokens for f in first), "prompts": len(first), "first_difference": first,
+                "mean_abs_logprob_diff_while_equal": sum(diffs) / len(diffs), "max_abs_logprob_diff_while_equal": max(diffs)}
+
     try:
         for method in ("gguf", "rtn"):
-            runs = {}
-            for half in (False, True):
-                triton_matmul.one_row_candidates = lambda c, d, h=half: tuple(
-                    t for t in real(c, d) if t.kwargs["HALF"] == h) or real(c, d)
-                one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
-                llm = LLM(path, dtype="bfloat16", quantization=method, max_num_seqs=1)  # one-row decode steps
-                outputs = llm.generate(PROMPTS, params)
-                runs[half] = [(list(o.outputs[0].token_ids),
-                               [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outputs]
-                chosen = {f"{k.n}x{k.k}": str(c) for k, c in one_row_tiles._CHOSEN.items() if k.weight_dtype == torch.int32}
-                del llm
-                _free()
-            first = [next((i for i, (x, y) in enumerate(zip(a[0], b[0])) if x != y), max_tokens)
-                     for a, b in zip(runs[False], runs[True])]
-            diffs = [abs(x - y) for a, b, f in zip(runs[False], runs[True], first) for x, y in zip(a[1][:f], b[1][:f])]
-            result[method] = {"prompts_equal": sum(f == max_tokens for f in first), "prompts": len(first),
-                              "first_difference": first, "max_abs_logprob_diff_while_equal": max(diffs),
-                              "mean_abs_logprob_diff_while_equal": sum(diffs) / len(diffs), "half_tiles": chosen}
-            print(f"SmolLM2 bf16 {method}, HALF against float32 one-row tiles: {result[method]}", flush=True)
+            run(f"{method}_bf16_float32_products", method, "bfloat16", False)
+            run(f"{method}_bf16_half", method, "bfloat16", True)
+        run("gguf_float32", "gguf", "float32", None)
     finally:
         triton_matmul.one_row_candidates = real
+    result: dict[str, Any] = {"tiles": chosen, "agreement": {
+        "gguf_bf16_half_vs_float32_products": agreement("gguf_bf16_half", "gguf_bf16_float32_products"),
+        "rtn_bf16_half_vs_float32_products": agreement("rtn_bf16_half", "rtn_bf16_float32_products"),
+        "gguf_bf16_float32_products_vs_float32": agreement("gguf_bf16_float32_products", "gguf_float32"),
+        "gguf_bf16_half_vs_float32": agreement("gguf_bf16_half", "gguf_float32")}}
+    for name, numbers in result["agreement"].items():
+        print(f"SmolLM2 {name}: {numbers}", flush=True)
     return result
 
 

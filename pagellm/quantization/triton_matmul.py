@@ -139,6 +139,24 @@ def _f16_pairs(lo, hi):
                                      is_pure=True, pack=1)
 
 
+def _run_ptx() -> str:
+    """PTX of `_half_chunk_sums`: per word t ($1..$4), its codes' pairs p = 0..3 masked out (p >= 2
+    after a shift by 8) and multiplied with input pair p of word t ($5 + 4p + t), alternately into
+    two float16x2 sums (two chains in flight); then their four halves summed, in float32 at the end."""
+    lines = [".reg .b32 v<4>, s<4>, h<2>;", ".reg .f16 l, u;", ".reg .f32 fl, fu;", "mov.b32 h0, 0;", "mov.b32 h1, 0;"]
+    for t in range(4):
+        word = f"${1 + t}"
+        lines += [f"and.b32 v0, {word}, 0x000F000F;", f"and.b32 v1, {word}, 0x00F000F0;", f"shr.u32 s{t}, {word}, 8;",
+                  f"and.b32 v2, s{t}, 0x000F000F;", f"and.b32 v3, s{t}, 0x00F000F0;"]
+        lines += [f"fma.rn.f16x2 h{p % 2}, v{p}, ${5 + 4 * p + t}, h{p % 2};" for p in range(4)]
+    lines += ["add.rn.f16x2 h0, h0, h1;", "mov.b32 {l, u}, h0;", "cvt.f32.f16 fl, l;", "cvt.f32.f16 fu, u;",
+              "add.f32 $0, fl, fu;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_RUN_PTX = tl.constexpr(_run_ptx())
+
+
 @triton.jit
 def _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3):
     """The sum over four words of codes w0..w3 (a row's, consecutive) of code j times its input's
@@ -146,57 +164,9 @@ def _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2,
     (y_2, y_6), (y_3, y_7), the odd ones divided by 16. A code and its partner four codes on
     (bits 4p..4p+3 and 16 higher, after a shift by 8 for p >= 2) masked out of their word are the
     float16 pair of subnormals c 2**-24 (16 c 2**-24 for odd p): one and for two codes, no
-    subtraction, and one packed multiply-add (HFMA2) for two products."""
+    subtraction, and one packed multiply-add (HFMA2) for two products (`_run_ptx`)."""
     return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 v<4>, s<4>, h<2>;
-        .reg .f16 l, u;
-        .reg .f32 fl, fu;
-        mov.b32 h0, 0;
-        mov.b32 h1, 0;
-        and.b32 v0, $1, 0x000F000F;
-        and.b32 v1, $1, 0x00F000F0;
-        shr.u32 s0, $1, 8;
-        and.b32 v2, s0, 0x000F000F;
-        and.b32 v3, s0, 0x00F000F0;
-        fma.rn.f16x2 h0, v0, $5, h0;
-        fma.rn.f16x2 h1, v1, $9, h1;
-        fma.rn.f16x2 h0, v2, $13, h0;
-        fma.rn.f16x2 h1, v3, $17, h1;
-        and.b32 v0, $2, 0x000F000F;
-        and.b32 v1, $2, 0x00F000F0;
-        shr.u32 s1, $2, 8;
-        and.b32 v2, s1, 0x000F000F;
-        and.b32 v3, s1, 0x00F000F0;
-        fma.rn.f16x2 h0, v0, $6, h0;
-        fma.rn.f16x2 h1, v1, $10, h1;
-        fma.rn.f16x2 h0, v2, $14, h0;
-        fma.rn.f16x2 h1, v3, $18, h1;
-        and.b32 v0, $3, 0x000F000F;
-        and.b32 v1, $3, 0x00F000F0;
-        shr.u32 s2, $3, 8;
-        and.b32 v2, s2, 0x000F000F;
-        and.b32 v3, s2, 0x00F000F0;
-        fma.rn.f16x2 h0, v0, $7, h0;
-        fma.rn.f16x2 h1, v1, $11, h1;
-        fma.rn.f16x2 h0, v2, $15, h0;
-        fma.rn.f16x2 h1, v3, $19, h1;
-        and.b32 v0, $4, 0x000F000F;
-        and.b32 v1, $4, 0x00F000F0;
-        shr.u32 s3, $4, 8;
-        and.b32 v2, s3, 0x000F000F;
-        and.b32 v3, s3, 0x00F000F0;
-        fma.rn.f16x2 h0, v0, $8, h0;
-        fma.rn.f16x2 h1, v1, $12, h1;
-        fma.rn.f16x2 h0, v2, $16, h0;
-        fma.rn.f16x2 h1, v3, $20, h1;
-        add.rn.f16x2 h0, h0, h1;
-        mov.b32 {l, u}, h0;
-        cvt.f32.f16 fl, l;
-        cvt.f32.f16 fu, u;
-        add.f32 $0, fl, fu;
-        }""",
-        "=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+        _RUN_PTX, "=f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
         [w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3],
         dtype=tl.float32, is_pure=True, pack=1)
 
@@ -208,6 +178,7 @@ def _split4(v, R: tl.constexpr, C: tl.constexpr):
     v0, v2 = tl.split(a)
     v1, v3 = tl.split(b)
     return v0, v1, v2, v3
+
 
 @triton.jit
 def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
