@@ -174,8 +174,8 @@ def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
     chosen: dict[str, dict[str, str]] = {}
 
     def run(name: str, method: str, dtype: str, half: bool | None) -> None:
-        triton_matmul.one_row_candidates = lambda c, d: tuple(
-            t for t in real(c, d) if half is None or t.kwargs["HALF"] == half) or real(c, d)
+        triton_matmul.one_row_candidates = lambda *a: tuple(
+            t for t in real(*a) if half is None or t.kwargs["HALF"] == half) or real(*a)
         one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
         llm = LLM(path, dtype=dtype, quantization=method, max_num_seqs=1)
         outputs = llm.generate(PROMPTS, params)
@@ -190,7 +190,8 @@ def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
                  for p, q in zip(runs[a], runs[b])]
         diffs = [abs(x - y) for p, q, f in zip(runs[a], runs[b], first) for x, y in zip(p[1][:f], q[1][:f])]
         return {"prompts_equal": sum(f == max_tokens for f in first), "prompts": len(first), "first_difference": first,
-                "mean_abs_logprob_diff_while_equal": sum(diffs) / len(diffs), "max_abs_logprob_diff_while_equal": max(diffs)}
+                "mean_abs_logprob_diff_while_equal": sum(diffs) / max(len(diffs), 1),
+                "max_abs_logprob_diff_while_equal": max(diffs, default=0.0)}
 
     try:
         for method in ("gguf", "rtn"):

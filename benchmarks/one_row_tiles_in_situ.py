@@ -63,7 +63,7 @@ def main() -> None:
               if key.weight_dtype == CODES[args.quantization]}
     if not chosen:
         raise SystemExit(f"no one-row products of {args.quantization} weights were timed at start-up")
-    candidates = {key: triton_matmul.one_row_candidates(dict(key.layout), key.x_dtype) for key in chosen}
+    candidates = {key: triton_matmul.one_row_candidates(dict(key.layout), key.x_dtype, key.device) for key in chosen}
     result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "chosen_tok_s": decode_tok_s(llm),
                               "chosen": {f"{key.n}x{key.k}": str(c) for key, c in chosen.items()}, "uniform": {},
                               "per_shape": {}}

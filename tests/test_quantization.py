@@ -221,49 +221,105 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     torch.testing.assert_close(out.cpu(), x_d.cpu() @ w_ref.t(), atol=1e-4 * math.sqrt(k), rtol=1e-4)
 
 
+def _run_run_ptx(ptx: str, operands: list[int]) -> float:
+    """A model of the few PTX instructions `_run_ptx` uses: float16 arithmetic rounded once (each
+    result computed exactly in float64 first), on registers of 32-bit words."""
+    regs: dict[str, object] = {f"${i + 1}": v for i, v in enumerate(operands)}
+    half2 = lambda r: np.frombuffer(np.uint32(regs[r]).tobytes(), np.float16).astype(np.float64)  # noqa: E731
+    store = lambda r, v: regs.__setitem__(r, int(np.frombuffer(np.asarray(v, np.float16).tobytes(), np.uint32)[0]))  # noqa: E731
+    for line in (part.strip().rstrip(";") for part in ptx.splitlines()):
+        op, _, args = line.partition(" ")
+        a = [t.strip() for t in args.split(",")]
+        if op in ("{", "}") or op.startswith(".reg") or not op:
+            continue
+        if op == "mov.b32" and a[0].startswith("{"):  # {l, u}, h: the halves of h
+            regs["l"], regs["u"] = half2(a[2])
+        elif op == "mov.b32":
+            regs[a[0]] = int(a[1], 0)
+        elif op == "and.b32":
+            regs[a[0]] = regs[a[1]] & int(a[2], 0)
+        elif op == "shr.u32":
+            regs[a[0]] = regs[a[1]] >> int(a[2])
+        elif op == "fma.rn.f16x2":
+            store(a[0], half2(a[1]) * half2(a[2]) + half2(a[3]))
+        elif op == "add.rn.f16x2":
+            store(a[0], half2(a[1]) + half2(a[2]))
+        elif op == "cvt.f32.f16":
+            regs[a[0]] = float(regs[a[1]])
+        elif op == "add.f32":
+            regs[a[0]] = float(np.float32(regs[a[1]]) + np.float32(regs[a[2]]))
+        else:
+            raise AssertionError(f"no model of {op}")
+    return regs["$0"]
+
+
+def test_one_row_float16_run_ptx_pairs_each_code_with_its_own_input() -> None:
+    """The PTX of the float16 one-row tiles (`_run_ptx`), run through a model of its instructions:
+    four words of eight codes (code j at bits 4j), each word's inputs given as the float16 pairs
+    (y_0, y_4), (y_1, y_5), (y_2, y_6), (y_3, y_7), the odd ones divided by 16, sum to 2**-24 times
+    the sum of code times input: every code met its own input (a swapped pair or word would not)."""
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from pagellm.quantization.triton_matmul import _run_ptx
+
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        codes = rng.integers(0, 16, (4, 8))
+        y = np.float16(rng.uniform(-2.0**14, 2.0**14, (4, 8)) * (rng.random((4, 8)) < 0.9))
+        words = [int(sum(int(c) << (4 * j) for j, c in enumerate(row))) for row in codes]
+        pairs = [[int(np.frombuffer(np.array([y[t, p] / (16 if p % 2 else 1), y[t, p + 4] / (16 if p % 2 else 1)],
+                                             np.float16).tobytes(), np.uint32)[0]) for t in range(4)]
+                 for p in range(4)]
+        got = _run_run_ptx(_run_ptx(), words + [v for p in pairs for v in p])
+        expected = float((codes * y.astype(np.float64)).sum()) * 2.0**-24
+        scale = float((codes * np.abs(y.astype(np.float64))).sum()) * 2.0**-24
+        assert abs(got - expected) <= 2.0**-9 * scale + 2.0**-23, (got, expected)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="inline PTX: Triton's interpreter does not run it")
 @pytest.mark.parametrize("inputs", ["normal", "tiny", "large", "outlier"])
-@pytest.mark.parametrize("group", [32, 128, 0, -1])
-def test_one_row_4bit_float16_tiles_match_float64(group: int, inputs: str) -> None:
+@pytest.mark.parametrize("layout", ["g128_zeros", "g32_zeros", "g128_symmetric", "g32_offsets", "channel", "row"])
+def test_one_row_4bit_float16_tiles_match_float64(layout: str, inputs: str) -> None:
     """Every HALF tile (codes as float16 subnormals, products in float16 pairs) against float64 on
     the dequantized weight: inputs from 2**-20 to 3e4 in bfloat16 (scaled per run of 32, never
-    overflowing), and one input a thousand times the rest; groups of 32 and 128 with zero
-    points, a scale per channel (0), one group a row (-1); K and N not multiples of the tiles."""
+    overflowing), and one input a thousand times the rest; groups of 128 and 32 with zero points,
+    a constant zero point (GPTQ's symmetric 8), offsets (GGUF), a scale per channel with K not a
+    multiple of a run, one group a row; N not a multiple of the tiles, nor K of most."""
     from pagellm.quantization import triton_matmul
 
-    n, k = 4104, 4352
-    group_size = k if group == -1 else group
-    gen = torch.Generator().manual_seed(group + 7)
+    n, k = 4104, 4360 if layout == "channel" else 4352
+    group = {"g128_zeros": 128, "g32_zeros": 32, "g128_symmetric": 128, "g32_offsets": 32, "channel": 0, "row": k}[layout]
+    gen = torch.Generator().manual_seed(len(layout) + len(inputs))
     x = torch.randn(1, k, generator=gen) * {"normal": 1.0, "tiny": 2.0**-20, "large": 3e4, "outlier": 1.0}[inputs]
     if inputs == "outlier":
         x[0, 1000] = 1000.0
     x = x.bfloat16()
-    w = torch.randn(n, k, generator=gen)
-    if group:
-        q, scales, zeros = quantize_rtn(w, group_size)
-        qweight, scales16 = pack_pairs(q), scales.half()
-        w_ref = dequantize(qweight, scales16, zeros, group_size).double()
-    else:
-        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        qweight, scales16, zeros = pack_pairs(q), (torch.rand(n, generator=gen) + 0.5).half(), 0
-        w_ref = q.double() * scales16.double()[:, None]
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).half()
+    zeros: torch.Tensor | int = (torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+                                 if layout.endswith("zeros") or layout == "row" else 8 if layout == "g128_symmetric" else 0)
+    offsets = (torch.randn(n, groups, generator=gen) * 0.1).half() if layout == "g32_offsets" else None
+    per_input = lambda t: t.double().repeat_interleave(k // groups, 1)  # noqa: E731
+    z = per_input(zeros) if isinstance(zeros, torch.Tensor) else zeros
+    w_ref = (q.double() - z) * per_input(scales) + (per_input(offsets) if offsets is not None else 0)
     ref = (x.double() @ w_ref.t())[0]
-    # Products round in float16 as code times input, the zero point taken off after in float32:
-    # each errs by up to 2**-11 of |c s x| (a dense bfloat16 weight: 2**-9 of |(c - z) s x|).
-    codes = w_ref.abs() + (zeros.double().repeat_interleave(group_size, 1) * scales16.double().repeat_interleave(
-        group_size, 1) if group else 0)
-    bound = (x.double().abs() @ codes.t())[0]
-    words = qweight.to(DEVICE).view(torch.int32)
-    zero_arg, zero_const = triton_matmul._zero_args(zeros.to(DEVICE) if group else 0, scales16.to(DEVICE))
-    constants = dict(GROUP=group_size if group else 0, ZERO=zero_const, OFFSET=False, PACKED=True,
-                     PER_GROUP=triton_matmul._whole_group_tiles(group_size if group else 0))
-    half = [c for c in triton_matmul.one_row_candidates(constants, torch.bfloat16) if c.kwargs["HALF"]]
-    assert len(half) >= 5 and not any(c.kwargs["HALF"] for c in triton_matmul.one_row_candidates(constants,
-                                                                                                  torch.float32))
-    x_d, scales_d = x.to(DEVICE), scales16.to(DEVICE)
+    # Products round in float16 as code times input, the zero point and offset taken off after in
+    # float32: each errs by about 2**-11 of |c s x| (a dense bfloat16 weight: 2**-9 of |w x|).
+    bound = (x.double().abs() @ (q.double() * per_input(scales)).t())[0]
+    words = pack_pairs(q).to(DEVICE).view(torch.int32)
+    scales_d = (scales[:, 0] if not group else scales).contiguous().to(DEVICE)
+    zero_arg, zero_const = triton_matmul._zero_args(zeros.to(DEVICE) if isinstance(zeros, torch.Tensor) else zeros,
+                                                    scales_d)
+    offsets_d = scales_d if offsets is None else offsets.to(DEVICE)
+    constants = dict(GROUP=group, ZERO=zero_const, OFFSET=offsets is not None, PACKED=True,
+                     PER_GROUP=triton_matmul._whole_group_tiles(group))
+    half = [c for c in triton_matmul.one_row_candidates(constants, torch.bfloat16, DEVICE) if c.kwargs["HALF"]]
+    assert len(half) >= 5 and not any(c.kwargs["HALF"] for c in triton_matmul.one_row_candidates(
+        constants, torch.float32, DEVICE))
+    x_d = x.to(DEVICE)
     for config in half:
         out = torch.full((n,), float("nan"), dtype=torch.float32, device=DEVICE)
-        triton_matmul.launch_one_row(config, n, (x_d, words, scales_d, zero_arg, scales_d, out, n, k, words.stride(0),
+        triton_matmul.launch_one_row(config, n, (x_d, words, scales_d, zero_arg, offsets_d, out, n, k, words.stride(0),
                                                  scales_d.stride(0), zero_arg.stride(0)), **constants)
         err = (out.double().cpu() - ref).abs()
         assert err.max() <= 4e-3 * ref.abs().max(), (config, err.max(), ref.abs().max())  # bf16 cuBLAS: 2.8-3.7e-3

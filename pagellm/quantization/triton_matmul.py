@@ -133,6 +133,23 @@ def _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED: tl.constexpr, COLS: tl
 
 
 @triton.jit
+def _word_inputs(x_ptr, k0, K, COLS: tl.constexpr):
+    """The inputs of a tile's COLS words of eight codes from k0: (x_0, ..., x_7), x_j [COLS] the
+    input of code j of each word in float32 (0 past K), and x_col, each word's inputs' sum."""
+    rw = k0 // 8 + tl.arange(0, COLS)
+    w_ok = rw < K // 8
+    xs = (tl.load(x_ptr + 8 * rw, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 1, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 2, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 3, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 4, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 5, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 6, mask=w_ok, other=0.0).to(tl.float32),
+          tl.load(x_ptr + 8 * rw + 7, mask=w_ok, other=0.0).to(tl.float32))
+    return xs, ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+
+
+@triton.jit
 def _f16_pairs(lo, hi):
     """float32 lo, hi -> one int32: the float16 pair (lo in the low half), rounded to nearest."""
     return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
@@ -142,7 +159,7 @@ def _f16_pairs(lo, hi):
 def _run_ptx() -> str:
     """PTX of `_half_chunk_sums`: per word t ($1..$4), its codes' pairs p = 0..3 masked out (p >= 2
     after a shift by 8) and multiplied with input pair p of word t ($5 + 4p + t), alternately into
-    two float16x2 sums (two chains in flight); then their four halves summed, in float32 at the end."""
+    two float16x2 sums (two chains in flight); the two added in float16, their halves in float32."""
     lines = [".reg .b32 v<4>, s<4>, h<2>;", ".reg .f16 l, u;", ".reg .f32 fl, fu;", "mov.b32 h0, 0;", "mov.b32 h1, 0;"]
     for t in range(4):
         word = f"${1 + t}"
@@ -186,20 +203,12 @@ def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
     sums, each over a run of four words (32 inputs), and x_col, each word's inputs' sum. Each run's
     inputs are scaled by a power of two that brings its largest to [2**14, 2**15) (2**-24 times a
     code, at most 15 * 2**-9: the float16 sums of 16 products never overflow, and an outlier
-    input coarsens only its own run), rounded once to float16; the products and the run's sum
-    round in float16 (11 bits), the sum is scaled back in float32."""
+    input coarsens only its own run), rounded once to float16. Each product rounds to 11 bits (or,
+    below float16's normal range, to 2**-25, that is 2**-15 of the run's largest input), and so does
+    each of the run's float16 sums; the run's sum is scaled back in float32."""
     C4: tl.constexpr = COLS // 4
-    rw = k0 // 8 + tl.arange(0, COLS)
-    w_ok = rw < K // 8
-    x0 = tl.load(x_ptr + 8 * rw, mask=w_ok, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + 8 * rw + 1, mask=w_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + 8 * rw + 2, mask=w_ok, other=0.0).to(tl.float32)
-    x3 = tl.load(x_ptr + 8 * rw + 3, mask=w_ok, other=0.0).to(tl.float32)
-    x4 = tl.load(x_ptr + 8 * rw + 4, mask=w_ok, other=0.0).to(tl.float32)
-    x5 = tl.load(x_ptr + 8 * rw + 5, mask=w_ok, other=0.0).to(tl.float32)
-    x6 = tl.load(x_ptr + 8 * rw + 6, mask=w_ok, other=0.0).to(tl.float32)
-    x7 = tl.load(x_ptr + 8 * rw + 7, mask=w_ok, other=0.0).to(tl.float32)
-    x_col = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    xs, x_col = _word_inputs(x_ptr, k0, K, COLS)
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
     big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                      tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
     # Each run's largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay
@@ -239,15 +248,12 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
         # would read 0). Exact for |x| from 2**-30 to 2**75; below, a product errs by at most
         # 2**-54; from 2**75 the scaled input overflows. A column of `prod` is a word's eight
         # inputs, `x_col` their sum.
-        rw = k0 // 8 + tl.arange(0, COLS)
-        w_ok = rw < K // 8
         words = w
         high = words >> 12
         prod = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-        x_col = tl.zeros((COLS,), dtype=tl.float32)
+        xs, x_col = _word_inputs(x_ptr, k0, K, COLS)
         for j in tl.static_range(8):
-            x_j = tl.load(x_ptr + 8 * rw + j, mask=w_ok, other=0.0).to(tl.float32)
-            x_col += x_j
+            x_j = xs[j]
             if j < 5:
                 bits = words & (0xF << (4 * j))
                 y = x_j * (2.0 ** (53 - 4 * j))
@@ -597,7 +603,7 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         run(interpreter_tile(max(64, layout["GROUP"]) if per_group else 64), weight)
         return
     key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
-    run(choose(key, one_row_candidates(constants, x.dtype), run, weight), weight)
+    run(choose(key, one_row_candidates(constants, x.dtype, x.device), run, weight), weight)
 
 
 class OneRowKey(NamedTuple):
@@ -612,19 +618,26 @@ class OneRowKey(NamedTuple):
     layout: tuple  # the kernel's constants, (name, value) pairs
 
 
-def one_row_candidates(constants: dict, x_dtype: torch.dtype) -> tuple[triton.Config, ...]:
-    """The one-row tiles for a layout (`_gemv`'s constants) and activations of `x_dtype`: with
-    PER_GROUP, those of whole groups; the float16 ones (HALF) for 16-bit activations only (float32
-    models keep float32 products) and groups of whole runs of four words."""
+def one_row_candidates(constants: dict, x_dtype: torch.dtype, device: torch.device) -> tuple[triton.Config, ...]:
+    """The one-row tiles for a layout (`_gemv`'s constants) and activations of `x_dtype` on `device`:
+    with PER_GROUP, those of whole groups; the float16 ones (HALF) for 16-bit activations only (float32
+    models keep float32 products), groups of whole runs of four words, and GPUs that pack two float32
+    into float16 in one instruction (compute capability 8.0 and up)."""
     return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"],
-                               x_dtype.itemsize == 2)
+                               x_dtype.itemsize == 2 and _packs_float16(device))
 
 
 @functools.cache
-def _one_row_candidates(packed: bool, group: int, per_group: bool, half: bool) -> tuple[triton.Config, ...]:
+def _packs_float16(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+@functools.cache
+def _one_row_candidates(packed: bool, group: int, per_group: bool, float16_products: bool
+                        ) -> tuple[triton.Config, ...]:
     """`one_row_candidates`, computed once a layout."""
     return tuple(_nonempty([c for c in _gemv_configs(packed) if (not per_group or c.kwargs["BLOCK_K"] % group == 0)
-                            and (not c.kwargs["HALF"] or half and group % 32 == 0)], group))
+                            and (not c.kwargs["HALF"] or float16_products and group % 32 == 0)], group))
 
 
 def interpreter_tile(block_k: int) -> triton.Config:
