@@ -427,9 +427,8 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The one-row tiles `one_row_tiles.choose` times: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them). The tiles with PREFETCH, and the float16 ones (HALF: fewer
-    instructions a code with more rows a thread, `benchmarks/gemv_sass.py --half`), were added
-    without a sweep."""
+    a later sweep may prune them). The tiles with PREFETCH, and the float16 ones (HALF: two codes
+    an instruction, `benchmarks/gemv_sass.py --half`), were added without a sweep."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return one_row_configs(tiles, tiles[:3])
