@@ -5,6 +5,10 @@ Phases (each optional, `--phases`):
          with zero points: every (BLOCK_N, BLOCK_K, warps, stages) of a grid, timed by CUDA-graph
          replay, as a fraction of the copy bandwidth; the engine's choice (`one_row_tiles`) and bf16 `F.linear`
          beside them. The fastest tiles are what `triton_matmul._gemv_configs` should hold.
+  one_row  as the engine times them (`one_row_tiles`: each candidate over uncached copies of the
+         weight): every tile of a grid of the one-row kernel with split-K (SPLIT programs a tile of
+         rows), for int4 groups of 128 with zero points and bf16 activations (float16 products, or
+         float32 with --float32-products) and for fp8 per channel, each checked against float64.
   large  many rows: the tiled kernel (dequantizing in registers) against dequantizing the whole
          weight once and multiplying with cuBLAS (`triton_matmul.DEQUANTIZE_ROWS` picks between
          them), for int4 groups of 128 and GGUF-like grouped layouts, against bf16.
@@ -90,6 +94,67 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
     return records
 
 
+def one_row_grid(args: argparse.Namespace, int4: bool) -> list[triton.Config]:
+    """The tiles of `one_row_phase`: rows, inputs and warps of the grid (a thread holding from 4 to 64
+    words of codes: fewer split a run of four words), with and without PREFETCH, each SPLIT."""
+    grid = []
+    for n, k, warps, prefetch, split in itertools.product(args.int4_block_n if int4 else args.block_n,
+                                                          args.int4_block_k if int4 else args.block_k, args.warps,
+                                                          (False, True), args.splits):
+        words = n * k // (8 if int4 else 4) // (32 * warps)  # a thread's 32-bit words a tile
+        if 4 <= words <= 64:
+            grid.append(triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch, "SPLIT": split,
+                                       "HALF": int4 and not args.float32_products}, num_warps=warps, num_stages=3))
+    return grid
+
+
+def one_row_phase(args: argparse.Namespace, bandwidth: float, out_path: Path, payload: dict) -> list[dict[str, Any]]:
+    from pagellm.quantization.one_row_tiles import replay_us, uncached_copies
+
+    records = payload.setdefault("one_row", [])
+    for layer, (n, k) in SHAPES.items():
+        gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+        x = torch.randn(1, k, device=DEVICE, generator=gen).bfloat16()
+        layouts = quantized_layouts(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02)
+        for method in args.one_row_methods:
+            case = layouts[method]
+            int4 = method.startswith("int4")
+            weight = case["weight"].view(torch.int32) if int4 else case["weight"]
+            zero_arg, zero_const = triton_matmul._zero_args(case["zero"], case["scale"])
+            constants = dict(GROUP=case["group"], PACKED=int4, ZERO=zero_const, OFFSET=False,
+                             PER_GROUP=case["group"] > 0)
+            expected = (x.double() @ case["ref"].double().t())[0]
+            out = torch.empty(n, device=DEVICE, dtype=torch.bfloat16)
+
+            def run(config: triton.Config, w: torch.Tensor) -> None:
+                triton_matmul.launch_one_row(config, n, (x, w, case["scale"], zero_arg, case["scale"], out, n, k,
+                                                         w.stride(0), case["scale"].stride(0), zero_arg.stride(0)),
+                                             **constants)
+            copies = uncached_copies(weight)
+            for config in one_row_grid(args, int4):
+                if config.kwargs["SPLIT"] > 1 and n >= 16384:
+                    continue  # enough tiles of rows already
+                record = {"layer": layer, "method": method, "config": str(config), **config.kwargs,
+                          "warps": config.num_warps}
+                try:
+                    record["us"] = replay_us(lambda w, c=config: run(c, w), copies)
+                    out.fill_(float("nan"))
+                    run(config, weight)  # after many replays: the split counters were cleared each time
+                    record["max_rel_error"] = ((out.double() - expected).abs().max() / expected.abs().max()).item()
+                    record["bw_fraction"] = case["bytes"] / (record["us"] * 1e-6) / bandwidth
+                except Exception as e:  # noqa: BLE001 (a tile that does not compile or fit is recorded)
+                    record["error"] = f"{type(e).__name__}: {e}"[:200]
+                records.append(record)
+            del copies
+            mine = sorted((r for r in records if r["layer"] == layer and r["method"] == method and "us" in r),
+                          key=lambda r: r["us"])
+            for r in mine[:3]:
+                print(f"{layer} {method}: {r['us']:.2f} us ({r['bw_fraction']:.2f} of copy bw, error "
+                      f"{r['max_rel_error']:.1e}) {r['config']}", flush=True)
+            write_json(payload, out_path)
+    return records
+
+
 def _grouped(n: int, k: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
     """int4 groups of 128 with zero points (GPTQ/AWQ/rtn), and GGUF's grouped layouts: Q4_K-like
     (packed, groups of 32, offsets) and Q8_0-like (8-bit codes, groups of 32)."""
@@ -139,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--int4-block-k", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[3])
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4], help="one_row: SPLIT values")
+    p.add_argument("--one-row-methods", nargs="+", default=["int4_g128", "fp8"], choices=["int4_g128", "fp8", "int8"])
+    p.add_argument("--float32-products", action="store_true", help="one_row: int4 without HALF")
     p.add_argument("--large-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 1024])
     p.add_argument("--out-dir", default=None)
     p.add_argument("--commit", default=None)
@@ -149,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "gemv" in args.phases:
         payload["gemv"] = gemv_phase(args, payload["ceilings"]["copy_bytes_per_s"])
         write_json(payload, out)  # each phase's results kept as soon as they exist
+    if "one_row" in args.phases:
+        one_row_phase(args, payload["ceilings"]["copy_bytes_per_s"], out, payload)
     if "large" in args.phases:
         payload["large"] = large_phase(args)
     print(summary(payload))
@@ -168,6 +238,18 @@ def summary(payload: dict[str, Any]) -> str:
             for r in [tuned, *ranked[:3]]:
                 rows.append([layer, method, r["config"], f"{r['us']:.1f}", f"{r['bw_fraction']:.2f}"])
         lines.append(format_table(["layer", "method", "tile", "us", "of copy bw"], rows, left=[0, 1, 2]))
+    one_row = payload.get("one_row") or []
+    if one_row:
+        rows = []
+        for layer, method in dict.fromkeys((r["layer"], r["method"]) for r in one_row):
+            mine = sorted((r for r in one_row if r["layer"] == layer and r["method"] == method and "us" in r),
+                          key=lambda r: r["us"])
+            for r in mine[:5]:
+                tile = f"n{r['BLOCK_N']}_k{r['BLOCK_K']}_w{r['warps']}{'_pre' if r['PREFETCH'] else ''}_split{r['SPLIT']}"
+                rows.append([layer, method, tile, f"{r['us']:.2f}", f"{r['bw_fraction']:.2f}",
+                             f"{r['max_rel_error']:.1e}"])
+        lines.append(format_table(["layer", "method", "tile", "us", "of copy bw", "max rel error"], rows,
+                                  left=[0, 1, 2]))
     large = payload.get("large") or []
     if large:
         methods = list(dict.fromkeys(r["method"] for r in large))
