@@ -28,23 +28,19 @@ from triton.compiler import ASTSource
 from pagellm.quantization import triton_matmul
 
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*u8", "offset_ptr": "*fp16",
-            "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32"}
+            "out_ptr": "*bf16"}
 
 
 def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int, prefetch: bool = False,
-                 half: bool = False, split: int = 1) -> bytes:
+                 half: bool = False) -> bytes:
     """The cubin of the 4-bit kernel with per-group zero points (GPTQ / AWQ / rtn's layout)."""
     fn = triton_matmul._gemv_kernel
     names = fn.arg_names
     constants = {"GROUP": group, "ZERO": -1, "OFFSET": False, "PACKED": True, "PER_GROUP": True,
                  "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False,
-                 "HALF": half, "SPLIT": split}
+                 "HALF": half}
     signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in names}
     divisible = [*POINTERS, "N", "K", "stride_wn", "stride_sn", "stride_zn"]
-    if split == 1:  # no split-K buffers
-        constants |= {"part_ptr": None, "lock_ptr": None}
-        signature |= {"part_ptr": "constexpr", "lock_ptr": "constexpr"}
-        divisible = [d for d in divisible if d not in constants]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -72,13 +68,11 @@ def main(argv: list[str] | None = None) -> collections.Counter:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--prefetch", action="store_true", help="the variant loading words a tile ahead")
     p.add_argument("--half", action="store_true", help="the variant multiplying in float16 pairs")
-    p.add_argument("--split", type=int, default=1, help="programs a tile of rows (split-K)")
     p.add_argument("--dump", action="store_true", help="print the whole SASS")
     args = p.parse_args(argv)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch, args.half,
-                             args.split))
+        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch, args.half))
         f.flush()
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     if args.dump:

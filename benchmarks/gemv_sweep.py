@@ -6,8 +6,7 @@ Phases (each optional, `--phases`):
          replay, as a fraction of the copy bandwidth; the engine's choice (`one_row_tiles`) and bf16 `F.linear`
          beside them. The fastest tiles are what `triton_matmul._gemv_configs` should hold.
   one_row  as the engine times them (`one_row_tiles`: each candidate over uncached copies of the
-         weight): every tile of a grid of the one-row kernel with split-K (SPLIT programs a tile of
-         rows), for int4 groups of 128 with zero points and bf16 activations (float16 products, or
+         weight): every tile of a grid of the one-row kernel, for int4 groups of 128 with zero points and bf16 activations (float16 products, or
          float32 with --float32-products) and for fp8 per channel, each checked against float64.
   large  many rows: the tiled kernel (dequantizing in registers) against dequantizing the whole
          weight once and multiplying with cuBLAS (`triton_matmul.DEQUANTIZE_ROWS` picks between
@@ -96,14 +95,14 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
 
 def one_row_grid(args: argparse.Namespace, int4: bool) -> list[triton.Config]:
     """The tiles of `one_row_phase`: rows, inputs and warps of the grid (a thread holding from 4 to 64
-    words of codes: fewer split a run of four words), with and without PREFETCH, each SPLIT."""
+    words of codes: fewer split a run of four words), with and without PREFETCH."""
     grid = []
-    for n, k, warps, prefetch, split in itertools.product(args.int4_block_n if int4 else args.block_n,
-                                                          args.int4_block_k if int4 else args.block_k, args.warps,
-                                                          (False, True), args.splits):
+    for n, k, warps, prefetch in itertools.product(args.int4_block_n if int4 else args.block_n,
+                                                   args.int4_block_k if int4 else args.block_k, args.warps,
+                                                   (False, True)):
         words = n * k // (8 if int4 else 4) // (32 * warps)  # a thread's 32-bit words a tile
         if 4 <= words <= 64:
-            grid.append(triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch, "SPLIT": split,
+            grid.append(triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch,
                                        "HALF": int4 and not args.float32_products}, num_warps=warps, num_stages=3))
     return grid
 
@@ -132,14 +131,12 @@ def one_row_phase(args: argparse.Namespace, bandwidth: float, out_path: Path, pa
                                              **constants)
             copies = uncached_copies(weight)
             for config in one_row_grid(args, int4):
-                if config.kwargs["SPLIT"] > 1 and n >= 16384:
-                    continue  # enough tiles of rows already
                 record = {"layer": layer, "method": method, "config": str(config), **config.kwargs,
                           "warps": config.num_warps}
                 try:
                     record["us"] = replay_us(lambda w, c=config: run(c, w), copies)
                     out.fill_(float("nan"))
-                    run(config, weight)  # after many replays: the split counters were cleared each time
+                    run(config, weight)
                     record["max_rel_error"] = ((out.double() - expected).abs().max() / expected.abs().max()).item()
                     record["bw_fraction"] = case["bytes"] / (record["us"] * 1e-6) / bandwidth
                 except Exception as e:  # noqa: BLE001 (a tile that does not compile or fit is recorded)
@@ -204,7 +201,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--int4-block-k", type=int, nargs="+", default=[1024, 2048, 4096])
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[3])
-    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4], help="one_row: SPLIT values")
     p.add_argument("--one-row-methods", nargs="+", default=["int4_g128", "fp8"], choices=["int4_g128", "fp8", "int8"])
     p.add_argument("--float32-products", action="store_true", help="one_row: int4 without HALF")
     p.add_argument("--large-rows", type=int, nargs="+", default=[16, 32, 64, 128, 256, 1024])
@@ -245,7 +241,7 @@ def summary(payload: dict[str, Any]) -> str:
             mine = sorted((r for r in one_row if r["layer"] == layer and r["method"] == method and "us" in r),
                           key=lambda r: r["us"])
             for r in mine[:5]:
-                tile = f"n{r['BLOCK_N']}_k{r['BLOCK_K']}_w{r['warps']}{'_pre' if r['PREFETCH'] else ''}_split{r['SPLIT']}"
+                tile = f"n{r['BLOCK_N']}_k{r['BLOCK_K']}_w{r['warps']}{'_pre' if r['PREFETCH'] else ''}"
                 rows.append([layer, method, tile, f"{r['us']:.2f}", f"{r['bw_fraction']:.2f}",
                              f"{r['max_rel_error']:.1e}"])
         lines.append(format_table(["layer", "method", "tile", "us", "of copy bw", "max rel error"], rows,

@@ -174,8 +174,9 @@ def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
     chosen: dict[str, dict[str, str]] = {}
 
     def run(name: str, method: str, dtype: str, half: bool | None) -> None:
-        triton_matmul.one_row_candidates = lambda *a: tuple(
-            t for t in real(*a) if half is None or t.kwargs["HALF"] == half) or real(*a)
+        # float32 activations never take the float16 tiles, bfloat16 ones only those where they apply
+        triton_matmul.one_row_candidates = lambda constants, x_dtype, device: real(
+            constants, torch.float32 if half is False else x_dtype, device)
         one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
         llm = LLM(path, dtype=dtype, quantization=method, max_num_seqs=1)
         outputs = llm.generate(PROMPTS, params)

@@ -309,8 +309,6 @@ def _gemv_kernel(
     DENSE: tl.constexpr = False,  # w holds the weights themselves (16- or 32-bit floats, GROUP 0): no scale
     PDL: tl.constexpr = False,  # see `pdl`: with PREFETCH, the first tile is read before waiting for x
     HALF: tl.constexpr = False,  # 4-bit codes multiplied in float16 pairs (`_half_tile_sums`; compiled only)
-    SPLIT: tl.constexpr = 1,  # programs a tile of rows (K split between them; `_split_buffers`)
-    part_ptr=None, lock_ptr=None,  # with SPLIT > 1: float32 partial sums [SPLIT, N], a zero int32 per tile of rows
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
@@ -320,10 +318,6 @@ def _gemv_kernel(
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
-    # This program's inputs: whole tiles (whole groups, whole words), the last split's cut at K.
-    k_len = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
-    k_start = tl.program_id(1) * k_len
-    k_end = tl.minimum(k_start + k_len, K)
     if GROUP == 0 and not PACKED:
         # A partial sum per run of one 16-byte load's weights: the runs are a thread's own, so
         # the sums across threads (shuffles, and a barrier between warps), which cost the tiles a
@@ -338,16 +332,16 @@ def _gemv_kernel(
     acc_groups = tl.zeros((BLOCK_N, NUM_G), dtype=tl.float32)
     pdl_release(PDL)
     if PREFETCH:  # each tile loaded a tile ahead, in flight while the one before is summed
-        next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, k_start, k_end, PACKED, COLS)
+        next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, 0, K, PACKED, COLS)
     pdl_wait(PDL)
-    for k0 in range(k_start, k_end, BLOCK_K):  # k_end bounds every load: inputs past it are the next split's
+    for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             w = next_w
-            next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0 + BLOCK_K, k_end, PACKED, COLS)
+            next_w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0 + BLOCK_K, K, PACKED, COLS)
         else:
-            w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0, k_end, PACKED, COLS)
+            w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED, COLS)
         acc, acc_groups, x_sum = _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr,
-                                            offset_ptr, k_end, stride_sn, stride_zn, GROUP, ZERO, OFFSET, PACKED,
+                                            offset_ptr, K, stride_sn, stride_zn, GROUP, ZERO, OFFSET, PACKED,
                                             PER_GROUP, BLOCK_N, BLOCK_K, HALF)
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
@@ -362,28 +356,7 @@ def _gemv_kernel(
         elif ZERO != 0:
             acc -= ZERO * x_sum
         acc *= tl.load(scale_ptr + rn * stride_sn, mask=n_ok, other=0.0).to(tl.float32)
-    if SPLIT > 1:
-        _store_split_total(acc, rn, n_ok, N, out_ptr, part_ptr, lock_ptr, SPLIT)
-    else:
-        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _store_split_total(acc, rn, n_ok, N, out_ptr, part_ptr, lock_ptr, SPLIT: tl.constexpr):
-    """Split-K's end: each of a tile's SPLIT programs stores its partial sums (the epilogue above is
-    linear: each applied it to its own), and the last to arrive adds them in split order (the same
-    sums whatever order the programs ran in), stores them, and clears the tile's counter for the
-    next launch. The barrier and the acquire-release count make every program's stores visible to
-    the last one (CUTLASS's semaphore); its loads skip L1 (.cg), which may hold an earlier launch's."""
-    tl.store(part_ptr + tl.program_id(1) * N + rn, acc, mask=n_ok)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(lock_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT - 1:
-        total = tl.zeros_like(acc)
-        for s in tl.static_range(SPLIT):
-            total += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-        tl.atomic_xchg(lock_ptr + tl.program_id(0), 0, sem="relaxed", scope="gpu")
+    tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -454,21 +427,24 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The one-row tiles `one_row_tiles.choose` times: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them). The tiles with PREFETCH, and the float16 ones (HALF: two codes
-    an instruction, `benchmarks/gemv_sass.py --half`), were added without a sweep."""
+    a later sweep may prune them). The tiles with PREFETCH were added without a sweep. The float16
+    ones (HALF: two codes an instruction, `benchmarks/gemv_sass.py --half`) are those within 6% of
+    the fastest on some layer in an H100's sweep of 50 (`gemv_sweep --phases one_row`,
+    gemv_sweep_h100_20261206T063508Z_8f7efc1_one_row_split.json; a tile fastest on one layer is up
+    to 45% slower on another)."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return one_row_configs(tiles, tiles[:3])
-    half_tiles = ((16, 1024, 4), (16, 2048, 4), (16, 4096, 4), (16, 2048, 8), (32, 2048, 8))
     return one_row_configs(((16, 2048, 4), (16, 2048, 8), (8, 2048, 4), (16, 1024, 4), (32, 2048, 4), (32, 1024, 4),
                             (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4))) + \
-        one_row_configs(half_tiles, half_tiles[:2], half=True)
+        one_row_configs(((16, 1024, 4), (16, 2048, 8), (16, 2048, 4)),
+                        ((16, 4096, 8), (16, 2048, 8), (32, 2048, 8), (16, 4096, 4), (8, 2048, 4), (32, 1024, 4),
+                         (8, 2048, 8)), half=True)
 
 
-def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False, split: int = 1) -> list[triton.Config]:
+def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False) -> list[triton.Config]:
     """(BLOCK_N, BLOCK_K, warps) tiles of the one-row kernel, and those also tried with PREFETCH."""
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half, "SPLIT": split}, num_warps=w,
-                          num_stages=3)
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half}, num_warps=w, num_stages=3)
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
 
 
@@ -649,7 +625,9 @@ def one_row_candidates(constants: dict, x_dtype: torch.dtype, device: torch.devi
     """The one-row tiles for a layout (`_gemv`'s constants) and activations of `x_dtype` on `device`:
     with PER_GROUP, those of whole groups; the float16 ones (HALF) for 16-bit activations only (float32
     models keep float32 products), groups of whole runs of four words, and GPUs that pack two float32
-    into float16 in one instruction (compute capability 8.0 and up)."""
+    into float16 in one instruction (compute capability 8.0 and up). Where they apply, only they: on
+    an H100 every layer's fastest float32 tile was 2-11% slower than its fastest float16 one (the
+    start-up log of quant_gpu_h100_20261206T051448Z_17aec8c_half_tiles.log)."""
     return _one_row_candidates(constants["PACKED"], constants["GROUP"], constants["PER_GROUP"],
                                x_dtype.itemsize == 2 and _packs_float16(device))
 
@@ -663,8 +641,9 @@ def _packs_float16(device: torch.device) -> bool:
 def _one_row_candidates(packed: bool, group: int, per_group: bool, float16_products: bool
                         ) -> tuple[triton.Config, ...]:
     """`one_row_candidates`, computed once a layout."""
+    half = float16_products and packed and group % 32 == 0
     return tuple(_nonempty([c for c in _gemv_configs(packed) if (not per_group or c.kwargs["BLOCK_K"] % group == 0)
-                            and (not c.kwargs["HALF"] or float16_products and group % 32 == 0)], group))
+                            and c.kwargs["HALF"] == half], group))
 
 
 def interpreter_tile(block_k: int) -> triton.Config:
@@ -675,16 +654,6 @@ def interpreter_tile(block_k: int) -> triton.Config:
 def launch_one_row(config: triton.Config, n: int, args: tuple, **constants: object) -> None:
     """`_gemv_kernel` over n outputs with the given tile (`one_row_tiles.choose`'s), under
     programmatic dependent launch where the GPU has it."""
-    tiles, split = triton.cdiv(n, config.kwargs["BLOCK_N"]), config.kwargs.get("SPLIT", 1)
-    buffers = _split_buffers(args[0].device, n, tiles, split) if split > 1 else {}
-    _gemv_kernel[(tiles, split)](*args, **constants, **config.kwargs, **buffers, num_warps=config.num_warps,
-                                 num_stages=config.num_stages, **pdl(args[0].device))
-
-
-@functools.cache
-def _split_buffers(device: torch.device, n: int, tiles: int, split: int) -> dict[str, torch.Tensor]:
-    """A split-K product's partial sums and its counters (zero between launches: the last program
-    of a tile clears its own), one set a device and shape: the products of a device run one at a
-    time (one stream), so the layers of a shape share them. Kept for the process (a few KiB)."""
-    return {"part_ptr": torch.empty(split, n, dtype=torch.float32, device=device),
-            "lock_ptr": torch.zeros(tiles, dtype=torch.int32, device=device)}
+    _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
+        *args, **constants, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+        **pdl(args[0].device))
