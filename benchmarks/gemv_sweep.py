@@ -6,8 +6,9 @@ Phases (each optional, `--phases`):
          replay, as a fraction of the copy bandwidth; the engine's choice (`one_row_tiles`) and bf16 `F.linear`
          beside them. The fastest tiles are what `triton_matmul._gemv_configs` should hold.
   one_row  as the engine times them (`one_row_tiles`: each candidate over uncached copies of the
-         weight): every tile of a grid of the one-row kernel, for int4 groups of 128 with zero points and bf16 activations (float16 products, or
-         float32 with --float32-products) and for fp8 per channel, each checked against float64.
+         weight): every tile of a grid of the one-row kernel, for int4 groups of 128 with zero
+         points and bf16 activations (float16 products, or float32 with --float32-products) and for
+         fp8 per channel, each checked against float64.
   large  many rows: the tiled kernel (dequantizing in registers) against dequantizing the whole
          weight once and multiplying with cuBLAS (`triton_matmul.DEQUANTIZE_ROWS` picks between
          them), for int4 groups of 128 and GGUF-like grouped layouts, against bf16.

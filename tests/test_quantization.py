@@ -130,6 +130,23 @@ def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int
     assert bool(dequantized) == (rows >= DEQUANTIZE_ROWS)
 
 
+def test_one_row_candidates_are_float16_tiles_only_where_float16_products_apply() -> None:
+    """Where float16 products apply (4-bit codes, 16-bit activations on a GPU that packs them,
+    groups of whole runs of 32 inputs or a scale per channel), the one-row candidates are the float16
+    tiles alone; elsewhere (float32 activations, groups of 16, 8-bit codes) none of them, and with
+    groups every candidate holds whole groups."""
+    from pagellm.quantization import triton_matmul
+
+    def kinds(packed: bool, group: int, float16_products: bool) -> set[bool]:
+        configs = triton_matmul._one_row_candidates(packed, group, group > 0, float16_products)
+        assert all(group == 0 or c.kwargs["BLOCK_K"] % group == 0 for c in configs)
+        return {c.kwargs["HALF"] for c in configs}
+
+    assert kinds(True, 128, True) == {True} and kinds(True, 32, True) == {True} and kinds(True, 0, True) == {True}
+    assert kinds(True, 128, False) == {False} and kinds(True, 16, True) == {False}
+    assert kinds(False, 0, True) == {False} and kinds(False, 32, True) == {False}
+
+
 def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monkeypatch) -> None:
     """The one-row kernel reads eight codes an int32 word; codes starting mid-word (a view one byte
     into its storage, or rows strided by an odd number of bytes) take the tiled kernel instead, and
