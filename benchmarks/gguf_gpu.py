@@ -173,10 +173,10 @@ def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
     runs: dict[str, list[tuple[list[int], list[float]]]] = {}
     chosen: dict[str, dict[str, str]] = {}
 
-    def run(name: str, method: str, dtype: str, half: bool | None) -> None:
-        # float32 activations never take the float16 tiles, bfloat16 ones only those where they apply
+    def run(name: str, method: str, dtype: str, float32_products: bool = False) -> None:
+        # the candidates of float32 activations never hold float16 tiles; bfloat16 ones' hold only them
         triton_matmul.one_row_candidates = lambda constants, x_dtype, device: real(
-            constants, torch.float32 if half is False else x_dtype, device)
+            constants, torch.float32 if float32_products else x_dtype, device)
         one_row_tiles._CHOSEN.clear()  # each engine times its own candidates at start-up
         llm = LLM(path, dtype=dtype, quantization=method, max_num_seqs=1)
         outputs = llm.generate(PROMPTS, params)
@@ -196,9 +196,9 @@ def half_phase(path: str, max_tokens: int) -> dict[str, Any]:
 
     try:
         for method in ("gguf", "rtn"):
-            run(f"{method}_bf16_float32_products", method, "bfloat16", False)
-            run(f"{method}_bf16_half", method, "bfloat16", True)
-        run("gguf_float32", "gguf", "float32", None)
+            run(f"{method}_bf16_float32_products", method, "bfloat16", float32_products=True)
+            run(f"{method}_bf16_half", method, "bfloat16")
+        run("gguf_float32", "gguf", "float32")
     finally:
         triton_matmul.one_row_candidates = real
     result: dict[str, Any] = {"tiles": chosen, "agreement": {

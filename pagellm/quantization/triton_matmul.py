@@ -427,7 +427,7 @@ def _dot_configs() -> list[triton.Config]:
 def _gemv_configs(int4: bool) -> list[triton.Config]:
     """The one-row tiles `one_row_tiles.choose` times: each was the fastest on one of the H200's Llama-8B layers in
     a sweep of benchmarks/gemv_sweep.py (for 4-bit, some only before the kernel lost instructions:
-    a later sweep may prune them). The tiles with PREFETCH were added without a sweep. The float16
+    a later sweep may prune them); their tiles with PREFETCH were added without a sweep. The float16
     ones (HALF: two codes an instruction, `benchmarks/gemv_sass.py --half`) are those within 6% of
     the fastest on some layer in an H100's sweep of 50 (`gemv_sweep --phases one_row`,
     gemv_sweep_h100_20261206T063508Z_8f7efc1_one_row_split.json; a tile fastest on one layer is up
@@ -443,7 +443,7 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
 
 
 def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False) -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, warps) tiles of the one-row kernel, and those also tried with PREFETCH."""
+    """The one-row kernel's (BLOCK_N, BLOCK_K, warps) tiles without PREFETCH, then those with it."""
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half}, num_warps=w, num_stages=3)
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
 
