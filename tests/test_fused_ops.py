@@ -46,6 +46,9 @@ ROPE_SHAPES = (
     else [(1, 4, 2, 64), (5, 9, 3, 128), (3, 4, 4, 64), (2, 2, 1, 96)]
 )
 MAX_POSITION = 8192 if ON_GPU else 64
+# (rows, vocabulary): Llama-3's and SmolLM2's vocabularies on the GPU; rows within one chunk, a
+# chunk and one more, several chunks (4096 columns each).
+ARGMAX_SHAPES = [(1, 128256), (256, 128256), (7, 49152)] if ON_GPU else [(1, 100), (3, 4097), (2, 9000)]
 
 
 @pytest.fixture
@@ -131,6 +134,37 @@ def test_silu_and_mul_matches_torch(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,vocab", ARGMAX_SHAPES)
+def test_argmax_matches_torch_with_ties_across_chunks(rows: int, vocab: int, dtype: torch.dtype,
+                                                       rng: torch.Generator) -> None:
+    x = randn(rng, rows, vocab, dtype=dtype)
+    x[0, vocab - 1] = x[0, vocab // 2] = x[0].max() + 1  # a tie: the first index wins, in another chunk
+    if rows > 1:
+        x[-1, 0] = x[-1].max()  # a tie with the first column
+    got = ops.argmax(x, impl="triton")
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[0] == vocab // 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_argmax_orders_nan_infinities_and_signed_zeros_as_torch(dtype: torch.dtype) -> None:
+    vocab = 5000  # two chunks
+    x = torch.full((5, vocab), float("-inf"), device=DEVICE, dtype=dtype)  # row 0: all -inf
+    x[1, 4500] = x[1, 10] = float("nan")  # NaN is the largest; the first of two
+    x[1, 20] = float("inf")
+    x[2] = -0.0
+    x[2, 4200] = 0.0  # -0 and +0 are equal: the first stays
+    x[3] = -3.0
+    x[3, vocab - 1] = -2.0  # negatives ordered by value, not by their bits
+    x[4, 4100] = float("inf")
+    got = ops.argmax(x, impl="triton")
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got.tolist() == [0, 10, 0, vocab - 1, 4100]
+    assert ops.argmax(x[:0], impl="triton").shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens,heads,kv_heads,head_dim", ROPE_SHAPES)
 def test_rotary_embedding_matches_torch_on_qkv_views(
     tokens: int,
@@ -180,6 +214,8 @@ def test_triton_ops_reject_shapes_they_would_read_out_of_bounds() -> None:
     with pytest.raises(ValueError, match="even last dimension"):
         ops.silu_and_mul(x[:, :7], impl="triton")
     q, k = torch.zeros(3, 2, 8, device=DEVICE), torch.zeros(3, 1, 6, device=DEVICE)
+    with pytest.raises(ValueError, match=r"argmax takes \[rows, columns\]"):
+        ops.argmax(x[0], impl="triton")
     with pytest.raises(ValueError, match="one even head_dim"):
         ops.rotary_embedding(torch.zeros(3, dtype=torch.int64, device=DEVICE), q, k, torch.zeros(4, 8), impl="triton")
 

@@ -13,7 +13,7 @@ from pagellm.ops import torch_ops
 from pagellm.ops.dispatch import IMPLS, Impl, resolve_impl, triton_available, use_impl
 
 __all__ = [
-    "IMPLS", "Impl", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul",
+    "IMPLS", "Impl", "argmax", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul",
     "triton_available", "use_impl",
 ]
 
@@ -48,6 +48,16 @@ def silu_and_mul(x: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
 
         return triton_activation.silu_and_mul(x)
     return _cpu_or_torch(chosen).silu_and_mul(x)
+
+
+def argmax(x: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
+    """x [R, V] -> int64 [R]: each row's index of its largest value (the first, NaN the largest),
+    as `x.argmax(dim=-1)`."""
+    if resolve_impl(x, impl) == "triton":
+        from pagellm.ops import triton_argmax
+
+        return triton_argmax.argmax(x)
+    return x.argmax(dim=-1)
 
 
 def rotary_embedding(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagellm import ops
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import apply_filters, in_float32
 from pagellm.structured_output.bitmask import apply_token_bitmask
@@ -28,7 +29,7 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor) 
     if md.grammar_rows is not None:
         logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
     has_draft = draft_ids >= 0
-    greedy = logits.argmax(dim=-1)
+    greedy = ops.argmax(logits)
     greedy_accepts = has_draft & (greedy == draft_ids)
     if md.all_greedy:
         return greedy, greedy_accepts
@@ -43,7 +44,7 @@ def verify(logits: torch.Tensor, md: SamplingMetadata, draft_ids: torch.Tensor) 
     accepts = has_draft & (uniform < probs.gather(1, draft).squeeze(1))
     # A rejected draft is replaced by a draw from p without it (exponential race, as `sample`).
     residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, draft, 0.0), probs)
-    drawn = (residual / noise).argmax(dim=-1)
+    drawn = ops.argmax(residual / noise)
     accepted = torch.where(md.is_greedy, greedy_accepts, accepts)
     tokens = torch.where(md.is_greedy, greedy, drawn)
     return torch.where(accepted, draft_ids, tokens), accepted

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from pagellm import ops
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.structured_output.bitmask import apply_token_bitmask
 
@@ -14,7 +15,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         logits = md.processors.apply(logits)
     if md.grammar_rows is not None:
         logits = apply_token_bitmask(logits, md.grammar_rows, md.grammar_bitmask)
-    greedy = logits.argmax(dim=-1)
+    greedy = ops.argmax(logits)
     if md.all_greedy:
         return greedy
     logits = logits / md.temperature.unsqueeze(1)
@@ -25,7 +26,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_(generator=md.default_generator)
     for row, gen in md.generators.items():
         noise[row].exponential_(generator=gen)
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = ops.argmax(probs / noise)
     return torch.where(md.is_greedy, greedy, drawn)
 
 

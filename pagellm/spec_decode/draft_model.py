@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pagellm import ops
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.worker.batch import CachedRequestState, attention_layout, padded_block_table
@@ -70,7 +71,7 @@ class DraftModelProposer:
                                     np.ones(len(rows), dtype=np.int64), self.block_size, self.config.device)
             index = torch.from_numpy(rows).to(self.config.device, non_blocking=True)
             hidden = self._forward(drafts[index, j - 1], grid.positions, grid.attn_metadata)
-            drafts[index, j] = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts[index, j] = ops.argmax(self.model.compute_logits(hidden))
         host = drafts.cpu().numpy()
         return {s.req_id: host[i, :n].tolist() for i, (s, n) in enumerate(todo)}
 
@@ -115,7 +116,7 @@ class DraftModelProposer:
             if done:
                 rows = torch.from_numpy(grid.query_start_loc[np.array(done) + 1] - 1).to(self.config.device)
                 index = torch.tensor([chosen[c] for c in done]).to(self.config.device, non_blocking=True)
-                first[index] = self.model.compute_logits(hidden[rows]).argmax(dim=-1)
+                first[index] = ops.argmax(self.model.compute_logits(hidden[rows]))
             for i, n in zip(chosen, lens):
                 states[i].num_draft_computed += n
             pending = [i for i in pending if states[i].num_draft_computed < len(states[i].token_ids)]
