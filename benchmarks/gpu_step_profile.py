@@ -92,61 +92,6 @@ def engine_step_ms(llm: LLM, batch: int, input_len: int, output_len: int) -> flo
     return (run(output_len) - run(1)) / (output_len - 1) * 1e3
 
 
-def timeline(llm: LLM, batch: int, input_len: int, output_len: int) -> dict[str, Any]:
-    """One decode step laid out on the GPU's timeline (the torch profiler's trace of a whole
-    `generate`): per step, the median over its decode steps of the step (from one graph replay's
-    first kernel to the next's), the replay's span and busy time, the time no kernel or copy ran,
-    each operation launched outside the graph (by launcher and name), and how far the host's
-    graph launch ran ahead of the GPU's start of it (near zero: the GPU waits for the host)."""
-    import json  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-
-    prompts = [{"prompt_token_ids": [(3 * i + j) % 30000 + 100 for j in range(input_len)]} for i in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    return {"batch": batch, **step_layout(events)}
-
-
-def step_layout(events: list[dict]) -> dict[str, Any]:
-    """`timeline`'s medians from a chrome trace's events."""
-    import statistics  # noqa: PLC0415
-
-    launcher = {e["args"]["correlation"]: (e["name"], e["ts"]) for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops = sorted((e["ts"], e["ts"] + e["dur"], e["name"], launcher.get(e["args"].get("correlation"), ("?", 0)))
-                 for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    # Steps start at each graph replay's first operation.
-    starts = [i for i, op in enumerate(ops) if op[3][0].endswith("GraphLaunch")
-              and (i == 0 or ops[i - 1][3] != op[3])]
-    steps = []
-    for a, b in zip(starts, starts[1:]):
-        part, end = ops[a:b], ops[b][0]
-        in_graph = [op for op in part if op[3] == part[0][3]]
-        busy, idle, cursor = 0.0, 0.0, part[0][0]
-        for s, e, _, _ in part:
-            if s > cursor:
-                idle += s - cursor
-            busy += max(0.0, e - max(s, cursor))
-            cursor = max(cursor, e)
-        idle += max(0.0, end - cursor)
-        steps.append({"step_us": end - part[0][0], "graph_span_us": max(op[1] for op in in_graph) - part[0][0],
-                      "idle_us": idle, "lead_us": part[0][0] - part[0][3][1],
-                      "outside": [(op[3][0], op[2][:80], op[1] - op[0]) for op in part if op[3] != part[0][3]]})
-    steps = steps[len(steps) // 4:]  # decode steps past the first (the prompt's step is the first)
-    median = lambda key: statistics.median(s[key] for s in steps)  # noqa: E731
-    typical = min(steps, key=lambda s: abs(s["step_us"] - median("step_us")))
-    return {"steps": len(steps), "step_us": median("step_us"),
-            "graph_span_us": median("graph_span_us"), "idle_us": median("idle_us"), "lead_us": median("lead_us"),
-            "typical_outside": [{"launcher": l, "name": n, "us": d} for l, n, d in typical["outside"]]}
-
-
 def graph_vs_eager(llm: LLM, runner: Any, batch: int = 8, tokens: int = 32) -> dict[str, Any]:
     """Greedy tokens with the decode graphs and with them switched off, same engine and weights."""
     prompts = [{"prompt_token_ids": [(11 * i + j) % 30000 + 100 for j in range(40 + i)]} for i in range(batch)]
@@ -171,7 +116,6 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="e.g. rtn or fp8 (weights quantized at load)")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--skip-profile", action="store_true", help="no cProfile run at the largest batch")
-    p.add_argument("--timeline", action="store_true", help="lay out a decode step of each batch on the GPU's timeline")
     p.add_argument("--out-dir", default=None)
     args = p.parse_args()
 
@@ -191,13 +135,6 @@ def main() -> None:
                         "host_ms": step - replay, "tok_per_s": batch / step * 1e3})
         rows.append([batch, f"{replay:.2f}", f"{step:.2f}", f"{step - replay:.2f}", f"{batch / step * 1e3:.0f}"])
 
-    timelines = [timeline(llm, batch, args.input_len, args.output_len) for batch in args.batch_sizes] \
-        if args.timeline else []
-    for t in timelines:
-        print(f"batch {t['batch']}: step {t['step_us']:.0f} us, graph span {t['graph_span_us']:.0f}, "
-              f"GPU idle {t['idle_us']:.0f}, host launch ahead by {t['lead_us']:.0f}; outside the graph:")
-        for op in t["typical_outside"]:
-            print(f"  {op['us']:8.1f} us  {op['launcher']:24s} {op['name']}")
     breakdown = {size: kernel_breakdown(runner, size) for size in {1, runner.graphs.max_size}}
     for size, found in breakdown.items():
         for label, table in found.items():
@@ -219,8 +156,7 @@ def main() -> None:
 
     payload = {**run_metadata(), "model": args.model, "quantization": args.quantization,
                "kv_cache_dtype": args.kv_cache_dtype, "startup_s": startup_s, "graph_vs_eager": check, "steps": results,
-               "graph_sizes": runner.graphs.sizes, "kernel_breakdown": breakdown,
-               "timelines": timelines, "profile_top": text.getvalue()}
+               "graph_sizes": runner.graphs.sizes, "kernel_breakdown": breakdown, "profile_top": text.getvalue()}
     if args.out_dir:
         write_json(payload, Path(args.out_dir) / f"gpu_step_profile_{args.quantization or 'bf16'}.json")
     print(text.getvalue()[:6000])

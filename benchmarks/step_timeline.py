@@ -4,8 +4,9 @@ For each batch size, `LLM.generate` of that many greedy requests (ignore_eos) ru
 profiler with the engine's host phases marked (`schedule`, `launch_step`, `wait_result`,
 `update_from_output`, `process_outputs`). Over the last half of the decode steps it reports the
 wall time per step, the GPU's busy and idle time per step (union of kernel intervals), each host
-phase's time per step, the CUDA runtime calls that cost the host most, and the replay time of the
-captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
+phase's time per step, the CUDA runtime calls that cost the host most, the GPU's time per step in
+each operation outside the captured graph (the LM head, sampling, copies), and the replay time of
+the captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
 step N+1 should fit under step N's kernels: GPU idle near zero, step close to the replay.
 
 On the GPU machine, from the repository root:
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -127,6 +130,28 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def outside_graph_us(trace_events: list[dict], num_steps: int) -> dict[str, float]:
+    """GPU time per step of each operation (by launching call and name) not launched by a graph
+    replay, over a chrome trace's last `num_steps` steps from one replay's first operation to the
+    next's: the LM head, sampling, the copies around the graph."""
+    launcher = {e["args"]["correlation"]: e["name"] for e in trace_events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = sorted((e["ts"], e["dur"], e["name"], e["args"].get("correlation")) for e in trace_events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    replays = [i for i, op in enumerate(ops) if launcher.get(op[3], "").endswith("GraphLaunch")
+               and (i == 0 or ops[i - 1][3] != op[3])]
+    if len(replays) < 2:
+        return {}
+    first, last = replays[max(0, len(replays) - 1 - num_steps)], replays[-1]
+    steps = replays.index(last) - replays.index(first)
+    totals: dict[str, float] = collections.defaultdict(float)
+    for _, dur, name, corr in ops[first:last]:
+        call = launcher.get(corr, "?")
+        if not call.endswith("GraphLaunch"):
+            totals[f"{call}: {name[:90]}"] += dur / steps
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path | None,
              salt: int) -> dict[str, Any]:
     """Profile one generate; summarize its last output_len // 2 steps."""
@@ -135,8 +160,10 @@ def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path 
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         generate_s(llm, batch, input_len, output_len, salt)
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = trace or Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace_events = json.loads(path.read_text())["traceEvents"]
     events = list(prof.events())
     on_gpu = torch.autograd.DeviceType.CUDA
     # The phase ranges also appear on the GPU's timeline (user annotations): not kernels.
@@ -166,6 +193,7 @@ def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path 
         "gpu_idle_ms": (window - busy) * per_step,
         "host_phase_ms": {name: phases[name] * per_step for name in PHASES},
         "cuda_runtime_ms": {name: us * per_step for name, us in top_runtime},
+        "outside_graph_us": outside_graph_us(trace_events, num_steps),
     }
 
 
@@ -223,6 +251,9 @@ def main() -> None:
                      "-" if replay is None else f"{step_ms / replay:.2f}", f"{found['step_ms']:.2f}",
                      f"{found['gpu_idle_ms']:.2f}", *(f"{host[name]:.2f}" for name in PHASES)])
         print(f"batch {batch}: cuda runtime per step {found['cuda_runtime_ms']}", flush=True)
+        print(f"batch {batch}: GPU us per step outside the graph:", flush=True)
+        for op, us in found["outside_graph_us"].items():
+            print(f"  {us:8.1f}  {op}")
     payload = {"benchmark": "step_timeline", **run_metadata(), "model": args.model, "parameters": vars(args),
                "startup_s": startup_s, "async_scheduling": llm.llm_engine.engine_core.overlap, "results": results}
     name = f"step_timeline_{args.quantization}" if args.quantization else "step_timeline"
