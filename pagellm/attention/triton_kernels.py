@@ -21,7 +21,7 @@ import triton.language as tl
 
 from pagellm.ops.triton_rotary import rotate_heads
 from pagellm.ops.dispatch import triton_interpreting
-from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_start
+from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_start, pdl_wait
 
 _LOG2E = 1.4426950408889634
 
@@ -57,17 +57,20 @@ def _write_kv_kernel(
     PDL: tl.constexpr = False,  # see `pdl`
 ):
     # One program a token. With ROTATE, its cos/sin row is loaded once for its query heads (to
-    # q_out) and its key heads (rotated straight into the cache).
-    pdl_start(PDL)
+    # q_out) and its key heads (rotated straight into the cache). The step's positions and slots
+    # (copied in before the step's first kernel) and the cos/sin table are read before the wait.
+    pdl_release(PDL)
     token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token)
     if ROTATE:
         pos = tl.load(positions_ptr + token).to(tl.int64)
         d = tl.arange(0, HALF_P)
         cos = tl.load(cos_sin_ptr + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
         sin = tl.load(cos_sin_ptr + pos * stride_cos + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
+    if ROTATE:
         rotate_heads(q_ptr + token * stride_qt, q_out_ptr + token * NUM_HEADS * 2 * HALF, stride_qh, 2 * HALF,
                      NUM_HEADS, cos, sin, HALF, HEADS_Q_P, HALF_P)
-    slot = tl.load(slot_ptr + token)
     if slot < 0:  # padding, or a token whose KV is already cached
         return
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
@@ -176,7 +179,9 @@ def _paged_attention_kernel(
     INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr,
     PDL: tl.constexpr = False,  # see `pdl`
 ):
-    pdl_start(PDL)
+    # The step's layout (copied in before its first kernel) is read before the wait; the block
+    # table is not: the memory-profiling pass computes it with the kernel before.
+    pdl_release(PDL)
     seq = tl.program_id(0)
     q_block = tl.program_id(1)
     kv_head = tl.program_id(2) % NUM_KV_HEADS
@@ -184,9 +189,10 @@ def _paged_attention_kernel(
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    pdl_wait(PDL)
     if q_block * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len  # position of the sequence's first query token
 
     # Row r of the tile: query token r // GROUP_P of this block, query head r % GROUP_P of the group.
