@@ -3,7 +3,7 @@ program a row reduces the chunks.
 
 PyTorch reduces a row in one block of threads: over a 128,256-word vocabulary that took 37.6 us
 on an H100 for one row of logits (more than a tenth of the LM head's time, for a greedy batch-1
-step; `benchmarks/gpu_step_profile.py --timeline`). Split over many programs the row is a few
+step; `benchmarks/step_timeline.py`). Split over many programs the row is a few
 microseconds. A value and its index travel as one int64 key whose order is that of
 `torch.argmax`: larger values first, NaN above everything, +0 and -0 equal, and among equals the
 lowest index.
