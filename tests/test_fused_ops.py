@@ -48,7 +48,7 @@ ROPE_SHAPES = (
 MAX_POSITION = 8192 if ON_GPU else 64
 # (rows, vocabulary): Llama-3's and SmolLM2's vocabularies on the GPU; rows within one chunk, a
 # chunk and one more, several chunks (4096 columns each).
-ARGMAX_SHAPES = [(1, 128256), (256, 128256), (7, 49152)] if ON_GPU else [(1, 100), (3, 4097), (2, 9000)]
+ARGMAX_SHAPES = [(1, 128256), (256, 128256), (7, 49152)] if ON_GPU else [(1, 4200), (3, 4097), (2, 9000)]
 
 
 @pytest.fixture
@@ -133,11 +133,17 @@ def test_silu_and_mul_matches_torch(
     assert_written_and_close(out, ops.silu_and_mul(x, impl="torch"), poisoned)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=str)
 @pytest.mark.parametrize("rows,vocab", ARGMAX_SHAPES)
-def test_argmax_matches_torch_with_ties_across_chunks(rows: int, vocab: int, dtype: torch.dtype,
+@pytest.mark.parametrize("layout", ["contiguous", "wider_rows", "column_major"])
+def test_argmax_matches_torch_with_ties_across_chunks(rows: int, vocab: int, dtype: torch.dtype, layout: str,
                                                        rng: torch.Generator) -> None:
-    x = randn(rng, rows, vocab, dtype=dtype)
+    if layout == "contiguous":
+        x = randn(rng, rows, vocab, dtype=dtype)
+    elif layout == "wider_rows":  # rows strided past their length (a slice of wider logits)
+        x = randn(rng, rows, vocab + 44, dtype=dtype)[:, :vocab]
+    else:
+        x = randn(rng, vocab, rows, dtype=dtype).t()
     x[0, vocab - 1] = x[0, vocab // 2] = x[0].max() + 1  # a tie: the first index wins, in another chunk
     if rows > 1:
         x[-1, 0] = x[-1].max()  # a tie with the first column
@@ -145,6 +151,11 @@ def test_argmax_matches_torch_with_ties_across_chunks(rows: int, vocab: int, dty
     assert got.dtype == torch.int64
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[0] == vocab // 2
+
+
+def test_argmax_leaves_float64_to_torch() -> None:
+    x = torch.tensor([[1.0, 1.0 + 1e-12, 0.5]], dtype=torch.float64, device=DEVICE)  # equal in float32
+    assert ops.argmax(x, impl="triton").tolist() == [1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

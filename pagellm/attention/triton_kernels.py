@@ -58,7 +58,9 @@ def _write_kv_kernel(
 ):
     # One program a token. With ROTATE, its cos/sin row is loaded once for its query heads (to
     # q_out) and its key heads (rotated straight into the cache). The step's positions and slots
-    # (copied in before the step's first kernel) and the cos/sin table are read before the wait.
+    # and the cos/sin table are read before the wait: every kernel of a forward releases before it
+    # waits, so such reads may overlap any earlier kernel of it, and what they read must be written
+    # before the forward starts (by copies, as `attention_layout` and the decode graphs' inputs are).
     pdl_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
@@ -179,8 +181,8 @@ def _paged_attention_kernel(
     INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr,
     PDL: tl.constexpr = False,  # see `pdl`
 ):
-    # The step's layout (copied in before its first kernel) is read before the wait; the block
-    # table is not: the memory-profiling pass computes it with the kernel before.
+    # The step's layout is read before the wait (see `_write_kv_kernel`); the block table is not:
+    # the memory-profiling pass computes it with the kernel before.
     pdl_release(PDL)
     seq = tl.program_id(0)
     q_block = tl.program_id(1)

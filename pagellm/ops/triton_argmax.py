@@ -16,6 +16,8 @@ import triton.language as tl
 
 _CHUNK = 4096
 """Inputs one program reduces: 32 a thread at 4 warps."""
+MAX_COLUMNS = 65535 * _CHUNK
+"""The most chunks a row can launch (a grid's second dimension): 268,431,360 columns."""
 
 
 @triton.jit
@@ -50,12 +52,16 @@ def _row_argmax_kernel(keys_ptr, out_ptr, CHUNKS, BLOCK: tl.constexpr):
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [R, V] (16- or 32-bit floats) -> int64 [R], each row's first largest value's index."""
+    """x [R, V] -> int64 [R], each row's first largest value's index: the kernels for 16- and
+    32-bit floats (compared in float32, exactly) up to MAX_COLUMNS columns, PyTorch otherwise."""
     if x.dim() != 2:
         raise ValueError(f"argmax takes [rows, columns], got shape {tuple(x.shape)}")
     rows, v = x.shape
-    if v == 0 or v > 0x7FFFFFFF:
-        raise ValueError(f"argmax needs 1 to 2**31 - 1 columns, got {v}")
+    if v == 0:
+        raise ValueError("argmax needs at least one column")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or v > MAX_COLUMNS:
+        # float64 would be rounded to the kernels' float32; a longer row needs more chunks than a grid holds.
+        return x.argmax(dim=-1)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
