@@ -144,13 +144,17 @@ def one_row_phase(args: argparse.Namespace, bandwidth: float, out_path: Path, pa
                     record["error"] = f"{type(e).__name__}: {e}"[:200]
                 records.append(record)
             del copies
-            mine = sorted((r for r in records if r["layer"] == layer and r["method"] == method and "us" in r),
-                          key=lambda r: r["us"])
-            for r in mine[:3]:
+            for r in _fastest(records, layer, method)[:3]:
                 print(f"{layer} {method}: {r['us']:.2f} us ({r['bw_fraction']:.2f} of copy bw, error "
                       f"{r['max_rel_error']:.1e}) {r['config']}", flush=True)
             write_json(payload, out_path)
     return records
+
+
+def _fastest(records: list[dict[str, Any]], layer: str, method: str) -> list[dict[str, Any]]:
+    """The timed one-row records of a layer and method, fastest first."""
+    return sorted((r for r in records if r["layer"] == layer and r["method"] == method and "us" in r),
+                  key=lambda r: r["us"])
 
 
 def _grouped(n: int, k: int, gen: torch.Generator) -> dict[str, dict[str, Any]]:
@@ -239,9 +243,7 @@ def summary(payload: dict[str, Any]) -> str:
     if one_row:
         rows = []
         for layer, method in dict.fromkeys((r["layer"], r["method"]) for r in one_row):
-            mine = sorted((r for r in one_row if r["layer"] == layer and r["method"] == method and "us" in r),
-                          key=lambda r: r["us"])
-            for r in mine[:5]:
+            for r in _fastest(one_row, layer, method)[:5]:
                 tile = f"n{r['BLOCK_N']}_k{r['BLOCK_K']}_w{r['warps']}{'_pre' if r['PREFETCH'] else ''}"
                 rows.append([layer, method, tile, f"{r['us']:.2f}", f"{r['bw_fraction']:.2f}",
                              f"{r['max_rel_error']:.1e}"])
