@@ -5,8 +5,8 @@ profiler with the engine's host phases marked (`schedule`, `launch_step`, `wait_
 `update_from_output`, `process_outputs`). Over the last half of the decode steps it reports the
 wall time per step, the GPU's busy and idle time per step (union of kernel intervals), each host
 phase's time per step, the CUDA runtime calls that cost the host most, the GPU's time per step in
-each operation outside the captured graph (the LM head, sampling, copies), and the replay time of
-the captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
+each operation outside the captured graph (the LM head, sampling, copies) and in each of the
+graph's kernels, and the replay time of the captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
 step N+1 should fit under step N's kernels: GPU idle near zero, step close to the replay.
 
 On the GPU machine, from the repository root:
@@ -130,26 +130,31 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def outside_graph_us(trace_events: list[dict], num_steps: int) -> dict[str, float]:
-    """GPU time per step of each operation (by launching call and name) not launched by a graph
-    replay, over a chrome trace's last `num_steps` steps from one replay's first operation to the
-    next's: the LM head, sampling, the copies around the graph."""
+def step_ops_us(trace_events: list[dict], num_steps: int) -> dict[str, dict[str, float]]:
+    """GPU time per step of each operation over a chrome trace's last `num_steps` steps, from one
+    graph replay's first operation to the next's: "outside_graph" by launching call and name (the
+    LM head, sampling, the copies around the graph), "in_graph" by kernel name and grid (a layer's
+    kernels, each projection apart by its grid; under programmatic dependent launch these overlap,
+    so their sum may exceed the replay). Empty without two replays."""
     launcher = {e["args"]["correlation"]: e["name"] for e in trace_events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops = sorted((e["ts"], e["dur"], e["name"], e["args"].get("correlation")) for e in trace_events
-                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    ops = sorted((e["ts"], e["dur"], e["name"], e["args"].get("correlation"), tuple(e["args"].get("grid", ())))
+                 for e in trace_events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     replays = [i for i, op in enumerate(ops) if launcher.get(op[3], "").endswith("GraphLaunch")
                and (i == 0 or ops[i - 1][3] != op[3])]
     if len(replays) < 2:
-        return {}
+        return {"outside_graph": {}, "in_graph": {}}
     first, last = replays[max(0, len(replays) - 1 - num_steps)], replays[-1]
     steps = replays.index(last) - replays.index(first)
-    totals: dict[str, float] = collections.defaultdict(float)
-    for _, dur, name, corr in ops[first:last]:
+    totals: dict[str, dict[str, float]] = {"outside_graph": collections.defaultdict(float),
+                                           "in_graph": collections.defaultdict(float)}
+    for _, dur, name, corr, grid in ops[first:last]:
         call = launcher.get(corr, "?")
-        if not call.endswith("GraphLaunch"):
-            totals[f"{call}: {name[:90]}"] += dur / steps
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+        if call.endswith("GraphLaunch"):
+            totals["in_graph"][f"{name[:60]} grid {list(grid)}"] += dur / steps
+        else:
+            totals["outside_graph"][f"{call}: {name[:90]}"] += dur / steps
+    return {kind: dict(sorted(found.items(), key=lambda kv: -kv[1])) for kind, found in totals.items()}
 
 
 def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path | None,
@@ -193,7 +198,7 @@ def timeline(llm: LLM, batch: int, input_len: int, output_len: int, trace: Path 
         "gpu_idle_ms": (window - busy) * per_step,
         "host_phase_ms": {name: phases[name] * per_step for name in PHASES},
         "cuda_runtime_ms": {name: us * per_step for name, us in top_runtime},
-        "outside_graph_us": outside_graph_us(trace_events, num_steps),
+        **{f"{kind}_us": found for kind, found in step_ops_us(trace_events, num_steps).items()},
     }
 
 
@@ -253,6 +258,10 @@ def main() -> None:
         print(f"batch {batch}: cuda runtime per step {found['cuda_runtime_ms']}", flush=True)
         print(f"batch {batch}: GPU us per step outside the graph:", flush=True)
         for op, us in found["outside_graph_us"].items():
+            print(f"  {us:8.1f}  {op}")
+        print(f"batch {batch}: GPU us per step of the graph's kernels (sum {sum(found['in_graph_us'].values()):.1f}):",
+              flush=True)
+        for op, us in found["in_graph_us"].items():
             print(f"  {us:8.1f}  {op}")
     payload = {"benchmark": "step_timeline", **run_metadata(), "model": args.model, "parameters": vars(args),
                "startup_s": startup_s, "async_scheduling": llm.llm_engine.engine_core.overlap, "results": results}

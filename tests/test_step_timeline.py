@@ -1,8 +1,8 @@
-"""benchmarks/step_timeline.py: the GPU time per step of what runs outside the captured graph,
-read from a profiler trace."""
+"""benchmarks/step_timeline.py: the GPU time per step of what runs outside the captured graph and
+of each of the graph's kernels, read from a profiler trace."""
 from __future__ import annotations
 
-from benchmarks.step_timeline import outside_graph_us
+from benchmarks.step_timeline import step_ops_us
 
 
 class _Trace:
@@ -18,28 +18,35 @@ class _Trace:
         self.events.append({"cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1, "args": {"correlation": self._next}})
         return self._next
 
-    def op(self, name: str, ts: float, dur: float, correlation: int, cat: str = "kernel") -> None:
-        self.events.append({"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": correlation}})
+    def op(self, name: str, ts: float, dur: float, correlation: int, cat: str = "kernel",
+           grid: tuple[int, ...] = (1, 1, 1)) -> None:
+        self.events.append({"cat": cat, "name": name, "ts": ts, "dur": dur,
+                            "args": {"correlation": correlation, "grid": list(grid)}})
 
 
-def test_reports_per_step_time_of_operations_launched_outside_the_graph():
+def test_reports_per_step_time_of_operations_outside_the_graph_and_of_its_kernels():
     trace = _Trace()
     for step in range(10):
         t = 1000.0 * step
         replay = trace.call("cudaGraphLaunch", t - 500)
-        for i in range(3):  # the graph's kernels, one launch
-            trace.op("_gemv_kernel", t + 10 * i, 10, replay)
-        trace.op("_gemv_kernel", t + 40, 20 + step, trace.call("cuLaunchKernelEx", t - 400))  # the LM head
-        trace.op("Memcpy DtoH", t + 70, 2, trace.call("cudaMemcpyAsync", t - 300), cat="gpu_memcpy")
-    found = outside_graph_us(trace.events, num_steps=4)
+        for i in range(2):  # the graph's kernels, one launch: two layers' projections of two shapes
+            trace.op("_gemv_kernel", t + 30 * i, 10, replay, grid=(384, 1, 1))
+            trace.op("_gemv_kernel", t + 30 * i + 10, 5 + step, replay, grid=(256, 1, 1))
+            trace.op("_rms_norm_kernel", t + 30 * i + 20, 2, replay)
+        trace.op("_gemv_kernel", t + 60, 20 + step, trace.call("cuLaunchKernelEx", t - 400))  # the LM head
+        trace.op("Memcpy DtoH", t + 90, 2, trace.call("cudaMemcpyAsync", t - 300), cat="gpu_memcpy")
+    found = step_ops_us(trace.events, num_steps=4)
     # The last four whole steps (replays 5 to 8; the tenth has no next replay to end it).
-    assert found == {"cuLaunchKernelEx: _gemv_kernel": 20 + (5 + 6 + 7 + 8) / 4,
-                     "cudaMemcpyAsync: Memcpy DtoH": 2.0}
-    assert list(found) == ["cuLaunchKernelEx: _gemv_kernel", "cudaMemcpyAsync: Memcpy DtoH"]  # largest first
+    assert found["outside_graph"] == {"cuLaunchKernelEx: _gemv_kernel": 20 + (5 + 6 + 7 + 8) / 4,
+                                      "cudaMemcpyAsync: Memcpy DtoH": 2.0}
+    assert list(found["outside_graph"]) == ["cuLaunchKernelEx: _gemv_kernel", "cudaMemcpyAsync: Memcpy DtoH"]
+    assert found["in_graph"] == {"_gemv_kernel grid [256, 1, 1]": 2 * (5 + (5 + 6 + 7 + 8) / 4),
+                                 "_gemv_kernel grid [384, 1, 1]": 20.0, "_rms_norm_kernel grid [1, 1, 1]": 4.0}
+    assert list(found["in_graph"])[0] == "_gemv_kernel grid [256, 1, 1]"  # largest first
 
 
 def test_a_trace_without_graph_replays_reports_nothing():
     trace = _Trace()
     for step in range(3):
         trace.op("_gemv_kernel", 100.0 * step, 10, trace.call("cuLaunchKernelEx", 100.0 * step - 50))
-    assert outside_graph_us(trace.events, num_steps=2) == {}
+    assert step_ops_us(trace.events, num_steps=2) == {"outside_graph": {}, "in_graph": {}}
