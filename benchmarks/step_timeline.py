@@ -4,9 +4,9 @@ For each batch size, `LLM.generate` of that many greedy requests (ignore_eos) ru
 profiler with the engine's host phases marked (`schedule`, `launch_step`, `wait_result`,
 `update_from_output`, `process_outputs`). Over the last half of the decode steps it reports the
 wall time per step, the GPU's busy and idle time per step (union of kernel intervals), each host
-phase's time per step, the CUDA runtime calls that cost the host most, the GPU's time per step in
-each operation outside the captured graph (the LM head, sampling, copies) and in each of the
-graph's kernels, and the replay time of the captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
+phase's time per step, the CUDA runtime calls that cost the host most, the GPU's busy time per
+step in each operation outside the captured graph (the LM head, sampling, copies) and in each of
+the graph's kernels, and the replay time of the captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
 step N+1 should fit under step N's kernels: GPU idle near zero, step close to the replay.
 
 On the GPU machine, from the repository root:
@@ -131,29 +131,33 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def step_ops_us(trace_events: list[dict], num_steps: int) -> dict[str, dict[str, float]]:
-    """GPU time per step of each operation over a chrome trace's last `num_steps` steps, from one
-    graph replay's first operation to the next's: "outside_graph" by launching call and name (the
-    LM head, sampling, the copies around the graph), "in_graph" by kernel name and grid (a layer's
-    kernels, each projection apart by its grid; under programmatic dependent launch these overlap,
-    so their sum may exceed the replay). Empty without two replays."""
+    """The GPU's busy time per step by operation over a chrome trace's last `num_steps` steps, from
+    one graph replay's first operation to the next's: "outside_graph" by launching call and name (the
+    LM head, sampling, the copies around the graph), "in_graph" by kernel name and grid (each
+    projection apart by its grid). An operation is charged from the end of what ran before it (or
+    its start, after an idle gap) to its own end: under programmatic dependent launch a kernel
+    starts while the one before still runs and waits for it, and that wait is the earlier one's.
+    Empty without two replays."""
     launcher = {e["args"]["correlation"]: e["name"] for e in trace_events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e["ts"], e["dur"], e["name"], e["args"].get("correlation"), tuple(e["args"].get("grid", ())))
                  for e in trace_events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
     replays = [i for i, op in enumerate(ops) if launcher.get(op[3], "").endswith("GraphLaunch")
                and (i == 0 or ops[i - 1][3] != op[3])]
-    if len(replays) < 2:
-        return {"outside_graph": {}, "in_graph": {}}
-    first, last = replays[max(0, len(replays) - 1 - num_steps)], replays[-1]
-    steps = replays.index(last) - replays.index(first)
     totals: dict[str, dict[str, float]] = {"outside_graph": collections.defaultdict(float),
                                            "in_graph": collections.defaultdict(float)}
-    for _, dur, name, corr, grid in ops[first:last]:
-        call = launcher.get(corr, "?")
-        if call.endswith("GraphLaunch"):
-            totals["in_graph"][f"{name[:60]} grid {list(grid)}"] += dur / steps
-        else:
-            totals["outside_graph"][f"{call}: {name[:90]}"] += dur / steps
+    if len(replays) >= 2:
+        first, last = replays[max(0, len(replays) - 1 - num_steps)], replays[-1]
+        steps = replays.index(last) - replays.index(first)
+        reach = float("-inf")
+        for ts, dur, name, corr, grid in ops[first:last]:
+            busy = max(0.0, ts + dur - max(ts, reach))
+            reach = max(reach, ts + dur)
+            call = launcher.get(corr, "?")
+            if call.endswith("GraphLaunch"):
+                totals["in_graph"][f"{name[:60]} grid {list(grid)}"] += busy / steps
+            else:
+                totals["outside_graph"][f"{call}: {name[:90]}"] += busy / steps
     return {kind: dict(sorted(found.items(), key=lambda kv: -kv[1])) for kind, found in totals.items()}
 
 
@@ -259,7 +263,7 @@ def main() -> None:
         print(f"batch {batch}: GPU us per step outside the graph:", flush=True)
         for op, us in found["outside_graph_us"].items():
             print(f"  {us:8.1f}  {op}")
-        print(f"batch {batch}: GPU us per step of the graph's kernels (sum {sum(found['in_graph_us'].values()):.1f}):",
+        print(f"batch {batch}: GPU busy us per step in the graph's kernels (sum {sum(found['in_graph_us'].values()):.1f}):",
               flush=True)
         for op, us in found["in_graph_us"].items():
             print(f"  {us:8.1f}  {op}")

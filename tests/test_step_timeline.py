@@ -24,15 +24,16 @@ class _Trace:
                             "args": {"correlation": correlation, "grid": list(grid)}})
 
 
-def test_reports_per_step_time_of_operations_outside_the_graph_and_of_its_kernels():
+def test_reports_per_step_busy_time_of_operations_outside_the_graph_and_of_its_kernels():
     trace = _Trace()
     for step in range(10):
         t = 1000.0 * step
         replay = trace.call("cudaGraphLaunch", t - 500)
         for i in range(2):  # the graph's kernels, one launch: two layers' projections of two shapes
             trace.op("_gemv_kernel", t + 30 * i, 10, replay, grid=(384, 1, 1))
-            trace.op("_gemv_kernel", t + 30 * i + 10, 5 + step, replay, grid=(256, 1, 1))
-            trace.op("_rms_norm_kernel", t + 30 * i + 20, 2, replay)
+            # Started early (dependent launch): it waits 4 us for the kernel before it, whose time that is.
+            trace.op("_gemv_kernel", t + 30 * i + 6, 4 + 5 + step, replay, grid=(256, 1, 1))
+            trace.op("_rms_norm_kernel", t + 30 * i + 25, 2, replay)  # after an idle gap
         trace.op("_gemv_kernel", t + 60, 20 + step, trace.call("cuLaunchKernelEx", t - 400))  # the LM head
         trace.op("Memcpy DtoH", t + 90, 2, trace.call("cudaMemcpyAsync", t - 300), cat="gpu_memcpy")
     found = step_ops_us(trace.events, num_steps=4)
