@@ -6,8 +6,9 @@ profiler with the engine's host phases marked (`schedule`, `launch_step`, `wait_
 wall time per step, the GPU's busy and idle time per step (union of kernel intervals), each host
 phase's time per step, the CUDA runtime calls that cost the host most, the GPU's busy time per
 step in each operation outside the captured graph (the LM head, sampling, copies) and in each of
-the graph's kernels, and the replay time of the captured graph of that batch (the step's GPU floor). With async scheduling the host's phases of
-step N+1 should fit under step N's kernels: GPU idle near zero, step close to the replay.
+the graph's kernels, and the replay time of the captured graph of that batch (the step's GPU
+floor). With async scheduling the host's phases of step N+1 should fit under step N's kernels: GPU
+idle near zero, step close to the replay.
 
 On the GPU machine, from the repository root:
     python3 -m benchmarks.step_timeline --out-dir "$OUT"
@@ -263,9 +264,10 @@ def main() -> None:
         print(f"batch {batch}: GPU us per step outside the graph:", flush=True)
         for op, us in found["outside_graph_us"].items():
             print(f"  {us:8.1f}  {op}")
-        print(f"batch {batch}: GPU busy us per step in the graph's kernels (sum {sum(found['in_graph_us'].values()):.1f}):",
+        in_graph = found["in_graph_us"]
+        print(f"batch {batch}: GPU busy us per step in the graph's kernels (sum {sum(in_graph.values()):.1f}):",
               flush=True)
-        for op, us in found["in_graph_us"].items():
+        for op, us in in_graph.items():
             print(f"  {us:8.1f}  {op}")
     payload = {"benchmark": "step_timeline", **run_metadata(), "model": args.model, "parameters": vars(args),
                "startup_s": startup_s, "async_scheduling": llm.llm_engine.engine_core.overlap, "results": results}
