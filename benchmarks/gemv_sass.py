@@ -32,13 +32,13 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr":
 
 
 def compile_gemv(block_n: int, block_k: int, warps: int, stages: int, group: int, prefetch: bool = False,
-                 half: bool = False) -> bytes:
+                 half: bool = False, thread_runs: bool = False) -> bytes:
     """The cubin of the 4-bit kernel with per-group zero points (GPTQ / AWQ / rtn's layout)."""
     fn = triton_matmul._gemv_kernel
     names = fn.arg_names
     constants = {"GROUP": group, "ZERO": -1, "OFFSET": False, "PACKED": True, "PER_GROUP": True,
                  "BLOCK_N": block_n, "BLOCK_K": block_k, "PREFETCH": prefetch, "DENSE": False, "PDL": False,
-                 "HALF": half}
+                 "HALF": half, "THREAD_RUNS": thread_runs}
     signature = {n: "constexpr" if n in constants else POINTERS.get(n, "i32") for n in names}
     divisible = [*POINTERS, "N", "K", "stride_wn", "stride_sn", "stride_zn"]
     source = ASTSource(fn, signature, constexprs={(names.index(n),): v for n, v in constants.items()},
@@ -68,11 +68,13 @@ def main(argv: list[str] | None = None) -> collections.Counter:
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--prefetch", action="store_true", help="the variant loading words a tile ahead")
     p.add_argument("--half", action="store_true", help="the variant multiplying in float16 pairs")
+    p.add_argument("--thread-runs", action="store_true", help="with --half, each thread making its own runs' pairs")
     p.add_argument("--dump", action="store_true", help="print the whole SASS")
     args = p.parse_args(argv)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch, args.half))
+        f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch, args.half,
+                             args.thread_runs))
         f.flush()
         sass = subprocess.run([str(cuobjdump), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     if args.dump:

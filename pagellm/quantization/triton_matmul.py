@@ -198,38 +198,92 @@ def _split4(v, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
+def _row(v, C: tl.constexpr):
+    """[C, 1] -> [1, C]."""
+    return tl.reshape(v, (1, C))
+
+
+@triton.jit
+def _run_inputs(x_ptr, runs, t, K):
+    """Word t's eight inputs of each run [R] (0 past K), [R, 8] in float32."""
+    words = runs * 4 + t
+    ok = words < K // 8
+    return tl.load(x_ptr + words[:, None] * 8 + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _word_pairs(xw, up):
+    """[R, 8] inputs of a word each run, its scale up [R] -> [R, 4] float16 pairs (x_p, x_p+4) * up,
+    the odd p's divided by 16 (their codes sit four bits up)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(xw, (xw.shape[0], 2, 4)), (0, 2, 1)))
+    scale = up[:, None] * tl.where(tl.arange(0, 4) % 2 == 1, 0.0625, 1.0)[None, :]
+    return _f16_pairs(lo * scale, hi * scale)
+
+
+@triton.jit
+def _thread_run_pairs(x_ptr, k0, K, C4: tl.constexpr):
+    """`_half_tile_sums`'s inputs for THREAD_RUNS: each run's 32 inputs read (16 bytes a word) and
+    made pairs where its words are multiplied, a run a thread (no exchange between threads)."""
+    runs = k0 // 32 + tl.arange(0, C4)
+    xw0 = _run_inputs(x_ptr, runs, 0, K)
+    xw1 = _run_inputs(x_ptr, runs, 1, K)
+    xw2 = _run_inputs(x_ptr, runs, 2, K)
+    xw3 = _run_inputs(x_ptr, runs, 3, K)
+    big = tl.maximum(tl.maximum(tl.max(tl.abs(xw0), axis=1), tl.max(tl.abs(xw1), axis=1)),
+                     tl.maximum(tl.max(tl.abs(xw2), axis=1), tl.max(tl.abs(xw3), axis=1)))
+    e = tl.minimum(tl.maximum(big.to(tl.int32, bitcast=True) >> 23, 14), 244)  # as in `_half_tile_sums`
+    up = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    x_run = (tl.sum(xw0, axis=1) + tl.sum(xw1, axis=1)) + (tl.sum(xw2, axis=1) + tl.sum(xw3, axis=1))
+    return _word_pairs(xw0, up), _word_pairs(xw1, up), _word_pairs(xw2, up), _word_pairs(xw3, up), e, x_run
+
+
+@triton.jit
+def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr, THREAD_RUNS: tl.constexpr):
     """The 4-bit products of one tile of words w [BLOCK_N, COLS] in float16 (HALF): [BLOCK_N, COLS / 4]
     sums, each over a run of four words (32 inputs), and x_col, each word's inputs' sum. Each run's
     inputs are scaled by a power of two that brings its largest to [2**14, 2**15) (2**-24 times a
     code, at most 15 * 2**-9: the float16 sums of 16 products never overflow, and an outlier
     input coarsens only its own run), rounded once to float16. Each product rounds to 11 bits (or,
     below float16's normal range, to 2**-25, that is 2**-15 of the run's largest input), and so does
-    each of the run's float16 sums; the run's sum is scaled back in float32."""
+    each of the run's float16 sums; the run's sum is scaled back in float32. THREAD_RUNS: the same
+    products, each run's inputs read and scaled by the thread that multiplies its words (for tiles
+    of one run a thread), and x_col each run's inputs' sum."""
     C4: tl.constexpr = COLS // 4
-    xs, x_col = _word_inputs(x_ptr, k0, K, COLS)
-    x0, x1, x2, x3, x4, x5, x6, x7 = xs
-    big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
-                     tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-    # Each run's largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay
-    # finite here): inputs times 2**(141 - e), the sums back by 2**(e - 117) (2**24 for the subnormals).
-    e = tl.minimum(tl.maximum(tl.max(tl.reshape(big, (C4, 4)), axis=1).to(tl.int32, bitcast=True) >> 23, 14), 244)
-    up = tl.reshape(tl.broadcast_to((((268 - e) << 23).to(tl.float32, bitcast=True))[:, None], (C4, 4)), (COLS,))
-    unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
-    up16 = up * 0.0625  # odd pairs: their codes sit four bits up (16 c)
-    a0, a1, a2, a3 = _split4(_f16_pairs(x0 * up, x4 * up)[None, :], 1, C4)
-    b0, b1, b2, b3 = _split4(_f16_pairs(x1 * up16, x5 * up16)[None, :], 1, C4)
-    c0, c1, c2, c3 = _split4(_f16_pairs(x2 * up, x6 * up)[None, :], 1, C4)
-    d0, d1, d2, d3 = _split4(_f16_pairs(x3 * up16, x7 * up16)[None, :], 1, C4)
     w0, w1, w2, w3 = _split4(w, BLOCK_N, C4)
-    prod = _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+    if THREAD_RUNS:
+        p0, p1, p2, p3, e, x_col = _thread_run_pairs(x_ptr, k0, K, C4)
+        a0, b0, c0, d0 = _split4(p0, C4, 1)
+        a1, b1, c1, d1 = _split4(p1, C4, 1)
+        a2, b2, c2, d2 = _split4(p2, C4, 1)
+        a3, b3, c3, d3 = _split4(p3, C4, 1)
+        prod = _half_chunk_sums(w0, w1, w2, w3, _row(a0, C4), _row(a1, C4), _row(a2, C4), _row(a3, C4),
+                                _row(b0, C4), _row(b1, C4), _row(b2, C4), _row(b3, C4), _row(c0, C4), _row(c1, C4),
+                                _row(c2, C4), _row(c3, C4), _row(d0, C4), _row(d1, C4), _row(d2, C4), _row(d3, C4))
+        unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
+    else:
+        xs, x_col = _word_inputs(x_ptr, k0, K, COLS)
+        x0, x1, x2, x3, x4, x5, x6, x7 = xs
+        big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
+                         tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
+        # Each run's largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay
+        # finite here): inputs times 2**(141 - e), the sums back by 2**(e - 117) (2**24 for the subnormals).
+        e = tl.minimum(tl.maximum(tl.max(tl.reshape(big, (C4, 4)), axis=1).to(tl.int32, bitcast=True) >> 23, 14), 244)
+        up = tl.reshape(tl.broadcast_to((((268 - e) << 23).to(tl.float32, bitcast=True))[:, None], (C4, 4)), (COLS,))
+        unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
+        up16 = up * 0.0625  # odd pairs: their codes sit four bits up (16 c)
+        a0, a1, a2, a3 = _split4(_f16_pairs(x0 * up, x4 * up)[None, :], 1, C4)
+        b0, b1, b2, b3 = _split4(_f16_pairs(x1 * up16, x5 * up16)[None, :], 1, C4)
+        c0, c1, c2, c3 = _split4(_f16_pairs(x2 * up, x6 * up)[None, :], 1, C4)
+        d0, d1, d2, d3 = _split4(_f16_pairs(x3 * up16, x7 * up16)[None, :], 1, C4)
+        prod = _half_chunk_sums(w0, w1, w2, w3, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
     return prod * unscale[None, :], x_col
 
 
 @triton.jit
 def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr, offset_ptr, K, stride_sn,
                stride_zn, GROUP: tl.constexpr, ZERO: tl.constexpr, OFFSET: tl.constexpr, PACKED: tl.constexpr,
-               PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr):
+               PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALF: tl.constexpr,
+               THREAD_RUNS: tl.constexpr):
     """`_gemv_kernel`'s sums over one tile `w` (from `_load_tile`) of inputs k0 .. k0 + BLOCK_K:
     (acc, acc_groups, x_sum) updated. For 8-bit codes and dense weights without groups, acc holds
     [BLOCK_N, S] partial sums, each of a run of BLOCK_K / S inputs in every tile."""
@@ -237,7 +291,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
     UNSCALE: tl.constexpr = 79228162514264337593543950336.0 if PACKED and not HALF else 1.0  # 2**96 (below)
     NUM_G: tl.constexpr = BLOCK_K // GROUP if PER_GROUP else 1  # groups a tile
     if HALF:
-        prod, x_col = _half_tile_sums(w, k0, x_ptr, K, BLOCK_N, COLS)
+        prod, x_col = _half_tile_sums(w, k0, x_ptr, K, BLOCK_N, COLS, THREAD_RUNS)
     elif PACKED:
         # A code at bits s..s+3 (s < 20), the word's other bits cleared, is the float c 2**(s - 149)
         # exactly: a subnormal, with no implicit leading 1 to subtract. The input carries
@@ -277,7 +331,7 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
         # point and offset leave the inner sums; one reduction per group.
         SUMS: tl.constexpr = COLS // 4 if HALF else COLS  # prod's columns
         dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, SUMS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
-        group_sum = tl.sum(tl.reshape(x_col, (NUM_G, COLS // NUM_G)), axis=1)[None, :]
+        group_sum = tl.sum(tl.reshape(x_col, (NUM_G, x_col.shape[0] // NUM_G)), axis=1)[None, :]  # words' or runs'
         rg = k0 // GROUP + tl.arange(0, NUM_G)
         g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
         if ZERO == -1:
@@ -309,6 +363,7 @@ def _gemv_kernel(
     DENSE: tl.constexpr = False,  # w holds the weights themselves (16- or 32-bit floats, GROUP 0): no scale
     PDL: tl.constexpr = False,  # see `pdl`: with PREFETCH, the first tile is read before waiting for x
     HALF: tl.constexpr = False,  # 4-bit codes multiplied in float16 pairs (`_half_tile_sums`; compiled only)
+    THREAD_RUNS: tl.constexpr = False,  # with HALF: each thread makes its own runs' pairs (`_half_tile_sums`)
 ):
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
@@ -342,7 +397,7 @@ def _gemv_kernel(
             w = _load_tile(w_ptr, rn, n_ok, stride_wn, k0, K, PACKED, COLS)
         acc, acc_groups, x_sum = _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_ptr,
                                             offset_ptr, K, stride_sn, stride_zn, GROUP, ZERO, OFFSET, PACKED,
-                                            PER_GROUP, BLOCK_N, BLOCK_K, HALF)
+                                            PER_GROUP, BLOCK_N, BLOCK_K, HALF, THREAD_RUNS)
     if PER_GROUP:
         acc = tl.sum(acc_groups, axis=1)
     elif GROUP == 0:
@@ -431,7 +486,8 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
     ones (HALF: two codes an instruction, `benchmarks/gemv_sass.py --half`) are those within 6% of
     the fastest on some layer in an H100's sweep of 50 (`gemv_sweep --phases one_row`,
     gemv_sweep_h100_20261206T063508Z_8f7efc1_one_row_split.json; a tile fastest on one layer is up
-    to 45% slower on another)."""
+    to 45% slower on another), then float16 ones with THREAD_RUNS (9-22% fewer instructions a code
+    at these tiles, `gemv_sass --half --thread-runs`; taken by qkv, o and down on an H100)."""
     if not int4:
         tiles = ((4, 2048, 4), (4, 4096, 4), (8, 2048, 4), (8, 2048, 8), (8, 4096, 4), (2, 2048, 4))
         return one_row_configs(tiles, tiles[:3])
@@ -439,12 +495,19 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
                             (16, 4096, 4)), ((16, 1024, 4), (8, 2048, 4), (32, 1024, 4), (16, 2048, 4))) + \
         one_row_configs(((16, 1024, 4), (16, 2048, 8), (16, 2048, 4)),
                         ((16, 4096, 8), (16, 2048, 8), (32, 2048, 8), (16, 4096, 4), (8, 2048, 4), (32, 1024, 4),
-                         (8, 2048, 8)), half=True)
+                         (8, 2048, 8)), half=True) + \
+        one_row_configs(((16, 4096, 4), (32, 4096, 4), (8, 4096, 4)), ((16, 4096, 4), (8, 4096, 4)), half=True,
+                        thread_runs=True)
 
 
-def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False) -> list[triton.Config]:
-    """The one-row kernel's (BLOCK_N, BLOCK_K, warps) tiles without PREFETCH, then those with it."""
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half}, num_warps=w, num_stages=3)
+def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False,
+                    thread_runs: bool = False) -> list[triton.Config]:
+    """The one-row kernel's (BLOCK_N, BLOCK_K, warps) tiles without PREFETCH, then those with it.
+    THREAD_RUNS (with HALF) only where a tile's runs are at least its threads (BLOCK_K >= 1024 warps):
+    with fewer, Triton repeats the tile's words across threads (`gemv_sass --thread-runs`)."""
+    assert not thread_runs or all(k >= 1024 * w for tiles_ in (tiles, prefetch_tiles) for _, k, w in tiles_)
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half, "THREAD_RUNS": thread_runs},
+                          num_warps=w, num_stages=3)
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
 
 
