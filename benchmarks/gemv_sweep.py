@@ -96,15 +96,18 @@ def gemv_phase(args: argparse.Namespace, bandwidth: float) -> list[dict[str, Any
 
 def one_row_grid(args: argparse.Namespace, int4: bool) -> list[triton.Config]:
     """The tiles of `one_row_phase`: rows, inputs and warps of the grid (a thread holding from 4 to 64
-    words of codes: fewer split a run of four words), with and without PREFETCH."""
+    words of codes: fewer split a run of four words), with and without PREFETCH; float16 ones also
+    with THREAD_RUNS where a tile has a run for each thread."""
     grid = []
+    half = int4 and not args.float32_products
     for n, k, warps, prefetch in itertools.product(args.int4_block_n if int4 else args.block_n,
                                                    args.int4_block_k if int4 else args.block_k, args.warps,
                                                    (False, True)):
         words = n * k // (8 if int4 else 4) // (32 * warps)  # a thread's 32-bit words a tile
         if 4 <= words <= 64:
-            grid.append(triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch,
-                                       "HALF": int4 and not args.float32_products}, num_warps=warps, num_stages=3))
+            for thread_runs in (False, True) if half and k >= 1024 * warps else (False,):
+                grid.append(triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch, "HALF": half,
+                                           "THREAD_RUNS": thread_runs}, num_warps=warps, num_stages=3))
     return grid
 
 
