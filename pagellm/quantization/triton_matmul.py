@@ -231,10 +231,18 @@ def _thread_run_pairs(x_ptr, k0, K, C4: tl.constexpr):
     xw3 = _run_inputs(x_ptr, runs, 3, K)
     big = tl.maximum(tl.maximum(tl.max(tl.abs(xw0), axis=1), tl.max(tl.abs(xw1), axis=1)),
                      tl.maximum(tl.max(tl.abs(xw2), axis=1), tl.max(tl.abs(xw3), axis=1)))
-    e = tl.minimum(tl.maximum(big.to(tl.int32, bitcast=True) >> 23, 14), 244)  # as in `_half_tile_sums`
-    up = ((268 - e) << 23).to(tl.float32, bitcast=True)
+    up, unscale = _run_scales(big)
     x_run = (tl.sum(xw0, axis=1) + tl.sum(xw1, axis=1)) + (tl.sum(xw2, axis=1) + tl.sum(xw3, axis=1))
-    return _word_pairs(xw0, up), _word_pairs(xw1, up), _word_pairs(xw2, up), _word_pairs(xw3, up), e, x_run
+    return _word_pairs(xw0, up), _word_pairs(xw1, up), _word_pairs(xw2, up), _word_pairs(xw3, up), unscale, x_run
+
+
+@triton.jit
+def _run_scales(big):
+    """Each run's largest |input| -> (up, unscale): from its biased exponent e (clamped: all-zero
+    inputs, and infinities, stay finite here), inputs times up = 2**(141 - e), the sums back by
+    unscale = 2**(e - 117) (2**24 for the subnormals)."""
+    e = tl.minimum(tl.maximum(big.to(tl.int32, bitcast=True) >> 23, 14), 244)
+    return ((268 - e) << 23).to(tl.float32, bitcast=True), ((e + 10) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -251,7 +259,7 @@ def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr, 
     C4: tl.constexpr = COLS // 4
     w0, w1, w2, w3 = _split4(w, BLOCK_N, C4)
     if THREAD_RUNS:
-        p0, p1, p2, p3, e, x_col = _thread_run_pairs(x_ptr, k0, K, C4)
+        p0, p1, p2, p3, unscale, x_col = _thread_run_pairs(x_ptr, k0, K, C4)
         a0, b0, c0, d0 = _split4(p0, C4, 1)
         a1, b1, c1, d1 = _split4(p1, C4, 1)
         a2, b2, c2, d2 = _split4(p2, C4, 1)
@@ -259,17 +267,13 @@ def _half_tile_sums(w, k0, x_ptr, K, BLOCK_N: tl.constexpr, COLS: tl.constexpr, 
         prod = _half_chunk_sums(w0, w1, w2, w3, _row(a0, C4), _row(a1, C4), _row(a2, C4), _row(a3, C4),
                                 _row(b0, C4), _row(b1, C4), _row(b2, C4), _row(b3, C4), _row(c0, C4), _row(c1, C4),
                                 _row(c2, C4), _row(c3, C4), _row(d0, C4), _row(d1, C4), _row(d2, C4), _row(d3, C4))
-        unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
     else:
         xs, x_col = _word_inputs(x_ptr, k0, K, COLS)
         x0, x1, x2, x3, x4, x5, x6, x7 = xs
         big = tl.maximum(tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3))),
                          tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7))))
-        # Each run's largest input's biased exponent e (clamped: all-zero inputs, and infinities, stay
-        # finite here): inputs times 2**(141 - e), the sums back by 2**(e - 117) (2**24 for the subnormals).
-        e = tl.minimum(tl.maximum(tl.max(tl.reshape(big, (C4, 4)), axis=1).to(tl.int32, bitcast=True) >> 23, 14), 244)
-        up = tl.reshape(tl.broadcast_to((((268 - e) << 23).to(tl.float32, bitcast=True))[:, None], (C4, 4)), (COLS,))
-        unscale = ((e + 10) << 23).to(tl.float32, bitcast=True)
+        up_run, unscale = _run_scales(tl.max(tl.reshape(big, (C4, 4)), axis=1))
+        up = tl.reshape(tl.broadcast_to(up_run[:, None], (C4, 4)), (COLS,))
         up16 = up * 0.0625  # odd pairs: their codes sit four bits up (16 c)
         a0, a1, a2, a3 = _split4(_f16_pairs(x0 * up, x4 * up)[None, :], 1, C4)
         b0, b1, b2, b3 = _split4(_f16_pairs(x1 * up16, x5 * up16)[None, :], 1, C4)
