@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> collections.Counter:
     p.add_argument("--thread-runs", action="store_true", help="with --half, each thread making its own runs' pairs")
     p.add_argument("--dump", action="store_true", help="print the whole SASS")
     args = p.parse_args(argv)
+    if args.thread_runs and not args.half:
+        p.error("--thread-runs is a way of the float16 products: give --half too")
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compile_gemv(args.block_n, args.block_k, args.warps, args.stages, args.group, args.prefetch, args.half,

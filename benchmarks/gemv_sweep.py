@@ -105,7 +105,7 @@ def one_row_grid(args: argparse.Namespace, int4: bool) -> list[triton.Config]:
                                                    (False, True)):
         words = n * k // (8 if int4 else 4) // (32 * warps)  # a thread's 32-bit words a tile
         if 4 <= words <= 64:
-            for thread_runs in (False, True) if half and k >= 1024 * warps else (False,):
+            for thread_runs in (False, True) if half and triton_matmul.thread_runs_fit(k, warps) else (False,):
                 grid.append(triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": prefetch, "HALF": half,
                                            "THREAD_RUNS": thread_runs}, num_warps=warps, num_stages=3))
     return grid
@@ -247,7 +247,8 @@ def summary(payload: dict[str, Any]) -> str:
         rows = []
         for layer, method in dict.fromkeys((r["layer"], r["method"]) for r in one_row):
             for r in _fastest(one_row, layer, method)[:5]:
-                tile = f"n{r['BLOCK_N']}_k{r['BLOCK_K']}_w{r['warps']}{'_pre' if r['PREFETCH'] else ''}"
+                tile = (f"n{r['BLOCK_N']}_k{r['BLOCK_K']}_w{r['warps']}{'_pre' if r['PREFETCH'] else ''}"
+                        f"{'_tr' if r.get('THREAD_RUNS') else ''}")
                 rows.append([layer, method, tile, f"{r['us']:.2f}", f"{r['bw_fraction']:.2f}",
                              f"{r['max_rel_error']:.1e}"])
         lines.append(format_table(["layer", "method", "tile", "us", "of copy bw", "max rel error"], rows,

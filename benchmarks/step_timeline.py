@@ -134,11 +134,12 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
 def step_ops_us(trace_events: list[dict], num_steps: int) -> dict[str, dict[str, float]]:
     """The GPU's busy time per step by operation over a chrome trace's last `num_steps` steps, from
     one graph replay's first operation to the next's: "outside_graph" by launching call and name (the
-    LM head, sampling, the copies around the graph), "in_graph" by kernel name and grid (each
-    projection apart by its grid). An operation is charged from the end of what ran before it (or
-    its start, after an idle gap) to its own end: under programmatic dependent launch a kernel
-    starts while the one before still runs and waits for it, and that wait is the earlier one's.
-    Empty without two replays."""
+    LM head, sampling, the copies around the graph), "in_graph" by kernel name and grid (a model's
+    projections apart where their grids differ: o_proj and down_proj of a Llama share one when their
+    tiles do). An operation is charged from the end of what ran before it (or its start, after an
+    idle gap) to its own end: under programmatic dependent launch a kernel starts while the one
+    before still runs and waits for it, and that wait is the earlier one's. Empty without two
+    replays."""
     launcher = {e["args"]["correlation"]: e["name"] for e in trace_events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e["ts"], e["dur"], e["name"], e["args"].get("correlation"), tuple(e["args"].get("grid", ())))
@@ -150,13 +151,13 @@ def step_ops_us(trace_events: list[dict], num_steps: int) -> dict[str, dict[str,
     if len(replays) >= 2:
         first, last = replays[max(0, len(replays) - 1 - num_steps)], replays[-1]
         steps = replays.index(last) - replays.index(first)
-        reach = float("-inf")
+        reach = max((ts + dur for ts, dur, *_ in ops[:first]), default=float("-inf"))
         for ts, dur, name, corr, grid in ops[first:last]:
             busy = max(0.0, ts + dur - max(ts, reach))
             reach = max(reach, ts + dur)
             call = launcher.get(corr, "?")
             if call.endswith("GraphLaunch"):
-                totals["in_graph"][f"{name[:60]} grid {list(grid)}"] += busy / steps
+                totals["in_graph"][f"{name[:90]} grid {list(grid)}"] += busy / steps
             else:
                 totals["outside_graph"][f"{call}: {name[:90]}"] += busy / steps
     return {kind: dict(sorted(found.items(), key=lambda kv: -kv[1])) for kind, found in totals.items()}

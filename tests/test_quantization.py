@@ -292,6 +292,51 @@ def test_one_row_float16_run_ptx_pairs_each_code_with_its_own_input() -> None:
         assert abs(got - expected) <= 2.0**-9 * scale + 2.0**-23, (got, expected)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the PTX itself (test_one_row_4bit_float16_tiles_match_float64)")
+@pytest.mark.parametrize("thread_runs", [False, True])
+@pytest.mark.parametrize("layout", ["g128_zeros", "g128_symmetric", "g32_offsets", "channel", "row"])
+def test_one_row_float16_tiles_hand_each_word_its_inputs(monkeypatch, layout: str, thread_runs: bool) -> None:
+    """The float16 one-row tiles (HALF, with and without THREAD_RUNS) on Triton's interpreter, their
+    inline PTX replaced by Triton models of it: against float64 on the dequantized weight, with an
+    outlier input, zero points (GPTQ's symmetric 8 too), offsets, a scale per channel with K not a
+    multiple of a run, one group a row, and K not a multiple of the tile (a word or run paired with
+    another's inputs, a wrong scale, or a lost tail would not pass)."""
+    triton = pytest.importorskip("triton")
+    from pagellm.quantization import triton_matmul
+
+    import ptx_models
+
+    monkeypatch.setattr(triton_matmul, "_f16_pairs", ptx_models.f16_pairs)
+    monkeypatch.setattr(triton_matmul, "_half_chunk_sums", ptx_models.half_chunk_sums)
+    n, k = 40, 360 if layout == "channel" else 640
+    group = {"g128_zeros": 128, "g128_symmetric": 128, "g32_offsets": 32, "channel": 0, "row": k}[layout]
+    gen = torch.Generator().manual_seed(len(layout) + thread_runs)
+    x = torch.randn(1, k, generator=gen)
+    x[0, 5] = 300.0
+    x = x.bfloat16()
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).half()
+    zeros: torch.Tensor | int = (torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+                                 if layout in ("g128_zeros", "row") else 8 if layout == "g128_symmetric" else 0)
+    offsets = (torch.randn(n, groups, generator=gen) * 0.1).half() if layout == "g32_offsets" else None
+    per_input = lambda t: t.double().repeat_interleave(k // groups, 1)  # noqa: E731
+    z = per_input(zeros) if isinstance(zeros, torch.Tensor) else zeros
+    w_ref = (q.double() - z) * per_input(scales) + (per_input(offsets) if offsets is not None else 0)
+    ref = (x.double() @ w_ref.t())[0]
+    bound = (x.double().abs() @ (q.double() * per_input(scales)).t())[0]  # inputs round to float16: 2**-11
+    words = pack_pairs(q).view(torch.int32)
+    scales_1 = (scales[:, 0] if not group else scales).contiguous()
+    zero_arg, zero_const = triton_matmul._zero_args(zeros, scales_1)
+    out = torch.full((n,), float("nan"))
+    triton_matmul._gemv_kernel[(triton.cdiv(n, 16),)](
+        x, words, scales_1, zero_arg, scales_1 if offsets is None else offsets, out, n, k, words.stride(0),
+        scales_1.stride(0), zero_arg.stride(0), GROUP=group, ZERO=zero_const, OFFSET=offsets is not None,
+        PACKED=True, PER_GROUP=triton_matmul._whole_group_tiles(group), BLOCK_N=16, BLOCK_K=256, HALF=True,
+        THREAD_RUNS=thread_runs)
+    assert bool(((out.double() - ref).abs() <= 2.0**-10 * bound).all())
+
+
 @pytest.mark.skipif(not ON_GPU, reason="inline PTX: Triton's interpreter does not run it")
 @pytest.mark.parametrize("inputs", ["normal", "tiny", "large", "outlier"])
 @pytest.mark.parametrize("layout", ["g128_zeros", "g32_zeros", "g128_symmetric", "g32_offsets", "channel", "row"])

@@ -221,9 +221,20 @@ def _word_pairs(xw, up):
 
 
 @triton.jit
+def _run_scales(big):
+    """Each run's largest |input| -> (up, unscale): from its biased exponent e (clamped: all-zero
+    inputs, and infinities, stay finite here), inputs times up = 2**(141 - e), the sums back by
+    unscale = 2**(e - 117) (2**24 for the subnormals)."""
+    e = tl.minimum(tl.maximum(big.to(tl.int32, bitcast=True) >> 23, 14), 244)
+    return ((268 - e) << 23).to(tl.float32, bitcast=True), ((e + 10) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _thread_run_pairs(x_ptr, k0, K, C4: tl.constexpr):
-    """`_half_tile_sums`'s inputs for THREAD_RUNS: each run's 32 inputs read (16 bytes a word) and
-    made pairs where its words are multiplied, a run a thread (no exchange between threads)."""
+    """`_half_tile_sums`'s inputs for THREAD_RUNS, a run a thread (no exchange between threads): each
+    run's 32 inputs read (16 bytes a word) where its words are multiplied, and returned as the four
+    words' float16 pairs (`_word_pairs`, [C4, 4] each), the run's unscale [C4] (`_run_scales`) and
+    its inputs' sum [C4]."""
     runs = k0 // 32 + tl.arange(0, C4)
     xw0 = _run_inputs(x_ptr, runs, 0, K)
     xw1 = _run_inputs(x_ptr, runs, 1, K)
@@ -234,15 +245,6 @@ def _thread_run_pairs(x_ptr, k0, K, C4: tl.constexpr):
     up, unscale = _run_scales(big)
     x_run = (tl.sum(xw0, axis=1) + tl.sum(xw1, axis=1)) + (tl.sum(xw2, axis=1) + tl.sum(xw3, axis=1))
     return _word_pairs(xw0, up), _word_pairs(xw1, up), _word_pairs(xw2, up), _word_pairs(xw3, up), unscale, x_run
-
-
-@triton.jit
-def _run_scales(big):
-    """Each run's largest |input| -> (up, unscale): from its biased exponent e (clamped: all-zero
-    inputs, and infinities, stay finite here), inputs times up = 2**(141 - e), the sums back by
-    unscale = 2**(e - 117) (2**24 for the subnormals)."""
-    e = tl.minimum(tl.maximum(big.to(tl.int32, bitcast=True) >> 23, 14), 244)
-    return ((268 - e) << 23).to(tl.float32, bitcast=True), ((e + 10) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -335,7 +337,8 @@ def _tile_sums(w, k0, acc, acc_groups, x_sum, x_ptr, rn, n_ok, scale_ptr, zero_p
         # point and offset leave the inner sums; one reduction per group.
         SUMS: tl.constexpr = COLS // 4 if HALF else COLS  # prod's columns
         dot = tl.sum(tl.reshape(prod, (BLOCK_N, NUM_G, SUMS // NUM_G)), axis=2) * UNSCALE  # [BLOCK_N, NUM_G]
-        group_sum = tl.sum(tl.reshape(x_col, (NUM_G, x_col.shape[0] // NUM_G)), axis=1)[None, :]  # words' or runs'
+        # x_col: the inputs', words' or runs' sums (by layout); a group holds whole ones.
+        group_sum = tl.sum(tl.reshape(x_col, (NUM_G, x_col.shape[0] // NUM_G)), axis=1)[None, :]
         rg = k0 // GROUP + tl.arange(0, NUM_G)
         g_mask = n_ok[:, None] & (rg < K // GROUP)[None, :]
         if ZERO == -1:
@@ -374,6 +377,7 @@ def _gemv_kernel(
     # hold them), so that turning a code into a float costs one integer operation: the kernel is
     # bound by its instructions more than by memory (the README's quantization section has the
     # measured steps, `benchmarks/gemv_sass.py` counts the instructions).
+    tl.static_assert(HALF or not THREAD_RUNS, "THREAD_RUNS is a way of the float16 (HALF) products")
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     COLS: tl.constexpr = BLOCK_K // 8 if PACKED else BLOCK_K  # columns of a tile's codes
@@ -507,12 +511,17 @@ def _gemv_configs(int4: bool) -> list[triton.Config]:
 def one_row_configs(tiles: tuple, prefetch_tiles: tuple, half: bool = False,
                     thread_runs: bool = False) -> list[triton.Config]:
     """The one-row kernel's (BLOCK_N, BLOCK_K, warps) tiles without PREFETCH, then those with it.
-    THREAD_RUNS (with HALF) only where a tile's runs are at least its threads (BLOCK_K >= 1024 warps):
-    with fewer, Triton repeats the tile's words across threads (`gemv_sass --thread-runs`)."""
-    assert not thread_runs or all(k >= 1024 * w for tiles_ in (tiles, prefetch_tiles) for _, k, w in tiles_)
+    THREAD_RUNS (with HALF) only where `thread_runs_fit`."""
+    assert not thread_runs or all(thread_runs_fit(k, w) for some in (tiles, prefetch_tiles) for _, k, w in some)
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PREFETCH": p, "HALF": half, "THREAD_RUNS": thread_runs},
                           num_warps=w, num_stages=3)
             for p, some in ((False, tiles), (True, prefetch_tiles)) for n, k, w in some]
+
+
+def thread_runs_fit(block_k: int, warps: int) -> bool:
+    """Whether a tile's runs of 32 inputs are at least its threads, as THREAD_RUNS needs: with
+    fewer, Triton repeats the tile's words across threads (`gemv_sass --half --thread-runs`)."""
+    return block_k >= 1024 * warps
 
 
 def _fits_group(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
