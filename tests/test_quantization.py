@@ -292,6 +292,40 @@ def test_one_row_float16_run_ptx_pairs_each_code_with_its_own_input() -> None:
         assert abs(got - expected) <= 2.0**-9 * scale + 2.0**-23, (got, expected)
 
 
+def _float16_tile_case(layout: str, x: torch.Tensor, n: int, gen: torch.Generator, device: torch.device):
+    """A 4-bit layout for the float16 one-row tiles' tests, drawn from gen for inputs x [1, K]: the
+    kernel's weight arguments on device (words, scales, zero points, offsets), its layout constants,
+    and the float64 product with the dequantized weight and its bound sum |c s x|. Layouts: groups of
+    128 or 32 with zero points, GPTQ's symmetric 8, offsets (GGUF), a scale per channel, one group a row."""
+    from pagellm.quantization import triton_matmul
+
+    k = x.shape[1]
+    group = {"g128_zeros": 128, "g32_zeros": 32, "g128_symmetric": 128, "g32_offsets": 32, "channel": 0,
+             "row": k}[layout]
+    groups = k // group if group else 1
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).half()
+    zeros: torch.Tensor | int = (torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
+                                 if layout.endswith("zeros") or layout == "row"
+                                 else 8 if layout == "g128_symmetric" else 0)
+    offsets = (torch.randn(n, groups, generator=gen) * 0.1).half() if layout == "g32_offsets" else None
+    per_input = lambda t: t.double().repeat_interleave(k // groups, 1)  # noqa: E731
+    z = per_input(zeros) if isinstance(zeros, torch.Tensor) else zeros
+    w_ref = (q.double() - z) * per_input(scales) + (per_input(offsets) if offsets is not None else 0)
+    ref = (x.double() @ w_ref.t())[0]
+    # Products round in float16 as code times input, the zero point and offset taken off after in
+    # float32: each errs by about 2**-11 of |c s x| (a dense bfloat16 weight: 2**-9 of |w x|).
+    bound = (x.double().abs() @ (q.double() * per_input(scales)).t())[0]
+    scales_d = (scales[:, 0] if not group else scales).contiguous().to(device)
+    zero_arg, zero_const = triton_matmul._zero_args(zeros.to(device) if isinstance(zeros, torch.Tensor) else zeros,
+                                                    scales_d)
+    weights = (pack_pairs(q).to(device).view(torch.int32), scales_d, zero_arg,
+               scales_d if offsets is None else offsets.to(device))
+    constants = dict(GROUP=group, ZERO=zero_const, OFFSET=offsets is not None, PACKED=True,
+                     PER_GROUP=triton_matmul._whole_group_tiles(group))
+    return weights, constants, ref, bound
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the PTX itself (test_one_row_4bit_float16_tiles_match_float64)")
 @pytest.mark.parametrize("thread_runs", [False, True])
 @pytest.mark.parametrize("layout", ["g128_zeros", "g128_symmetric", "g32_offsets", "channel", "row"])
@@ -309,31 +343,15 @@ def test_one_row_float16_tiles_hand_each_word_its_inputs(monkeypatch, layout: st
     monkeypatch.setattr(triton_matmul, "_f16_pairs", ptx_models.f16_pairs)
     monkeypatch.setattr(triton_matmul, "_half_chunk_sums", ptx_models.half_chunk_sums)
     n, k = 40, 360 if layout == "channel" else 640
-    group = {"g128_zeros": 128, "g128_symmetric": 128, "g32_offsets": 32, "channel": 0, "row": k}[layout]
     gen = torch.Generator().manual_seed(len(layout) + thread_runs)
     x = torch.randn(1, k, generator=gen)
     x[0, 5] = 300.0
     x = x.bfloat16()
-    groups = k // group if group else 1
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).half()
-    zeros: torch.Tensor | int = (torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
-                                 if layout in ("g128_zeros", "row") else 8 if layout == "g128_symmetric" else 0)
-    offsets = (torch.randn(n, groups, generator=gen) * 0.1).half() if layout == "g32_offsets" else None
-    per_input = lambda t: t.double().repeat_interleave(k // groups, 1)  # noqa: E731
-    z = per_input(zeros) if isinstance(zeros, torch.Tensor) else zeros
-    w_ref = (q.double() - z) * per_input(scales) + (per_input(offsets) if offsets is not None else 0)
-    ref = (x.double() @ w_ref.t())[0]
-    bound = (x.double().abs() @ (q.double() * per_input(scales)).t())[0]  # inputs round to float16: 2**-11
-    words = pack_pairs(q).view(torch.int32)
-    scales_1 = (scales[:, 0] if not group else scales).contiguous()
-    zero_arg, zero_const = triton_matmul._zero_args(zeros, scales_1)
+    weights, constants, ref, bound = _float16_tile_case(layout, x, n, gen, torch.device("cpu"))
     out = torch.full((n,), float("nan"))
     triton_matmul._gemv_kernel[(triton.cdiv(n, 16),)](
-        x, words, scales_1, zero_arg, scales_1 if offsets is None else offsets, out, n, k, words.stride(0),
-        scales_1.stride(0), zero_arg.stride(0), GROUP=group, ZERO=zero_const, OFFSET=offsets is not None,
-        PACKED=True, PER_GROUP=triton_matmul._whole_group_tiles(group), BLOCK_N=16, BLOCK_K=256, HALF=True,
-        THREAD_RUNS=thread_runs)
+        x, *weights, out, n, k, weights[0].stride(0), weights[1].stride(0), weights[2].stride(0), **constants,
+        BLOCK_N=16, BLOCK_K=256, HALF=True, THREAD_RUNS=thread_runs)
     assert bool(((out.double() - ref).abs() <= 2.0**-10 * bound).all())
 
 
@@ -349,32 +367,12 @@ def test_one_row_4bit_float16_tiles_match_float64(layout: str, inputs: str) -> N
     from pagellm.quantization import triton_matmul
 
     n, k = 4104, 4360 if layout == "channel" else 4352
-    group = {"g128_zeros": 128, "g32_zeros": 32, "g128_symmetric": 128, "g32_offsets": 32, "channel": 0, "row": k}[layout]
     gen = torch.Generator().manual_seed(len(layout) + len(inputs))
     x = torch.randn(1, k, generator=gen) * {"normal": 1.0, "tiny": 2.0**-20, "large": 3e4, "outlier": 1.0}[inputs]
     if inputs == "outlier":
         x[0, 1000] = 1000.0
     x = x.bfloat16()
-    groups = k // group if group else 1
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = (torch.rand(n, groups, generator=gen) * 0.1 + 0.01).half()
-    zeros: torch.Tensor | int = (torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.uint8)
-                                 if layout.endswith("zeros") or layout == "row" else 8 if layout == "g128_symmetric" else 0)
-    offsets = (torch.randn(n, groups, generator=gen) * 0.1).half() if layout == "g32_offsets" else None
-    per_input = lambda t: t.double().repeat_interleave(k // groups, 1)  # noqa: E731
-    z = per_input(zeros) if isinstance(zeros, torch.Tensor) else zeros
-    w_ref = (q.double() - z) * per_input(scales) + (per_input(offsets) if offsets is not None else 0)
-    ref = (x.double() @ w_ref.t())[0]
-    # Products round in float16 as code times input, the zero point and offset taken off after in
-    # float32: each errs by about 2**-11 of |c s x| (a dense bfloat16 weight: 2**-9 of |w x|).
-    bound = (x.double().abs() @ (q.double() * per_input(scales)).t())[0]
-    words = pack_pairs(q).to(DEVICE).view(torch.int32)
-    scales_d = (scales[:, 0] if not group else scales).contiguous().to(DEVICE)
-    zero_arg, zero_const = triton_matmul._zero_args(zeros.to(DEVICE) if isinstance(zeros, torch.Tensor) else zeros,
-                                                    scales_d)
-    offsets_d = scales_d if offsets is None else offsets.to(DEVICE)
-    constants = dict(GROUP=group, ZERO=zero_const, OFFSET=offsets is not None, PACKED=True,
-                     PER_GROUP=triton_matmul._whole_group_tiles(group))
+    (words, scales_d, zero_arg, offsets_d), constants, ref, bound = _float16_tile_case(layout, x, n, gen, DEVICE)
     half = [c for c in triton_matmul.one_row_candidates(constants, torch.bfloat16, DEVICE) if c.kwargs["HALF"]]
     assert len(half) >= 5 and not any(c.kwargs["HALF"] for c in triton_matmul.one_row_candidates(
         constants, torch.float32, DEVICE))
