@@ -314,7 +314,8 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     the draft is a dummy too (a preset name works), for speed measurements."""
     if speculative is None or speculative.method != "draft_model":
         return None
-    flag = "speculative_config (--speculative-config) model"
+    spec_flag = "speculative_config (--speculative-config)"
+    flag = f"{spec_flag} model"
     try:
         source = resolve_model(speculative.model, "dummy" if load_format == "dummy" else "auto")
     except ValueError as e:
@@ -325,8 +326,12 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     if source.arch.max_position_embeddings < max_model_len:
         raise ValueError(f"{flag} {speculative.model!r} takes at most {source.arch.max_position_embeddings} "
                          f"positions, fewer than max_model_len ({max_model_len}): lower --max-model-len")
-    return DraftModelConfig(source, resolve_quantization(speculative.quantization, source.load_format,
-                                                         source.path, device, source.arch.hf_config))
+    try:
+        quantization = resolve_quantization(speculative.quantization, source.load_format, source.path, device,
+                                            source.arch.hf_config, flag=f'{spec_flag} "quantization"')
+    except ValueError as e:
+        raise ValueError(f"{flag} {speculative.model!r}: {e}") from None
+    return DraftModelConfig(source, quantization)
 
 
 def _flag(name: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-QUANTIZATION_METHODS = ("none", "fp8", "int8", "gptq", "awq", "rtn")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 """What --kv-cache-dtype accepts (vLLM's names): the model dtype, or float8 e4m3 (both fp8 names)."""
 
@@ -29,7 +28,7 @@ def quantized_weight_bytes(method: str, dtype_bytes: int) -> float:
         return 1.0
     if method in ("gptq", "awq", "rtn"):
         return 0.5 + _INT4_GROUP_OVERHEAD_BYTES / INT4_GROUP_SIZE
-    raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {method!r}")
+    raise ValueError(f"no size per weight for quantization {method!r}: none, fp8, int8, gptq, awq or rtn")
 
 
 def kv_cache_element_bytes(kv_cache_dtype: str, dtype_bytes: int) -> int:

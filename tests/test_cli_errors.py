@@ -144,6 +144,8 @@ COMMAND_CASES = [
     (["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", "EMPTY_ARRAY"], "--num-prompts"),
     (["bench", "throughput", *SMALL_DATASET, "--model", "/no/such/model"], "model"),
     (["bench", "throughput", "--bogus-flag"], "--bogus-flag"),
+    (["bench", "throughput", "--output-json", "UNDER_A_FILE"], "--output-json"),
+    (["bench", "throughput", "--output-json", "FOLDER"], "--output-json"),
     # bench latency
     (["bench", "latency", "--batch-sizes", "0"], "--batch-sizes"),
     (["bench", "latency", "--batch-sizes"], "--batch-sizes"),
@@ -195,7 +197,12 @@ COMMAND_CASES = [
     (["eval", "--reference", "int2"], "--reference"),
     (["eval", "--context", "0"], "--context"),
     (["eval", "--max-tokens", "-5"], "--max-tokens"),
+    (["eval", "--context", "1"], "--context"),  # a window of one token predicts nothing
     (["eval", "--text", "/no/such/file.txt"], "--text"),
+    (["eval", "--text", "FOLDER"], "--text"),
+    (["eval", *CPU, "--text", "NOT_UTF8"], "--text"),
+    (["eval", "--output-json", "UNDER_A_FILE"], "--output-json"),
+    (["eval", "TINY_CONFIG_DIR", "--load-format", "dummy", "--reference", "gguf"], "--reference"),
     (["eval", "--dtype", "float64"], "--dtype"),
 ]
 
@@ -223,7 +230,12 @@ def files(tmp_path_factory) -> dict[str, str]:
     folder = tmp_path_factory.mktemp("cli-errors")
     (folder / "bad.json").write_text("{not json")
     (folder / "empty.json").write_text("[]")
-    return {"BAD_JSON": str(folder / "bad.json"), "EMPTY_ARRAY": str(folder / "empty.json")}
+    (folder / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (folder / "tiny").mkdir()
+    (folder / "tiny" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return {"BAD_JSON": str(folder / "bad.json"), "EMPTY_ARRAY": str(folder / "empty.json"),
+            "UNDER_A_FILE": str(folder / "bad.json" / "out.json"), "FOLDER": str(folder),
+            "NOT_UTF8": str(folder / "latin1.txt"), "TINY_CONFIG_DIR": str(folder / "tiny")}
 
 
 @pytest.fixture(scope="module")

@@ -135,6 +135,20 @@ def test_explicit_formats(tmp_path, smollm2_path: str) -> None:
     assert resolve_model(smollm2_path, "dummy").load_format == "dummy"
 
 
+@pytest.mark.parametrize("name, settings, method", [
+    ("quantize_config.json", {"bits": 4, "group_size": 128, "desc_act": False, "sym": True}, "gptq"),  # AutoGPTQ
+    ("quant_config.json", {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}, "awq"),  # AutoAWQ
+    ("quantize_config.json", {"quant_method": "awq", "bits": 4, "group_size": 64}, "awq")])
+def test_quantization_settings_beside_config_json(tmp_path, name: str, settings: dict, method: str) -> None:
+    """Checkpoints older than transformers' quantization_config keep it in a file of their own."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(_tiny_config("llama")).save_pretrained(tmp_path)
+    assert "quantization_config" not in resolve_model(str(tmp_path)).arch.hf_config
+    (tmp_path / name).write_text(json.dumps(settings))
+    assert resolve_model(str(tmp_path)).arch.hf_config["quantization_config"] == {**settings, "quant_method": method}
+
+
 def test_errors_name_the_field(tmp_path) -> None:
     missing = str(tmp_path / "nope")
     with pytest.raises(ValueError, match="nope.*not found.*download"):

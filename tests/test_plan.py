@@ -175,3 +175,36 @@ def test_gguf_weights_count_the_blocks_the_engine_keeps(tmp_path, capsys):
     args = ["plan", "llama-3.1-8b", "--device", "cuda", "--gpu-memory-gib", "80", "--quantization", "gguf"]
     assert cli_main(args) == 2
     assert "--quantization gguf plans a .gguf model" in capsys.readouterr().err
+
+
+def test_a_quantized_checkpoint_is_planned_as_the_engine_loads_it(tmp_path, capsys):
+    """Its quantization_config is the default (compressed-tensors at its weights' size); a flag the
+    engine would refuse is refused. A dense model takes any method as a what-if."""
+    from pagellm.loader.presets import get_preset
+
+    dense = get_preset("llama-3.1-8b")[0]
+    int4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}
+    configs = {"gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
+               "ct_int8": {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+                   "g": {"weights": {**int4, "num_bits": 8, "strategy": "channel"}}}},
+               "ct_int4": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                           "config_groups": {"g": {"weights": int4}}}}
+    paths = {"dense": tmp_path / "dense.json"}
+    paths["dense"].write_text(json.dumps(dense))
+    for name, qc in configs.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps({**dense, "quantization_config": qc}))
+    gpu = ["--device", "cuda", "--gpu-memory-gib", "80"]
+
+    def weights(name: str, *flags: str) -> int:
+        return _plan_json([str(paths[name]), *gpu, *flags], capsys)["weights_bytes"]
+
+    assert weights("gptq") == weights("dense", "--quantization", "gptq") < weights("dense")
+    assert weights("ct_int4") == weights("dense", "--quantization", "gptq")
+    assert weights("ct_int8") == weights("dense", "--quantization", "int8")
+    assert weights("gptq", "--quantization", "gptq") == weights("gptq")
+    for name, flag, message in (("gptq", "none", "holds gptq weights"), ("gptq", "awq", "holds gptq weights"),
+                                ("dense", "compressed-tensors", "checkpoint's own quantization_config")):
+        assert cli_main(["plan", str(paths[name]), *gpu, "--quantization", flag]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pagellm plan: error: --quantization") and message in err, err

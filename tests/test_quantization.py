@@ -770,9 +770,10 @@ def _gptq_pack(q: np.ndarray, zeros: np.ndarray, minus_one: bool) -> tuple[torch
     return as_int32(qweight), as_int32(qzeros)
 
 
-@pytest.mark.parametrize("group,act_order,fmt", [(32, False, "gptq"), (64, True, "gptq"), (32, True, "gptq_v2"),
-                                                 (-1, False, "gptq_v2")])
-def test_gptq_checkpoint(tmp_path, group: int, act_order: bool, fmt: str) -> None:
+@pytest.mark.parametrize("group,act_order,fmt,side_file", [
+    (32, False, "gptq", False), (64, True, "gptq", False), (32, True, "gptq_v2", False), (-1, False, "gptq_v2", False),
+    (32, False, "gptq", True)])  # AutoGPTQ's quantize_config.json beside a config.json without quantization_config
+def test_gptq_checkpoint(tmp_path, group: int, act_order: bool, fmt: str, side_file: bool) -> None:
     hf = _tiny_hf()
     rng = np.random.default_rng(abs(group) + act_order)
     tensors = {}
@@ -791,8 +792,13 @@ def test_gptq_checkpoint(tmp_path, group: int, act_order: bool, fmt: str) -> Non
                         f"{name}.g_idx": torch.from_numpy(g_idx.astype(np.int32))})
         dense = (torch.from_numpy(q - zeros[g_idx]).float() * scales.float()[torch.from_numpy(g_idx)]).t()
         m.weight.data = dense  # what the checkpoint means: Hugging Face runs it dense
-    _write_checkpoint(tmp_path, hf, tensors, {"quant_method": "gptq", "bits": 4, "group_size": group,
-                                              "desc_act": act_order, "sym": False, "checkpoint_format": fmt})
+    settings = {"bits": 4, "group_size": group, "desc_act": act_order, "sym": False, "checkpoint_format": fmt}
+    _write_checkpoint(tmp_path, hf, tensors, {"quant_method": "gptq", **settings})
+    if side_file:  # AutoGPTQ before transformers' quantization_config: no quant_method either
+        config = json.loads((tmp_path / "config.json").read_text())
+        del config["quantization_config"]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        (tmp_path / "quantize_config.json").write_text(json.dumps(settings))
     model, method = _load(str(tmp_path))
     assert method == "gptq"
     down = model.model.layers[0].mlp.down_proj
@@ -866,6 +872,17 @@ def test_quantization_errors_name_the_flag(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--quantization\) is 'fp8', but .* holds awq weights"):
         resolve_quantization("fp8", "safetensors", str(tmp_path), CPU, awq_config)
     assert resolve_quantization(None, "safetensors", str(tmp_path), CPU, awq_config) == "awq"
+    assert resolve_quantization(None, "safetensors", str(tmp_path), CPU,
+                                {"quantization_config": {"quant_method": "GPTQ"}}) == "gptq"  # as vLLM reads it
+    # A draft model's setting is named as the key of --speculative-config it is, not as --quantization.
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    _write_checkpoint(draft, hf, {}, {"quant_method": "gptq", "bits": 4, "group_size": 32})
+    speculative = json.dumps({"model": str(draft), "num_speculative_tokens": 2, "quantization": "awq"})
+    with pytest.raises(ValueError, match=r"^speculative_config \(--speculative-config\) model .*: speculative_config "
+                                         r"\(--speculative-config\) \"quantization\" is 'awq', but .* holds gptq weights"
+                                         r".*make it 'gptq' or leave it out"):
+        EngineArgs(model=str(tmp_path), device="cpu", speculative_config=speculative).create_engine_config()
     with pytest.raises(ValueError, match="random weights are dense"):
         resolve_quantization(None, "dummy", str(tmp_path), CPU, awq_config)
     with pytest.raises(ValueError, match="quant_method 'bitsandbytes'"):
@@ -888,7 +905,11 @@ def test_quantization_errors_name_the_flag(tmp_path) -> None:
                            "config_groups": {"g": {"weights": int4}}}, "kv_cache_scheme"),
                          # dense weights under an fp8 config: codes are never read as values or back
                          ({"quant_method": "fp8"}, "type torch.float32 does not fit a parameter of type "
-                                                   "torch.float8_e4m3fn")]:
+                                                   "torch.float8_e4m3fn"),
+                         # dense weights under an awq config: not a different architecture
+                         ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True},
+                          r"quantization_config \(or --quantization\) describe how its layers are stored\? "
+                          r"'model\.layers\.0\.\S+' here holds qweight, qzeros, scales")]:
         _write_checkpoint(tmp_path, hf, {}, bad)
         with pytest.raises(ValueError, match=message):
             _load(str(tmp_path))
@@ -1016,14 +1037,14 @@ def test_checkpoint_kv_scales_reach_the_layers(tmp_path) -> None:
     with pytest.raises(ValueError, match="per-tensor"):
         attn[0].load_kv_scale("k_scale", torch.ones(4))
     # llm-compressor's scheme for such scales is accepted; a dynamic or integer one is not.
-    from pagellm.quantization import _weights
+    from pagellm.quantization import compressed_tensors_weights
 
     scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
     qc = {"config_groups": {"g": {"weights": {"num_bits": 8, "type": "float"}}}, "kv_cache_scheme": scheme}
-    assert _weights(qc)["type"] == "float"
+    assert compressed_tensors_weights(qc)["type"] == "float"
     for bad in ({"dynamic": True}, {"type": "int"}):
         with pytest.raises(ValueError, match="kv_cache_scheme"):
-            _weights(qc | {"kv_cache_scheme": scheme | bad})
+            compressed_tensors_weights(qc | {"kv_cache_scheme": scheme | bad})
 
 
 def test_kv_cache_dtype_errors_name_the_flag(smollm2_path) -> None:

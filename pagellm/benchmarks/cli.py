@@ -7,12 +7,14 @@ from collections.abc import Callable
 
 from pagellm.benchmarks.datasets import DATASETS
 from pagellm.benchmarks.serve_client import ENDPOINTS
-from pagellm.dtype_sizes import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+from pagellm.dtype_sizes import KV_CACHE_DTYPES
+from pagellm.quantization import QUANTIZATION_METHODS
 from pagellm.entrypoints.cli_args import (
     existing_file,
     fraction,
     non_negative_float,
     non_negative_int,
+    output_file,
     positive_float,
     positive_int,
     set_handler,
@@ -64,7 +66,7 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                                          "and report requests/s, tokens/s, TTFT, TPOT, ITL and end-to-end latency "
                                          "(mean, median, p90, p99), goodput and errors, under vLLM's result keys.")
     add_serve_args(serve)
-    serve.add_argument("--output-json", default=None,
+    serve.add_argument("--output-json", type=output_file, default=None,
                        help="also write the result, with hardware, date, command and commit, to this JSON file")
     set_handler(serve, _serve)
 
@@ -149,7 +151,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="model path or dummy preset; default: the embedded SmolLM2-135M-Instruct")
-    parser.add_argument("--output-json", default=None,
+    parser.add_argument("--output-json", type=output_file, default=None,
                         help="also write the result, with hardware, date, command and commit, to this JSON file")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -184,11 +186,14 @@ def add_plan_parser(sub: argparse._SubParsersAction,
                       help="auto: cuda if --gpu-memory-gib is given or a GPU is present, else cpu")
     plan.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                       help="the GPU's total memory in GiB (an H200: 139.8); default: the present GPU's")
-    plan.add_argument("--quantization", choices=(*QUANTIZATION_METHODS, "gguf"), default=None,
-                      help="what-if: linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq/rtn (0.5 byte + "
-                           "a scale and zero point per group of 128), as the engine's --quantization stores them; "
-                           "gguf: a .gguf model's blocks as the engine keeps them on the device. Default: as the "
-                           "engine does (gguf for a .gguf model where its kernels run, else none)")
+    plan.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                      help="linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq/rtn (0.5 byte + a scale "
+                           "and zero point per group of 128), as the engine's --quantization stores them (for a "
+                           "dense model, a what-if: the size its quantized checkpoint would have); "
+                           "compressed-tensors: a checkpoint's, at its weights' size; gguf: a .gguf model's "
+                           "blocks as the engine keeps them on the device. Default: as the engine does (a "
+                           "checkpoint's quantization_config; gguf for a .gguf model where its kernels run; else "
+                           "none)")
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
                            "--kv-cache-dtype stores them")

@@ -67,7 +67,7 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
         raise ValueError(f"--max-model-len ({max_model_len}) is larger than the model's max_position_embeddings "
                          f"({arch.max_position_embeddings})")
     torch_device = torch.device(device)
-    quantization, gguf_types = _quantization(ns.quantization, path, torch_device)
+    quantization, gguf_types = _quantization(ns.quantization, arch, path, torch_device)
     return PlanSpec(
         arch=arch, device=device, dtype_bytes=resolve_dtype(ns.dtype, torch_device, arch.torch_dtype).itemsize,
         max_model_len=max_model_len, max_num_seqs=ns.max_num_seqs,
@@ -80,9 +80,13 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
         enforce_eager=ns.enforce_eager)
 
 
-def _quantization(requested: str | None, path: str | None, device) -> tuple[str, dict[str, int] | None]:
-    """(method, a GGUF file's block types) as the engine resolves --quantization (None: its default)."""
-    from pagellm.quantization import resolve_quantization
+def _quantization(requested: str | None, arch: ModelArchConfig, path: str | None,
+                  device) -> tuple[str, dict[str, int] | None]:
+    """(method, a GGUF file's block types) as the engine resolves --quantization (None: its default,
+    a quantized checkpoint's own method). A dense model may be planned at any method's size (what
+    its fp8 or GPTQ checkpoint would take); a quantized checkpoint only as the engine loads it.
+    compressed-tensors is planned as the storage its weights have: fp8, int8 or gptq's int4."""
+    from pagellm.quantization import checkpoint_quantization, compressed_tensors_weights, resolve_quantization
     from pagellm.quantization.gguf import GGUFConfig
 
     is_gguf = path is not None and path.endswith(".gguf")
@@ -90,7 +94,18 @@ def _quantization(requested: str | None, path: str | None, device) -> tuple[str,
         raise ValueError("--quantization gguf plans a .gguf model's blocks; this model is not one")
     if is_gguf and requested in (None, "gguf") and resolve_quantization(requested, "gguf", path, device) == "gguf":
         return "gguf", GGUFConfig.from_file(path).qtypes
-    return requested or "none", None
+    stored = checkpoint_quantization(arch.hf_config)
+    if stored is not None and requested not in (None, stored):
+        raise ValueError(f"--quantization {requested}: the checkpoint holds {stored} weights (its "
+                         f"quantization_config), which the engine loads only as {stored}: leave the flag out")
+    method = requested or stored or "none"
+    if method != "compressed-tensors":
+        return method, None
+    if stored is None:
+        raise ValueError("--quantization compressed-tensors plans a checkpoint's own quantization_config; for the "
+                         "size of a dense model's, pass fp8, int8 or gptq")
+    weights = compressed_tensors_weights(arch.hf_config["quantization_config"])
+    return ("gptq" if weights["num_bits"] == 4 else "fp8" if weights.get("type") == "float" else "int8"), None
 
 
 def advice(ledger: Ledger) -> list[str]:

@@ -61,9 +61,32 @@ def fraction(text: str) -> float:
 
 
 def existing_file(text: str) -> str:
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"no such file: {text!r}")
     return text
+
+
+def output_file(text: str) -> str:
+    """A file that can be written (missing folders are made then): checked before a long run, not
+    after it. Not a folder, and its nearest existing ancestor a folder this user may write to."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    ancestor = os.path.dirname(path)
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {ancestor!r} is a file, not a folder")
+    if not os.access(ancestor if not os.path.exists(path) else path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return text
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An integer >= low."""
+    return lambda text: _int(text, f"an integer >= {low}", lambda v: v >= low)
 
 
 def _int(text: str, accepted: str, ok: Callable[[int], bool]) -> int:

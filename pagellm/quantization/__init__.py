@@ -34,15 +34,17 @@ _FROM_CHECKPOINT_ONLY = ("compressed-tensors", "gptq", "awq")
 """Methods whose weights a checkpoint must already hold (the others quantize a dense model at load)."""
 
 __all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod",
-           "build_quant_config", "checkpoint_quantization", "resolve_quantization"]
+           "build_quant_config", "checkpoint_quantization", "compressed_tensors_weights", "resolve_quantization"]
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
-    """The method a Hugging Face config's `quantization_config` names (None: a dense checkpoint)."""
+    """The method a Hugging Face config's `quantization_config` names (None: a dense checkpoint),
+    in any case ("GPTQ" is gptq, as vLLM reads it)."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    method = method.lower() if isinstance(method, str) else method
     if method not in ("fp8", "compressed-tensors", "gptq", "awq"):
         raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which pagellm cannot "
                          "load; it loads fp8, compressed-tensors, gptq and awq checkpoints")
@@ -50,43 +52,45 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
 
 
 def resolve_quantization(requested: str | None, load_format: str, model_path: str, device: torch.device,
-                         hf_config: dict[str, Any] | None = None) -> str | None:
+                         hf_config: dict[str, Any] | None = None, flag: str = _FLAG) -> str | None:
     """The method the engine will use, or None for dense weights in the model's dtype.
 
     Default: the checkpoint's own `quantization_config`; a GGUF file stays quantized (on the CPU
     when its kernels can run there, else it is dequantized at load, with a warning saying why);
-    every other model is dense. A flag that disagrees with the checkpoint is an error.
+    every other model is dense. A setting that disagrees with the checkpoint is an error. `flag`:
+    how errors name the setting (a draft model's is a key of --speculative-config).
     """
     stored = checkpoint_quantization(hf_config or {})
     if requested is None and stored is not None:
         requested = stored
     if stored is not None and requested != stored:
-        raise ValueError(f"{_FLAG} is {requested!r}, but {model_path!r} holds {stored} weights (its config.json's "
-                         f"quantization_config): pass --quantization {stored} or leave the flag out")
+        raise ValueError(f"{flag} is {requested!r}, but {model_path!r} holds {stored} weights (its "
+                         f"quantization_config): make it {stored!r} or leave it out")
     if requested == "none":  # (EngineArgs.validate has checked the name)
         return None
     if requested == "gguf" or (requested is None and load_format == "gguf"):
-        return _resolve_gguf(requested, load_format, model_path, device)
+        return _resolve_gguf(requested, load_format, model_path, device, flag)
     if requested is None:
         return None
     if requested in _FROM_CHECKPOINT_ONLY and stored is None and load_format != "dummy":
         online = "rtn" if requested in ("gptq", "awq") else "fp8 or int8"
-        raise ValueError(f"{_FLAG} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
+        raise ValueError(f"{flag} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
                          f"has no such quantization_config; to quantize a dense model at load use {online}")
     if load_format == "dummy" and (stored is not None or requested in _FROM_CHECKPOINT_ONLY):
-        raise ValueError(f"{_FLAG} {requested!r} with --load-format dummy: random weights are dense; use fp8, int8 "
+        raise ValueError(f"{flag} {requested!r} with --load-format dummy: random weights are dense; use fp8, int8 "
                          "or rtn (quantized at load), on a config.json without quantization_config")
-    float8 = requested == "fp8" or requested == "compressed-tensors" and _weights(
+    float8 = requested == "fp8" or requested == "compressed-tensors" and compressed_tensors_weights(
         (hf_config or {}).get("quantization_config") or {}).get("type") == "float"
     if device.type == "cuda" and float8 and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"{_FLAG} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
+        raise ValueError(f"{flag} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
     return requested
 
 
-def _resolve_gguf(requested: str | None, load_format: str, model_path: str, device: torch.device) -> str | None:
+def _resolve_gguf(requested: str | None, load_format: str, model_path: str, device: torch.device,
+                  flag: str) -> str | None:
     if load_format != "gguf":
-        raise ValueError(f"{_FLAG} 'gguf' needs a .gguf model, but {model_path!r} is loaded as {load_format}")
+        raise ValueError(f"{flag} 'gguf' needs a .gguf model, but {model_path!r} is loaded as {load_format}")
     if device.type != "cpu":  # the Triton kernel
         from pagellm.quantization import gguf  # noqa: PLC0415
 
@@ -95,8 +99,8 @@ def _resolve_gguf(requested: str | None, load_format: str, model_path: str, devi
         if requested is None:
             logger.warning("Triton cannot be imported; the GGUF weights are dequantized at load instead")
             return None
-        raise ValueError(f"{_FLAG} 'gguf' on {device} needs Triton, which cannot be imported here; pass "
-                         "--quantization none")
+        raise ValueError(f"{flag} 'gguf' on {device} needs Triton, which cannot be imported here; make "
+                         "it 'none'")
     from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
 
     reason = ggml_cpu.unavailable_reason()
@@ -105,7 +109,7 @@ def _resolve_gguf(requested: str | None, load_format: str, model_path: str, devi
     if requested is None:
         logger.warning("%s; the GGUF weights are dequantized at load instead (slower)", reason)
         return None
-    raise ValueError(f"{_FLAG} 'gguf' cannot run here: {reason}; pass --quantization none")
+    raise ValueError(f"{flag} 'gguf' cannot run here: {reason}; make it 'none'")
 
 
 def build_quant_config(method: str | None, model_path: str,
@@ -118,7 +122,7 @@ def build_quant_config(method: str | None, model_path: str,
         from pagellm.quantization.gguf import GGUFConfig  # noqa: PLC0415
 
         return GGUFConfig.from_file(model_path)
-    if method in ("fp8", "int8") or method == "compressed-tensors" and _weights(qc).get("num_bits") == 8:
+    if method in ("fp8", "int8") or method == "compressed-tensors" and compressed_tensors_weights(qc)["num_bits"] == 8:
         from pagellm.quantization.w8a8 import W8A8Config  # noqa: PLC0415
 
         return W8A8Config.create(method, qc)
@@ -128,7 +132,7 @@ def build_quant_config(method: str | None, model_path: str,
     return Int4Config.create(method, qc, config.get("torch_dtype") or config.get("dtype"))
 
 
-def _weights(qc: dict[str, Any]) -> dict[str, Any]:
+def compressed_tensors_weights(qc: dict[str, Any]) -> dict[str, Any]:
     """The weights' arguments of a compressed-tensors config, checked for what every format here
     needs: one config group, 4 or 8 bits, no KV-cache scheme."""
     groups = list((qc.get("config_groups") or {}).values())

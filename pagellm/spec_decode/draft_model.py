@@ -33,8 +33,12 @@ class DraftModelProposer:
 
     def load(self) -> None:
         config = self.config
-        self.model = build_model(config.draft.source, config.draft.quantization, config.dtype, config.device,
-                                 config.attention_backend, config.args.seed)
+        try:
+            self.model = build_model(config.draft.source, config.draft.quantization, config.dtype, config.device,
+                                     config.attention_backend, config.args.seed)
+        except ValueError as e:  # the checkpoint's, its quantization's: say they are the draft's
+            raise ValueError(f"speculative_config (--speculative-config) model {config.draft.source.path!r}: "
+                             f"{e}") from None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         bind_kv_cache(self.model, num_blocks, self.block_size, self.config.kv_cache_dtype, self.config.device)
