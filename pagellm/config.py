@@ -314,8 +314,7 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     the draft is a dummy too (a preset name works), for speed measurements."""
     if speculative is None or speculative.method != "draft_model":
         return None
-    spec_flag = "speculative_config (--speculative-config)"
-    flag = f"{spec_flag} model"
+    flag = "speculative_config (--speculative-config) model"
     try:
         source = resolve_model(speculative.model, "dummy" if load_format == "dummy" else "auto")
     except ValueError as e:
@@ -328,7 +327,7 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
                          f"positions, fewer than max_model_len ({max_model_len}): lower --max-model-len")
     try:
         quantization = resolve_quantization(speculative.quantization, source.load_format, source.path, device,
-                                            source.arch.hf_config, flag=f'{spec_flag} "quantization"')
+                                            source.arch.hf_config, flag='"quantization"')
     except ValueError as e:
         raise ValueError(f"{flag} {speculative.model!r}: {e}") from None
     return DraftModelConfig(source, quantization)

@@ -879,9 +879,8 @@ def test_quantization_errors_name_the_flag(tmp_path) -> None:
     draft.mkdir()
     _write_checkpoint(draft, hf, {}, {"quant_method": "gptq", "bits": 4, "group_size": 32})
     speculative = json.dumps({"model": str(draft), "num_speculative_tokens": 2, "quantization": "awq"})
-    with pytest.raises(ValueError, match=r"^speculative_config \(--speculative-config\) model .*: speculative_config "
-                                         r"\(--speculative-config\) \"quantization\" is 'awq', but .* holds gptq weights"
-                                         r".*make it 'gptq' or leave it out"):
+    with pytest.raises(ValueError, match=r"^speculative_config \(--speculative-config\) model .*: \"quantization\" is "
+                                         r"'awq', but .* holds gptq weights.*make it 'gptq' or leave it out"):
         EngineArgs(model=str(tmp_path), device="cpu", speculative_config=speculative).create_engine_config()
     with pytest.raises(ValueError, match="random weights are dense"):
         resolve_quantization(None, "dummy", str(tmp_path), CPU, awq_config)

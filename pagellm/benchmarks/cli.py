@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pagellm.benchmarks.datasets import DATASETS
 from pagellm.benchmarks.serve_client import ENDPOINTS
 from pagellm.dtype_sizes import KV_CACHE_DTYPES
-from pagellm.quantization import QUANTIZATION_METHODS
 from pagellm.entrypoints.cli_args import (
     existing_file,
     fraction,
@@ -19,6 +18,7 @@ from pagellm.entrypoints.cli_args import (
     positive_int,
     set_handler,
 )
+from pagellm.quantization import QUANTIZATION_METHODS
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
