@@ -154,8 +154,8 @@ def test_pipeline_stages_pool_on_the_last_stage(engines, smollm2_path, prompt_id
         llm.llm_engine.shutdown()
     for out, alone, hidden in zip(outputs, one_rank, hf_hidden):
         got, want = np.asarray(out.outputs.embedding, dtype=np.float32), _pool(hidden, "MEAN", False)
-        note = (f" (one rank: {np.abs(np.asarray(alone) - want).max():.3g} from HF,"
-                f" {np.abs(np.asarray(alone) - got).max():.3g} from the stages)")
+        alone = np.asarray(alone, dtype=np.float32)
+        note = f" (one rank: {np.abs(alone - want).max():.3g} from HF, {np.abs(alone - got).max():.3g} from the stages)"
         _assert_close(got, want, STAGES_TOLERANCE, note)
 
 
