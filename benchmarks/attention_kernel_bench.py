@@ -21,7 +21,7 @@ if __package__ in (None, ""):
 import torch
 import triton.testing
 
-from pagellm.attention import triton_kernels as tk
+from pagellm.ops.triton import attention as tk
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.attention.triton_backend import decode_splits

@@ -111,12 +111,12 @@ def _run_pagellm(model_path: str, requests: list[BenchRequest], warmup: list[Ben
         "output_tokens_per_s": got / elapsed,
         "prefix_cache_hit_tokens": sum(out.num_cached_tokens for out in outputs),
         "engine": {
-            "max_num_batched_tokens": config.max_num_batched_tokens,
-            "max_num_seqs": config.args.max_num_seqs,
-            "block_size": config.args.block_size,
-            "enable_prefix_caching": config.args.enable_prefix_caching,
-            "attention_backend": config.attention_backend,
-            "max_model_len": config.max_model_len,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "block_size": config.cache.block_size,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "attention_backend": config.model.attention_backend,
+            "max_model_len": config.model.max_model_len,
         },
     }
     return result, token_ids

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _run_http(model: str, requests: list[BenchRequest], engine_flags: dict, args: argparse.Namespace) -> dict:
     port = _free_port()
-    cmd = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", HOST, "--port", str(port),
+    cmd = [sys.executable, "-m", "pagellm.cli", "serve", model, "--host", HOST, "--port", str(port),
            "--device", engine_flags["device"], "--dtype", engine_flags["dtype"],
            "--max-model-len", str(engine_flags["max_model_len"]), "--no-enable-prefix-caching",
            "--load-format", engine_flags["load_format"], "--max-num-seqs", str(engine_flags["max_num_seqs"]),

@@ -136,9 +136,9 @@ def _run_pagellm(spec: dict[str, Any]) -> dict[str, Any]:
     ready = time.time()
     startup = _startup(spec, t1 - t0, time.perf_counter() - t1, ready)
     engine = llm.llm_engine
-    info = {"variant": spec["variant"], "quantization": engine.config.quantization,
-            "attention_backend": engine.config.attention_backend, "dtype": str(engine.config.dtype), "threads": torch.get_num_threads(),
-            "kv_cache_tokens": getattr(engine.engine_core, "num_blocks", 0) * engine.config.args.block_size}
+    info = {"variant": spec["variant"], "quantization": engine.config.model.quantization,
+            "attention_backend": engine.config.model.attention_backend, "dtype": str(engine.config.model.dtype), "threads": torch.get_num_threads(),
+            "kv_cache_tokens": getattr(engine.engine_core, "num_blocks", 0) * engine.config.cache.block_size}
 
     def generate(prompts: list[list[int]], n: int) -> tuple[list, float]:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pagellm.quantization import triton_matmul
+from pagellm.ops.triton import matmul as triton_matmul
 
 POINTERS = {"x_ptr": "*bf16", "w_ptr": "*i32", "scale_ptr": "*fp16", "zero_ptr": "*u8", "offset_ptr": "*fp16",
             "out_ptr": "*bf16"}

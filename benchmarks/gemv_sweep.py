@@ -34,7 +34,7 @@ import triton
 from benchmarks.quant_gpu import SHAPES, bench_us, quantized_layouts
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.benchmarks.roofline import measure_ceilings
-from pagellm.quantization import triton_matmul
+from pagellm.ops.triton import matmul as triton_matmul
 
 DEVICE = "cuda"
 
@@ -112,7 +112,7 @@ def one_row_grid(args: argparse.Namespace, int4: bool) -> list[triton.Config]:
 
 
 def one_row_phase(args: argparse.Namespace, bandwidth: float, out_path: Path, payload: dict) -> list[dict[str, Any]]:
-    from pagellm.quantization.one_row_tiles import replay_us, uncached_copies
+    from pagellm.ops.triton.one_row_tiles import replay_us, uncached_copies
 
     records = payload.setdefault("one_row", [])
     for layer, (n, k) in SHAPES.items():

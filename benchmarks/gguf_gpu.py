@@ -45,7 +45,9 @@ from pagellm.benchmarks.results import default_result_path, format_table, run_me
 from pagellm.benchmarks.roofline import measure_ceilings
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.loader.presets import get_preset
-from pagellm.quantization import gguf_blocks, one_row_tiles, triton_matmul
+from pagellm.quantization import gguf_blocks
+from pagellm.ops.triton import one_row_tiles
+from pagellm.ops.triton import matmul as triton_matmul
 from pagellm.tokenizer.gguf_tokenizer import byte_to_unicode
 
 TYPE_NAMES = {gguf_blocks.Q4_0: "Q4_0", gguf_blocks.Q4_1: "Q4_1", gguf_blocks.Q5_0: "Q5_0", gguf_blocks.Q5_1: "Q5_1",
@@ -82,7 +84,7 @@ def random_blocks(qtype: int, rows: int, cols: int, rng: np.random.Generator) ->
 
 
 def kernel_phase(rows_list: list[int]) -> list[dict[str, Any]]:
-    from pagellm.quantization.triton_matmul import dequant_matmul
+    from pagellm.ops.triton.matmul import dequant_matmul
 
     records = []
     rng = np.random.default_rng(0)

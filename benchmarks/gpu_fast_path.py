@@ -52,7 +52,7 @@ from pagellm.benchmarks.roofline import (ModelCost, decode_floor, measure_ceilin
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.benchmarks.throughput import measure_throughput
 from pagellm.config import EngineConfig
-from pagellm.entrypoints.cli import add_engine_args, engine_args_from
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.loader import resolve_model
 
 DEFAULT_SHAREGPT_REQUESTS = str(Path(__file__).resolve().parent / "data" / "sharegpt_1000_seed0.json.gz")
@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         save_requests(args.write_sharegpt_requests, requests, {**info, "for_model": args.model})
         print(f"wrote {len(requests)} requests to {args.write_sharegpt_requests}: {info['tokenizer']}")
         return None
-    config = engine_args_from(args).create_engine_config()
+    config = EngineArgs.from_cli_args(args).create_engine_config()
     metadata = run_metadata(args.commit)
     runner = PhaseRunner(args.time_budget_s, {**DEFAULT_CAPS, **dict(args.cap)})
-    ctx = SimpleNamespace(config=config, cost=ModelCost.from_arch(config.source.arch, config.dtype.itemsize),
+    ctx = SimpleNamespace(config=config, cost=ModelCost.from_arch(config.model.source.arch, config.model.dtype.itemsize),
                           ceilings=None, random=None, sharegpt=None)
 
     def ceilings(deadline: float) -> dict[str, Any]:
-        ctx.ceilings, record = measure_ceilings(config.device, args.copy_bytes, args.matmul_size, config.dtype,
+        ctx.ceilings, record = measure_ceilings(config.device, args.copy_bytes, args.matmul_size, config.model.dtype,
                                                 args.ceiling_iters)
         return record
 
@@ -148,7 +148,7 @@ def backend_check(args: argparse.Namespace, config: EngineConfig) -> dict[str, A
     """The same prompts through the torch backend (the oracle) and --check-backend, same dummy weights:
     greedy tokens, and logprobs of the prompt tokens (teacher-forced, so they never diverge) and of
     the generated tokens over the common prefix."""
-    vocab = config.source.arch.vocab_size
+    vocab = config.model.source.arch.vocab_size
     prompts = [{"prompt_token_ids": random_requests(1, n, 1, vocab, args.seed + n)[0].prompt_token_ids}
                for n in args.check_prompt_lens]
     params = SamplingParams(temperature=0.0, max_tokens=args.check_tokens, ignore_eos=True, logprobs=5,
@@ -157,9 +157,9 @@ def backend_check(args: argparse.Namespace, config: EngineConfig) -> dict[str, A
     # A small KV cache: a few prompts need little, and the engines that follow must find the GPU free.
     kv_bytes = min(args.kv_cache_memory_bytes or _CHECK_KV_BYTES, _CHECK_KV_BYTES)
     for backend in ("torch", args.check_backend):
-        llm = LLM(**{**dataclasses.asdict(engine_args_from(args)), "attention_backend": backend,
+        llm = LLM(**{**dataclasses.asdict(EngineArgs.from_cli_args(args)), "attention_backend": backend,
                      "enable_prefix_caching": False, "kv_cache_memory_bytes": kv_bytes})
-        outputs[backend] = (llm.llm_engine.config.attention_backend, llm.generate(prompts, params, use_tqdm=False))
+        outputs[backend] = (llm.llm_engine.config.model.attention_backend, llm.generate(prompts, params, use_tqdm=False))
         del llm
         _free_memory()
     (ref_name, ref), (name, got) = outputs["torch"], outputs[args.check_backend]
@@ -195,7 +195,7 @@ def check_sampling_features(llm: LLM, prompts: list[dict], num_tokens: int) -> d
 
 
 def _random_set(args: argparse.Namespace, ctx: SimpleNamespace) -> dict[str, Any]:
-    ctx.random, info = dataset_requests("random", args.num_prompts, ctx.config.source, args.seed, args.input_len,
+    ctx.random, info = dataset_requests("random", args.num_prompts, ctx.config.model.source, args.seed, args.input_len,
                                         args.output_len)
     return info
 
@@ -204,7 +204,7 @@ def _sharegpt_set(args: argparse.Namespace, ctx: SimpleNamespace) -> dict[str, A
     """From the requests file if there is one (its first N are what sampling N would give), else sampled here."""
     n = args.sharegpt_prompts
     if not args.sharegpt_requests:
-        ctx.sharegpt, info = dataset_requests("sharegpt", n, ctx.config.source, args.seed, 0, None,
+        ctx.sharegpt, info = dataset_requests("sharegpt", n, ctx.config.model.source, args.seed, 0, None,
                                               path=args.dataset_path)
         return info
     requests, info = load_requests(args.sharegpt_requests)
@@ -224,7 +224,7 @@ def _engine_phases(runner: PhaseRunner, args: argparse.Namespace, ctx: SimpleNam
 
     def load(deadline: float, max_num_seqs: int) -> dict[str, Any]:
         start = time.perf_counter()
-        state["llm"] = LLM(**{**dataclasses.asdict(engine_args_from(args)), "max_num_seqs": max_num_seqs})
+        state["llm"] = LLM(**{**dataclasses.asdict(EngineArgs.from_cli_args(args)), "max_num_seqs": max_num_seqs})
         state["max_num_seqs"] = max_num_seqs
         result = {"startup_s": time.perf_counter() - start, **engine_summary(state["llm"])}
         if ctx.config.device.type == "cuda":
@@ -232,7 +232,7 @@ def _engine_phases(runner: PhaseRunner, args: argparse.Namespace, ctx: SimpleNam
             result.update(gpu_memory_used_fraction=(total - free) / total, gpu_total_gib=total / 2**30)
         return result
 
-    vocab = ctx.config.source.arch.vocab_size
+    vocab = ctx.config.model.source.arch.vocab_size
     sampling_prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in random_requests(8, 64, 1, vocab, -2)]
     steps = [("sampling_features", lambda llm, deadline: check_sampling_features(llm, sampling_prompts,
                                                                                   args.check_tokens)),
@@ -271,7 +271,7 @@ def _engine_throughput(llm: LLM, requests: list[BenchRequest], deadline: float, 
     if ctx.ceilings is None:
         numbers["floor"] = None
         return numbers
-    limits = (config.args.max_num_seqs, config.max_num_batched_tokens)
+    limits = (config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     numbers["floor"] = with_fraction(run_floor(ctx.cost, ctx.ceilings, work, *limits), run.elapsed_s)
     serial = serial_floor(ctx.cost, ctx.ceilings, work, *limits)
     numbers["serial_floor"] = {**serial, "fraction_of_serial_floor": serial["serial_s"] / run.elapsed_s}
@@ -282,10 +282,10 @@ def _hf_phases(runner: PhaseRunner, args: argparse.Namespace, ctx: SimpleNamespa
     state: dict[str, Any] = {}
 
     def load(deadline: float) -> dict[str, Any]:
-        model, load_s = load_hf_like(ctx.config.source, ctx.config.device, ctx.config.dtype)
+        model, load_s = load_hf_like(ctx.config.model.source, ctx.config.device, ctx.config.model.dtype)
         run_hf_generate(model, [BenchRequest([1, 2, 3, 4], 2)] * 2, 2)  # warm-up: kernels, allocator
         state["model"] = model
-        return {"load_s": load_s, "model_class": type(model).__name__, "dtype": str(ctx.config.dtype)}
+        return {"load_s": load_s, "model_class": type(model).__name__, "dtype": str(ctx.config.model.dtype)}
 
     runner.run("hf.load", load)
     if "model" in state:
@@ -312,7 +312,7 @@ def _hf_throughput(model: torch.nn.Module, requests: list[BenchRequest], args: a
 def _hf_batch1_decode(model: torch.nn.Module, args: argparse.Namespace, ctx: SimpleNamespace) -> dict[str, Any]:
     """Seconds per decoded token: (time of N new tokens - time of 1) / (N - 1), best of two each."""
     n = args.batch1_output_len
-    request = random_requests(1, args.batch1_input_len, n, ctx.config.source.arch.vocab_size, args.seed + 1)[0]
+    request = random_requests(1, args.batch1_input_len, n, ctx.config.model.source.arch.vocab_size, args.seed + 1)[0]
     first = min(run_hf_generate(model, [request._replace(output_len=1)], 1).elapsed_s for _ in range(2))
     full = min(run_hf_generate(model, [request], 1).elapsed_s for _ in range(2))
     per_token = (full - first) / (n - 1)
@@ -433,7 +433,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-save", action="store_true", help="write the JSON only to --out-dir, not benchmarks/results/")
     p.add_argument("--commit", default=os.environ.get("PAGELLM_COMMIT"),
                    help="commit of the code, for a copy without git history (default: $PAGELLM_COMMIT)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=4096)
     if "--smoke" in (sys.argv[1:] if argv is None else argv):
         p.set_defaults(**_SMOKE)

@@ -86,7 +86,7 @@ def host_step_ms(llm: LLM, clock: PhaseClock, batch: int, context_len: int, step
     """Median milliseconds per decode step of `batch` requests: the whole step and each phase."""
     engine = llm.llm_engine
     # Room for the tokens early requests decode while later ones prefill, then for the timed steps.
-    max_tokens = engine.config.max_model_len - context_len
+    max_tokens = engine.config.model.max_model_len - context_len
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch):
         prompt = [(i * 7919 + j) % (VOCAB - 3) + 3 for j in range(context_len)]

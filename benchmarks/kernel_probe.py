@@ -15,8 +15,8 @@ import torch
 from benchmarks.attention_kernel_bench import decode_batch
 from benchmarks.gemv_sweep import _launch
 from benchmarks.quant_gpu import SHAPES, quantized_layouts
-from pagellm.attention import triton_kernels as tk
-from pagellm.quantization import triton_matmul
+from pagellm.ops.triton import attention as tk
+from pagellm.ops.triton import matmul as triton_matmul
 
 
 def attention() -> None:

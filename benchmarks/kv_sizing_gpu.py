@@ -50,7 +50,7 @@ def measure(model: str, max_num_batched_tokens: int, max_num_seqs: int, max_mode
     """One configuration, in this process (call it in a fresh one)."""
     import torch
 
-    from pagellm.config import EngineArgs
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.worker.worker import Worker
 
     args = EngineArgs(model=model, load_format="dummy", dtype="bfloat16", max_model_len=max_model_len,

@@ -26,7 +26,8 @@ import torch
 from pagellm import LLM
 from pagellm.benchmarks.latency import measure_latency
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
-from pagellm.quantization import one_row_tiles, triton_matmul
+from pagellm.ops.triton import one_row_tiles
+from pagellm.ops.triton import matmul as triton_matmul
 from pagellm.worker.cuda_graphs import DecodeGraphs
 
 CODES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "rtn": torch.int32, "gptq": torch.int32,
@@ -43,7 +44,7 @@ def recapture(runner: Any) -> None:
     """The decode graph captured again, taking the tiles now in `one_row_tiles._CHOSEN`."""
     runner.graphs = None
     torch.cuda.empty_cache()
-    max_blocks = -(-runner.config.max_model_len // runner.block_size)
+    max_blocks = -(-runner.config.model.max_model_len // runner.block_size)
     runner.graphs = DecodeGraphs(runner.model, 1, max_blocks, runner.device)
     runner.graphs.capture()
 

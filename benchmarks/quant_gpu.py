@@ -38,9 +38,9 @@ from pagellm.benchmarks.roofline import measure_ceilings
 from pagellm.benchmarks.runner import engine_summary
 from pagellm.benchmarks.throughput import measure_throughput
 from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
-from pagellm.quantization import dense_one_row
-from pagellm.quantization.one_row_tiles import timing_one_row_products
-from pagellm.quantization.triton_matmul import dequant_matmul
+from pagellm.ops.triton import dense_one_row
+from pagellm.ops.triton.one_row_tiles import timing_one_row_products
+from pagellm.ops.triton.matmul import dequant_matmul
 from pagellm.quantization.w8a8 import quantize_per_row, w8a8_matmul
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -140,7 +140,7 @@ def _engine_run(args: argparse.Namespace, method: str, method_kv: str, random_ru
         result["batch1_tok_s"] = 1.0 / latency["time_per_output_token_s"]["mean"]
         print(f"{method}: batch-1 {result['batch1_tok_s']:.1f} tok/s", flush=True)
     if random_run:
-        requests = random_requests(args.num_prompts, args.input_len, args.output_len, config.source.arch.vocab_size, 0)
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, config.model.source.arch.vocab_size, 0)
         numbers, _ = measure_throughput(llm, requests, deadline)
         result["random"] = numbers
         print(f"{method}: random {numbers.get('output_tokens_per_s')} out tok/s", flush=True)

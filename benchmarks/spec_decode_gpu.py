@@ -37,8 +37,8 @@ def prompts(batch: int, length: int) -> list[dict[str, list[int]]]:
 
 def timed(llm: LLM, batch: int, input_len: int, output_len: int, speculate: bool) -> dict[str, Any]:
     scheduler = llm.llm_engine.engine_core.scheduler
-    proposer = scheduler.ngram
-    scheduler.ngram = proposer if speculate else None
+    proposer = scheduler.proposer
+    scheduler.proposer = proposer if speculate else None
     try:
         spec = scheduler.spec_stats
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -55,7 +55,7 @@ def timed(llm: LLM, batch: int, input_len: int, output_len: int, speculate: bool
             elapsed_runs.append(time.perf_counter() - start)
         elapsed = statistics.median(elapsed_runs)
     finally:
-        scheduler.ngram = proposer
+        scheduler.proposer = proposer
     drafted, accepted, drafts = (spec.num_draft_tokens - before[0], spec.num_accepted_tokens - before[1],
                                  spec.num_drafts - before[2])
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -87,9 +87,9 @@ def graphs_check(model: str, k: int, dtype: str, max_tokens: int = 96) -> dict[s
     graphs, runner.graphs = runner.graphs, None
     eager = tokens()
     runner.graphs = graphs
-    proposer, scheduler.ngram = scheduler.ngram, None
+    proposer, scheduler.proposer = scheduler.proposer, None
     plain = tokens()
-    scheduler.ngram = proposer
+    scheduler.proposer = proposer
 
     def equal(a: list[list[int]], b: list[list[int]]) -> int:
         return sum(x == y for s, t in zip(a, b) for x, y in zip(s, t))

@@ -245,13 +245,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     llm = LLM(args.model, load_format="dummy", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               **kwargs)
     config = llm.llm_engine.config
-    cost = ModelCost.from_arch(config.source.arch, config.dtype.itemsize)
+    cost = ModelCost.from_arch(config.model.source.arch, config.model.dtype.itemsize)
     if config.device.type == "cuda":
-        ceilings, ceiling_record = measure_ceilings(config.device, 1 << 30, 8192, config.dtype, 20)
+        ceilings, ceiling_record = measure_ceilings(config.device, 1 << 30, 8192, config.model.dtype, 20)
     else:  # nominal: the CPU run checks the bookkeeping, not the machine
         ceilings, ceiling_record = Ceilings(1e11, 1e12), {"nominal": True}
     if args.random:
-        requests = random_requests(args.num_prompts, *args.random, config.source.arch.vocab_size, 0)
+        requests = random_requests(args.num_prompts, *args.random, config.model.source.arch.vocab_size, 0)
     else:
         requests = load_requests(args.requests)[0][:args.num_prompts]
     traced: dict[str, Any] = {}
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "benchmark": "step_trace", **run_metadata(), "model": args.model,
         "requests": f"random {args.random}" if args.random else args.requests, "num_prompts": len(requests),
-        "max_num_seqs": config.args.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler.max_num_seqs, "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "ceilings": ceiling_record, "throughput": numbers, "groups": groups,
         "steps": [asdict(r) | {"done_s": r.done_s - traced["start"]} for r in records]}
     if args.overlap:

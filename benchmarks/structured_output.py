@@ -110,7 +110,7 @@ def _compile_times(llm: LLM, suite: list[dict]) -> list[float]:
     import xgrammar as xgr
 
     engine = llm.llm_engine
-    info = build_tokenizer_info(engine.tokenizer, engine.config.source.arch.vocab_size,
+    info = build_tokenizer_info(engine.tokenizer, engine.config.model.source.arch.vocab_size,
                                 sorted(engine.processor.eos_token_ids))
     compiler = xgr.GrammarCompiler(info, cache_enabled=False)
     times = []

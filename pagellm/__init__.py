@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from pagellm.version import __version__
 
 _EXPORTS = {
     "LLM": "pagellm.entrypoints.llm",
     "LLMEngine": "pagellm.engine.llm_engine",
-    "EngineArgs": "pagellm.config",
+    "EngineArgs": "pagellm.engine.arg_utils",
     "SamplingParams": "pagellm.sampling_params",
     "StructuredOutputsParams": "pagellm.sampling_params",
     "BeamSearchParams": "pagellm.entrypoints.beam_search",
@@ -25,9 +25,9 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:
-    from pagellm.config import EngineArgs
-    from pagellm.entrypoints.beam_search import BeamSearchParams
+    from pagellm.engine.arg_utils import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.entrypoints.beam_search import BeamSearchParams
     from pagellm.entrypoints.llm import LLM
     from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
     from pagellm.pooling_params import PoolingParams

@@ -32,7 +32,7 @@ class RemoteServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", model, "--host", "127.0.0.1",
+        command = [sys.executable, "-m", "pagellm.cli", "serve", model, "--host", "127.0.0.1",
                    "--port", str(self.port), *args]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})})

@@ -13,8 +13,8 @@ pytest.importorskip("triton")
 from attn_utils import build_metadata  # noqa: E402
 from pagellm.attention import get_attn_backend  # noqa: E402
 from pagellm.attention.triton_backend import decode_splits  # noqa: E402
-from pagellm.attention import triton_kernels  # noqa: E402
-from pagellm.attention.triton_kernels import paged_attention  # noqa: E402
+from pagellm.ops.triton import attention as triton_kernels  # noqa: E402
+from pagellm.ops.triton.attention import paged_attention  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -180,7 +180,7 @@ def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads, f16_dots, monk
     the float8 cache widened to the queries' type (or, with the kernel's `f16_dots`, to float16,
     as the queries are); the torch backend on such a cache is exactly the torch backend on a
     16/32-bit cache holding the rounded values."""
-    from pagellm.attention import triton_kernels
+    from pagellm.ops.triton import attention as triton_kernels
 
     for kind in triton_kernels.TUNING:
         monkeypatch.setitem(triton_kernels.TUNING, kind, {**triton_kernels.TUNING[kind], "f16_dots": f16_dots})
@@ -215,8 +215,8 @@ def test_rotary_fused_with_the_kv_write_matches_both_kernels_and_the_torch_backe
     of one fused projection, and a token whose slot is -1 (already cached) is not written."""
     from pagellm.attention import triton_backend
     from pagellm.attention.layer import Attention
-    from pagellm.models.layers.rotary import RotaryEmbedding
-    from pagellm.ops import triton_rotary
+    from pagellm.layers.rotary import RotaryEmbedding
+    from pagellm.ops.triton import rotary as triton_rotary
 
     dtype, head_dim = DTYPES[0], 64
     md, query, key, value, cache = random_paged_batch(MIXED, 16, num_heads, num_kv_heads, head_dim, dtype, seed=9)

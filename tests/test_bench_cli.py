@@ -16,7 +16,7 @@ from pagellm import LLM
 from pagellm.benchmarks.datasets import random_requests
 from pagellm.benchmarks.runner import run_requests
 from pagellm.benchmarks.throughput import throughput_numbers
-from pagellm.entrypoints.cli import main as cli_main
+from pagellm.cli import main as cli_main
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,

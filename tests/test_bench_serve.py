@@ -14,7 +14,7 @@ import yaml
 
 from pagellm.benchmarks.serve_client import arrival_gaps
 from pagellm.benchmarks.sweep import analyze, parse_slo
-from pagellm.entrypoints.cli import main as cli_main
+from pagellm.cli import main as cli_main
 from server_utils import RemoteServer, free_port, metric_samples
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

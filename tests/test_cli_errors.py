@@ -20,7 +20,7 @@ import torch
 from pagellm.benchmarks.server_process import ServerProcess
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import CoreClient
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,

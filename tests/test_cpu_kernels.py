@@ -1,4 +1,4 @@
-"""The C kernels of the CPU path (`pagellm/ops/cpu_kernels.c`) against their PyTorch versions:
+"""The C kernels of the CPU path (`pagellm/ops/c/cpu_kernels.c`) against their PyTorch versions:
 the small ops, and the `cpu` attention backend against the `torch` one."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from attn_utils import build_metadata
 from pagellm import ops
 from pagellm.attention import get_attn_backend
-from pagellm.models.layers import RotaryEmbedding
-from pagellm.ops import cpu_ops
+from pagellm.layers import RotaryEmbedding
+from pagellm.ops.c import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="the C kernels do not build here")
 CLOSE = dict(rtol=1e-5, atol=1e-5)  # float32: only the order of additions and expf differ

@@ -6,7 +6,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.models import cpu_layer
-from pagellm.ops import native
+from pagellm.ops.c import build as native
 from pagellm.worker import loading
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None, reason=str(native.unavailable_reason()))

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.executor.base import WorkerFailedError
 from pagellm.loader import resolve_model
 from pagellm.models.llama import stage_layers
@@ -292,7 +292,7 @@ def test_tensor_parallel_keeps_gguf_blocks_quantized(smollm2_path, chat_prompts)
     def score(**kwargs) -> list[list[float]]:
         llm = LLM(smollm2_path, **CPU, **kwargs)
         try:
-            assert llm.llm_engine.config.quantization == "gguf"
+            assert llm.llm_engine.config.model.quantization == "gguf"
             outputs = llm.generate(chat_prompts[:2], params, use_tqdm=False)
             return [[lp[token].logprob for lp, token in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
                     for o in outputs]

@@ -10,7 +10,7 @@ import weakref
 import pytest
 
 from pagellm import LLM, EngineArgs, SamplingParams
-from pagellm.entrypoints.cli import main as cli_main
+from pagellm.cli import main as cli_main
 from pagellm.worker.model_runner import ModelRunner
 from engine_utils import assert_no_leak
 
@@ -53,7 +53,7 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(llm):
         llm.generate([{"prompt_token_ids": []}], greedy, use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 49152]], greedy, use_tqdm=False)
-    too_long = [{"prompt_token_ids": [5] * llm.llm_engine.config.max_model_len}]
+    too_long = [{"prompt_token_ids": [5] * llm.llm_engine.config.model.max_model_len}]
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["Hello", *too_long], greedy, use_tqdm=False)  # the good one is withdrawn too
     assert_no_leak(llm.llm_engine)
@@ -157,7 +157,7 @@ def test_largest_step_runs_before_the_cache_exists(smollm2_path):
     runner.load_model()
     sampled = runner.run_largest_step()
     assert sampled.shape == (16,)
-    assert int(sampled.min()) >= 0 and int(sampled.max()) < config.source.arch.vocab_size
+    assert int(sampled.min()) >= 0 and int(sampled.max()) < config.model.source.arch.vocab_size
 
 
 def test_dummy_weights_from_a_config_directory(tmp_path):

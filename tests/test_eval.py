@@ -9,7 +9,7 @@ from importlib import resources
 import pytest
 import torch
 
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 from pagellm.eval.quality import windows
 from pagellm.loader import resolve_model
 from pagellm.tokenizer.tokenizer import load_tokenizer

@@ -20,10 +20,13 @@ pytest.importorskip("triton")
 from attn_utils import build_metadata  # noqa: E402
 from pagellm import ops  # noqa: E402
 from pagellm.attention import get_attn_backend  # noqa: E402
-from pagellm.model_arch import ModelArchConfig  # noqa: E402
+from pagellm.config.arch import ModelArchConfig  # noqa: E402
 from pagellm.models import get_model_class  # noqa: E402
-from pagellm.models.layers import RotaryEmbedding  # noqa: E402
-from pagellm.ops import cpu_ops, triton_activation, triton_norm, triton_rotary  # noqa: E402
+from pagellm.layers import RotaryEmbedding  # noqa: E402
+from pagellm.ops.c import cpu_ops  # noqa: E402
+from pagellm.ops.triton import activation as triton_activation  # noqa: E402
+from pagellm.ops.triton import norm as triton_norm  # noqa: E402
+from pagellm.ops.triton import rotary as triton_rotary  # noqa: E402
 from pagellm.ops.dispatch import resolve_impl  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -237,7 +240,7 @@ def test_pagellm_runs_without_triton() -> None:
         "import sys; sys.modules['triton'] = None\n"
         "import torch, pagellm\n"
         "from pagellm import ops\n"
-        "from pagellm.models.layers import RMSNorm\n"
+        "from pagellm.layers import RMSNorm\n"
         "assert not ops.triton_available()\n"
         "print(RMSNorm(8)(torch.ones(2, 8), torch.ones(2, 8))[1].sum().item())\n"
     )
@@ -344,7 +347,7 @@ def test_programmatic_dependent_launch_only_on_hopper_and_later(monkeypatch) -> 
     """`pdl` asks for programmatic dependent launch on a CUDA GPU of compute capability 9 or more,
     and nothing elsewhere: CPU tensors, Triton's interpreter (even with CUDA tensors, and before
     any CUDA call), AMD GPUs, a Triton without grid dependency control."""
-    from pagellm.ops import triton_utils
+    from pagellm.ops.triton import utils as triton_utils
 
     assert triton_utils.pdl(torch.device("cpu")) == {}
     try:
@@ -366,7 +369,7 @@ def test_a_chain_of_dependent_kernels_replays_in_a_cuda_graph(rng: torch.Generat
     """A decode MLP's chain at one row, each kernel reading the one before's output (under PDL on
     Hopper, each waits for it): add + RMSNorm, the one-row product, SiLU, the one-row product, add +
     RMSNorm, replayed in a graph on new inputs, equals the torch ops each time."""
-    from pagellm.quantization.dense_one_row import dense_gemv
+    from pagellm.ops.triton.dense_one_row import dense_gemv
 
     hidden, inter = 4096, 14336
     x, residual, norm_w = randn(rng, 1, hidden), randn(rng, 1, hidden), randn(rng, hidden, mean=1.0)

@@ -15,7 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from benchmarks.gguf_gpu import random_blocks, write_synthetic_gguf
 from pagellm import LLM, SamplingParams
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.eval.quality import log_probs
 from pagellm.quantization import gguf_blocks
 from pagellm.worker.loading import build_model
@@ -48,7 +48,7 @@ def test_grouped_layout_holds_the_gguf_packages_values(qtype):
 def test_dequantize_kernel_gives_the_grouped_layouts_values(qtype):
     """What large steps multiply with cuBLAS (`triton_matmul.dequantize_weight`)."""
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequantize_weight
+    from pagellm.ops.triton.matmul import dequantize_weight
 
     g = gguf_blocks.to_grouped(int(qtype), torch.from_numpy(blocks(qtype, 40, 512, seed=3)), 512)
     on = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
@@ -60,7 +60,7 @@ def test_dequantize_kernel_gives_the_grouped_layouts_values(qtype):
 @pytest.mark.parametrize("rows", [1, 5, 17, 300])
 def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows, monkeypatch):
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import DEQUANTIZE_ROWS, dequant_matmul
+    from pagellm.ops.triton.matmul import DEQUANTIZE_ROWS, dequant_matmul
     from test_quantization import count_dequantized
 
     dequantized = count_dequantized(monkeypatch)
@@ -98,11 +98,11 @@ def write_tiny(tmp_path) -> str:
 def _load(path: str, quantization: str, device: torch.device) -> torch.nn.Module:
     config = EngineArgs(model=path, device=device.type, dtype="float32",
                         quantization=quantization).create_engine_config()
-    return build_model(config.source, config.quantization, config.dtype, device, "torch", 0)
+    return build_model(config.model.source, config.model.quantization, config.model.dtype, device, "torch", 0)
 
 
 def test_cpu_keeps_only_the_types_its_kernels_take(tmp_path):
-    from pagellm.quantization import ggml_cpu
+    from pagellm.ops.c import ggml as ggml_cpu
     from pagellm.quantization.gguf import GGUFLinearMethod
 
     if ggml_cpu.unavailable_reason() is not None:
@@ -132,8 +132,8 @@ def test_gpu_runs_every_block_type_as_dequantized_at_load(tmp_path):
     assert [(start, rows) for start, rows, _ in qkv.runs] == [(0, 256 + 128), (256 + 128, 128)]
     assert blocks.lm_head.weight.dtype == torch.int8  # Q6_K codes, one a byte
     ids = torch.randint(TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    expected = log_probs(dense, ids, gpu)
-    torch.testing.assert_close(log_probs(blocks, ids, gpu), expected, atol=1e-3, rtol=0)
+    expected = log_probs(dense, ids)
+    torch.testing.assert_close(log_probs(blocks, ids), expected, atol=1e-3, rtol=0)
 
 
 def test_synthetic_file_serves_on_the_cpu(tmp_path):
@@ -152,7 +152,7 @@ def test_fused_layer_of_mixed_types_writes_each_run_into_its_columns():
     padded buffer, consecutive parts of one type make one run, and each run's product lands in its
     columns of the output."""
     pytest.importorskip("triton")
-    from pagellm.models.layers.linear import QKVParallelLinear
+    from pagellm.layers.linear import QKVParallelLinear
     from pagellm.quantization.gguf import GGUFLinearMethod
 
     types = {"q": Q.Q4_K, "k": Q.Q4_K, "v": Q.Q6_K}

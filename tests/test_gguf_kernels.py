@@ -9,9 +9,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from pagellm.config import EngineArgs
-from pagellm.ops import native
-from pagellm.quantization import ggml_cpu, resolve_quantization
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.ops.c import build as native
+from pagellm.quantization import resolve_quantization
+from pagellm.ops.c import ggml as ggml_cpu
 from pagellm.quantization.gguf import GGUFConfig, GGUFLinearMethod
 
 pytestmark = pytest.mark.skipif(ggml_cpu.unavailable_reason() is not None,

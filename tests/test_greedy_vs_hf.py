@@ -146,7 +146,7 @@ def test_triton_attention_backend_matches_hf(smollm2_path, prompt_ids, hf_refere
 def test_gguf_blocks_kept_quantized_match_hf(smollm2_path, prompt_ids, hf_reference):
     """The CPU default: the GGUF's Q4_1/Q8_0 blocks multiplied as they are, in float32."""
     llm = LLM(smollm2_path, dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20, max_model_len=1024)
-    assert llm.llm_engine.config.quantization == "gguf" and llm.llm_engine.config.attention_backend == "cpu"
+    assert llm.llm_engine.config.model.quantization == "gguf" and llm.llm_engine.config.model.attention_backend == "cpu"
     outputs = llm.generate(prompt_ids, VARIANT, use_tqdm=False)
     assert_matches_reference(outputs, first_tokens(hf_reference, VARIANT_TOKENS), "gguf blocks")
     assert_no_leak(llm.llm_engine)

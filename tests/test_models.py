@@ -10,9 +10,9 @@ import transformers
 from attn_utils import build_metadata
 from pagellm.attention import get_attn_backend
 from pagellm.distributed import init_tensor_parallel
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 from pagellm.models import get_model_class
-from pagellm.models.layers import (
+from pagellm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

@@ -12,11 +12,11 @@ import torch
 from benchmarks.kv_sizing_gpu import SMOLLM2_135M
 from pagellm.attention import get_attn_backend
 from pagellm.benchmarks.memory import PlanSpec, compute_ledger, cuda_allocated_bytes
-from pagellm.config import EngineArgs
-from pagellm.entrypoints.cli import main as cli_main
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.cli import main as cli_main
 from pagellm.loader import resolve_model
 from pagellm.models import get_model_class
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 from pagellm.worker.worker import Worker
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -67,7 +67,7 @@ def test_cpu_plan_matches_the_engines_own_sizing(smollm2_path, capsys):
     config = EngineArgs(smollm2_path, device="cpu").create_engine_config()
     worker = Worker(config)
     with torch.device("meta"):
-        worker.runner.model = get_model_class(config.source.arch.architecture)(config.source.arch,
+        worker.runner.model = get_model_class(config.model.source.arch.architecture)(config.model.source.arch,
                                                                                 get_attn_backend("torch"))
     engine_blocks = worker.determine_num_blocks()
     plan = _plan_json([smollm2_path, "--device", "cpu"], capsys)
@@ -152,8 +152,8 @@ def test_gguf_weights_count_the_blocks_the_engine_keeps(tmp_path, capsys):
     write_synthetic_gguf(path, config, types)
 
     engine = EngineArgs(path, device="cpu").create_engine_config()
-    assert engine.quantization == "gguf"
-    model = build_model(engine.source, engine.quantization, engine.dtype, torch.device("cpu"), "torch", 0)
+    assert engine.model.quantization == "gguf"
+    model = build_model(engine.model.source, engine.model.quantization, engine.model.dtype, torch.device("cpu"), "torch", 0)
     loaded = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     cpu = _plan_json([path, "--device", "cpu"], capsys)
     assert cpu["weights_bytes"] == loaded

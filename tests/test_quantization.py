@@ -17,12 +17,13 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.eval.quality import log_probs
 from pagellm.quantization import resolve_quantization
+from pagellm.quantization.base import Calibration
 from pagellm.quantization.int4 import dequantize, pack_pairs, quantize_rtn
 from pagellm.quantization.w8a8 import FP8_SCALE_STEPS, SMALL_BATCH_ROWS, quantize_per_row, quantize_weight_rows
-from pagellm.worker.loading import build_model
+from pagellm.worker.loading import build_model, prompt_hidden_states
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -43,14 +44,14 @@ def _tiny_hf(seed: int = 0) -> transformers.LlamaForCausalLM:
 
 def _load(path: str, **kwargs) -> tuple[torch.nn.Module, str | None]:
     config = EngineArgs(model=path, device="cpu", dtype="float32", **kwargs).create_engine_config()
-    return build_model(config.source, config.quantization, config.dtype, CPU, "torch", 0), config.quantization
+    return build_model(config.model.source, config.model.quantization, config.model.dtype, CPU, "torch", 0), config.model.quantization
 
 
 def _assert_matches_hf(model: torch.nn.Module, hf: torch.nn.Module, length: int, atol: float = 1e-4) -> None:
     ids = torch.randint(TINY["vocab_size"], (length,), generator=torch.Generator().manual_seed(length)).tolist()
     with torch.no_grad():
         expected = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
-    torch.testing.assert_close(log_probs(model, ids, CPU), expected, atol=atol, rtol=0)
+    torch.testing.assert_close(log_probs(model, ids), expected, atol=atol, rtol=0)
 
 
 def _write_checkpoint(path, hf: torch.nn.Module, tensors: dict[str, torch.Tensor], quantization_config: dict) -> None:
@@ -80,7 +81,7 @@ triton_shapes = [(1, 4096, 4096), (16, 6144, 4096), (17, 4096, 14336), (300, 102
 
 def count_dequantized(monkeypatch) -> list[int]:
     """Calls of `triton_matmul.dequantize_weight` from now on (the path of large steps)."""
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 
     calls: list[int] = []
     real = triton_matmul.dequantize_weight
@@ -92,7 +93,7 @@ def count_dequantized(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("rows,n,k", triton_shapes)
 def test_dequant_matmul_8bit_matches_torch(dtype: torch.dtype, rows: int, n: int, k: int, monkeypatch) -> None:
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import DEQUANTIZE_ROWS, dequant_matmul
+    from pagellm.ops.triton.matmul import DEQUANTIZE_ROWS, dequant_matmul
 
     dequantized = count_dequantized(monkeypatch)
 
@@ -113,7 +114,7 @@ def test_dequant_matmul_8bit_matches_torch(dtype: torch.dtype, rows: int, n: int
 @pytest.mark.parametrize("rows,n,k", triton_shapes)
 def test_dequant_matmul_int4_matches_torch(group: int, rows: int, n: int, k: int, monkeypatch) -> None:
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import DEQUANTIZE_ROWS, dequant_matmul
+    from pagellm.ops.triton.matmul import DEQUANTIZE_ROWS, dequant_matmul
 
     group = group or k  # 0: one group per output channel
     if k % group:
@@ -135,7 +136,7 @@ def test_one_row_candidates_are_float16_tiles_only_where_float16_products_apply(
     groups of whole runs of 32 inputs or a scale per channel), the one-row candidates are the float16
     tiles alone; elsewhere (float32 activations, groups of 16, 8-bit codes) none of them, and with
     groups every candidate holds whole groups."""
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 
     def kinds(packed: bool, group: int, float16_products: bool) -> set[bool]:
         configs = triton_matmul._one_row_candidates(packed, group, group > 0, float16_products)
@@ -152,7 +153,7 @@ def test_one_row_reads_4bit_codes_as_words_only_where_they_are_whole_words(monke
     into its storage, or rows strided by an odd number of bytes) take the tiled kernel instead, and
     all multiply right."""
     pytest.importorskip("triton")
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 
     n, k, group = 16, 64, 32
     gen = torch.Generator().manual_seed(7)
@@ -181,7 +182,7 @@ def test_one_row_4bit_codes_multiply_exactly_over_activations_large_and_tiny(x_s
     and below a model's; below 2**-30 each errs by at most 2**-54. One group a row (group 0, a
     scale per channel) takes the same products."""
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequant_matmul
+    from pagellm.ops.triton.matmul import dequant_matmul
 
     n, k = 16, 128
     gen = torch.Generator().manual_seed(11)
@@ -205,9 +206,9 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     programmatic dependent launch, x written by a kernel that lets it start early (the tile-ahead
     tiles read weights before waiting for it)."""
     pytest.importorskip("triton")
-    from pagellm.ops import triton_norm
-    from pagellm.ops.triton_utils import pdl
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import norm as triton_norm
+    from pagellm.ops.triton.utils import pdl
+    from pagellm.ops.triton import matmul as triton_matmul
 
     n, k, group, block_k = 40, 224, 32, 64  # four tiles of K, the last half empty; three of N, one partial
     gen = torch.Generator().manual_seed(5)
@@ -276,7 +277,7 @@ def test_one_row_float16_run_ptx_pairs_each_code_with_its_own_input() -> None:
     (y_0, y_4), (y_1, y_5), (y_2, y_6), (y_3, y_7), the odd ones divided by 16, sum to 2**-24 times
     the sum of code times input: every code met its own input (a swapped pair or word would not)."""
     triton = pytest.importorskip("triton")  # noqa: F841
-    from pagellm.quantization.triton_matmul import _run_ptx
+    from pagellm.ops.triton.matmul import _run_ptx
 
     rng = np.random.default_rng(3)
     for _ in range(20):
@@ -297,7 +298,7 @@ def _float16_tile_case(layout: str, x: torch.Tensor, n: int, gen: torch.Generato
     kernel's weight arguments on device (words, scales, zero points, offsets), its layout constants,
     and the float64 product with the dequantized weight and its bound sum |c s x|. Layouts: groups of
     128 or 32 with zero points, GPTQ's symmetric 8, offsets (GGUF), a scale per channel, one group a row."""
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 
     k = x.shape[1]
     group = {"g128_zeros": 128, "g32_zeros": 32, "g128_symmetric": 128, "g32_offsets": 32, "channel": 0,
@@ -336,7 +337,7 @@ def test_one_row_float16_tiles_hand_each_word_its_inputs(monkeypatch, layout: st
     multiple of a run, one group a row, and K not a multiple of the tile (a word or run paired with
     another's inputs, a wrong scale, or a lost tail would not pass)."""
     triton = pytest.importorskip("triton")
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 
     import ptx_models
 
@@ -364,7 +365,7 @@ def test_one_row_4bit_float16_tiles_match_float64(layout: str, inputs: str) -> N
     overflowing), and one input a thousand times the rest; groups of 128 and 32 with zero points,
     a constant zero point (GPTQ's symmetric 8), offsets (GGUF), a scale per channel with K not a
     multiple of a run, one group a row; N not a multiple of the tiles, nor K of most."""
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 
     n, k = 4104, 4360 if layout == "channel" else 4352
     gen = torch.Generator().manual_seed(len(layout) + len(inputs))
@@ -394,7 +395,7 @@ def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monke
     remembered; a shape no candidate compiles for is an error that names it."""
     import triton
 
-    from pagellm.quantization import one_row_tiles
+    from pagellm.ops.triton import one_row_tiles
 
     configs = [triton.Config({"BLOCK_N": n}) for n in (2, 4, 8, 16)]
     cost = {2: 9.0, 4: 5.0, 8: 7.0}  # BLOCK_N 16 does not fit the GPU
@@ -436,7 +437,7 @@ def test_dense_one_row_kernel_matches_torch(dtype: torch.dtype) -> None:
     """A dense weight's one-row product (offered against cuBLAS at batch-1 decode) sums in float32
     over K tiles and N rows that do not divide evenly; a weight strided by columns is refused."""
     pytest.importorskip("triton")
-    from pagellm.quantization.dense_one_row import dense_gemv
+    from pagellm.ops.triton.dense_one_row import dense_gemv
 
     n, k = 40, 200
     gen = torch.Generator().manual_seed(3)
@@ -455,8 +456,9 @@ def test_dense_one_row_steps_take_the_product_timed_faster_at_start_up(monkeypat
     """At one row the unquantized method takes the one-row kernel where start-up timed it faster
     than cuBLAS; a shape first met later keeps cuBLAS (nothing is timed while serving). Either
     way the product agrees with cuBLAS's."""
-    from pagellm.models.layers.linear import ColumnParallelLinear
-    from pagellm.quantization import dense_one_row, one_row_tiles
+    from pagellm.layers.linear import ColumnParallelLinear
+    from pagellm.ops.triton import dense_one_row
+    from pagellm.ops.triton import one_row_tiles
 
     monkeypatch.setattr(dense_one_row, "_FASTER", {})
     used: list[int] = []
@@ -485,7 +487,7 @@ def test_dequantize_kernel_gives_the_layouts_weights(group: int) -> None:
     points per group (or per channel), 8-bit codes with a scale per channel; groups that tiles
     hold whole (32), that hold a tile (128, the channel), or neither (96)."""
     pytest.importorskip("triton")
-    from pagellm.quantization.triton_matmul import dequantize_weight
+    from pagellm.ops.triton.matmul import dequantize_weight
 
     n, k = (4096, 4608 + 32) if ON_GPU else (40, 384 + 32)  # K not a multiple of the tiles' 128
     if k % (group or k):
@@ -511,9 +513,9 @@ def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model
     hf.save_pretrained(tmp_path)
     model, _ = _load(str(tmp_path))
     ids = list(range(3, 43))
-    before = log_probs(model, ids, CPU)
+    before = log_probs(model, ids)
     pairs = [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
-    inputs = smoothing.layer_inputs(model, [linear for _, linear in pairs], ids)
+    inputs = smoothing.layer_inputs(model, [linear for _, linear in pairs], Calibration(ids, prompt_hidden_states))
     assert set(inputs) == {linear for _, linear in pairs} and all(x.shape == (40, 64) for x in inputs.values())
     maxima = {linear: x.abs().amax(dim=0) for linear, x in inputs.items()}
     norm, qkv = pairs[0]
@@ -522,7 +524,7 @@ def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model
         smoothing.fold(norm_, linear, smoothing.scale(maxima[linear] * torch.linspace(0.1, 50, 64), linear.weight,
                                                       smoothing.ALPHA))
     assert not torch.allclose(norm.weight, weights[0]) and not torch.allclose(qkv.weight, weights[1])
-    torch.testing.assert_close(log_probs(model, ids, CPU), before, atol=1e-4, rtol=0)
+    torch.testing.assert_close(log_probs(model, ids), before, atol=1e-4, rtol=0)
 
 
 def test_clipping_keeps_per_group_the_range_whose_rounding_errs_least(tmp_path, monkeypatch) -> None:
@@ -542,9 +544,10 @@ def test_clipping_keeps_per_group_the_range_whose_rounding_errs_least(tmp_path, 
     ids = list(range(3, 83))
     layers = [linear for layer in model.decoder_layers() for linear in layer.clippable()]
     qkv = [layer.self_attn.qkv_proj.weight.clone() for layer in model.decoder_layers()]
-    inputs = smoothing.layer_inputs(model, layers, ids)
+    calibration = Calibration(ids, prompt_hidden_states)
+    inputs = smoothing.layer_inputs(model, layers, calibration)
     before = {linear: linear.weight.clone() for linear in layers}
-    assert smoothing.clip(model, ids, _rtn_values, _rtn_group) == len(layers) == 6
+    assert smoothing.clip(model, calibration, _rtn_values, _rtn_group) == len(layers) == 6
     clipped = 0
     for linear in layers:
         w0, n, k = before[linear], *before[linear].shape
@@ -580,11 +583,11 @@ def test_rtn_clips_at_load_and_comes_closer_to_the_dense_model(smollm2_path, mon
 
     cfg = EngineArgs(model=smollm2_path, device="cpu", dtype="float32").create_engine_config()
     text = resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8")
-    ids = load_tokenizer(cfg.source).encode(text)[:200]
-    dense = log_probs(_load(smollm2_path)[0], ids, CPU)
+    ids = load_tokenizer(cfg.model.source).encode(text)[:200]
+    dense = log_probs(_load(smollm2_path)[0], ids)
 
     def kl() -> float:
-        lp = log_probs(_load(smollm2_path, quantization="rtn")[0], ids, CPU)
+        lp = log_probs(_load(smollm2_path, quantization="rtn")[0], ids)
         return (dense.exp() * (dense - lp)).sum(dim=-1).mean().item()
 
     clipped = kl()
@@ -605,12 +608,12 @@ def test_calibrated_scales_bring_the_quantized_model_closer_to_the_dense_one(smo
 
     cfg = EngineArgs(model=smollm2_path, device="cpu", dtype="float32").create_engine_config()
     text = resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8")
-    ids = load_tokenizer(cfg.source).encode(text)[:200]
+    ids = load_tokenizer(cfg.model.source).encode(text)[:200]
     assert len(ids) > SMALL_BATCH_ROWS  # int8: 8-bit activations
-    dense = log_probs(_load(smollm2_path)[0], ids, CPU)
+    dense = log_probs(_load(smollm2_path)[0], ids)
 
     def kl() -> float:
-        lp = log_probs(_load(smollm2_path, quantization=method)[0], ids, CPU)
+        lp = log_probs(_load(smollm2_path, quantization=method)[0], ids)
         return (dense.exp() * (dense - lp)).sum(dim=-1).mean().item()
 
     calibrated = kl()
@@ -625,18 +628,18 @@ def test_calibration_stays_within_the_models_positions(smollm2_path) -> None:
     it has (beyond them the rotary table has no row: NaN weights, or an IndexError)."""
     config = EngineArgs(model=smollm2_path, device="cpu", dtype="float32", quantization="int8",
                         attention_backend="torch").create_engine_config()
-    config.source.arch.max_position_embeddings = 48
-    model = build_model(config.source, config.quantization, config.dtype, CPU, "torch", 0)
-    dense = build_model(config.source, None, config.dtype, CPU, "torch", 0)
+    config.model.source.arch.max_position_embeddings = 48
+    model = build_model(config.model.source, config.model.quantization, config.model.dtype, CPU, "torch", 0)
+    dense = build_model(config.model.source, None, config.model.dtype, CPU, "torch", 0)
     norm = model.model.layers[0].input_layernorm.weight
     assert bool(norm.isfinite().all()) and not torch.equal(norm, dense.model.layers[0].input_layernorm.weight)
-    assert bool(log_probs(model, list(range(100, 140)), CPU).isfinite().all())
+    assert bool(log_probs(model, list(range(100, 140))).isfinite().all())
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter rounds to float8 wrongly where a carry changes the exponent")
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantize_rows_kernel_matches_torch(dtype: torch.dtype) -> None:
-    from pagellm.quantization.triton_matmul import quantize_rows
+    from pagellm.ops.triton.matmul import quantize_rows
 
     x = torch.randn(300, 14336, device=DEVICE) * torch.logspace(-3, 3, 300, device=DEVICE)[:, None]
     x[7] = 0  # an all-zero row keeps a positive scale
@@ -918,7 +921,7 @@ def test_packed_parameters_shard_across_ranks() -> None:
     """GPTQ's int32 words hold 8 values along K (qweight) or N (qzeros): rank 1 of 2 takes its half
     of both, and of the per-group scales, for column- and row-parallel layers."""
     from pagellm.distributed import init_tensor_parallel
-    from pagellm.models.layers import MergedColumnParallelLinear, RowParallelLinear
+    from pagellm.layers import MergedColumnParallelLinear, RowParallelLinear
     from pagellm.quantization.int4 import Int4Format, Int4LinearMethod
 
     init_tensor_parallel(rank=1, world_size=2)
@@ -951,8 +954,8 @@ def test_gptq_row_parallel_rank_loads_and_dequantizes_its_slice() -> None:
     """Rank 1 of 2 of a row-parallel GPTQ layer: its g_idx slice numbers groups from its first one
     (not act order), and a rank holding a single group is not a per-channel layer."""
     from pagellm.distributed import init_tensor_parallel
-    from pagellm.models.layers import RowParallelLinear
-    from pagellm.quantization.base import process_weights_after_loading
+    from pagellm.layers import RowParallelLinear
+    from pagellm.layers.linear_method import process_weights_after_loading
     from pagellm.quantization.int4 import Int4Format, Int4LinearMethod
 
     rng = np.random.default_rng(0)
@@ -989,7 +992,7 @@ def test_fp8_kv_cache_holds_more_blocks_and_keeps_the_greedy_start(smollm2_path)
     for kv in ("auto", "fp8"):
         llm = LLM(smollm2_path, device="cpu", dtype="float32", quantization="none", kv_cache_memory_bytes=32 << 20,
                   max_model_len=256, kv_cache_dtype=kv)
-        runs[kv] = (llm.llm_engine.engine_core.num_blocks, llm.llm_engine.config.attention_backend,
+        runs[kv] = (llm.llm_engine.engine_core.num_blocks, llm.llm_engine.config.model.attention_backend,
                     llm.generate(prompts, params, use_tqdm=False))
         del llm
     # float32 entries -> 1 byte: four times the blocks in the same bytes (each count rounded down)
@@ -1025,7 +1028,7 @@ def test_checkpoint_kv_scales_reach_the_layers(tmp_path) -> None:
     for dtype in (torch.float32, torch.float8_e4m3fn):
         for name, model in (("plain", plain), ("scaled", scaled)):
             bind_window_cache(model, 64, dtype, CPU)
-            results[name, dtype] = log_probs(model, ids, CPU)
+            results[name, dtype] = log_probs(model, ids)
     assert torch.equal(results["scaled", torch.float32], results["plain", torch.float32])
     fp8 = results["scaled", torch.float8_e4m3fn]
     assert not torch.allclose(fp8, results["plain", torch.float8_e4m3fn], atol=1e-6, rtol=0)
@@ -1109,11 +1112,11 @@ def test_eval_through_a_bound_cache_matches_attention_within_the_window(tmp_path
     hf.save_pretrained(tmp_path)
     model, _ = _load(str(tmp_path))
     ids = torch.randint(TINY["vocab_size"], (37,), generator=torch.Generator().manual_seed(1)).tolist()
-    within = log_probs(model, ids, CPU)
+    within = log_probs(model, ids)
     bind_window_cache(model, 64, torch.float32, CPU)
-    torch.testing.assert_close(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)
+    torch.testing.assert_close(log_probs(model, ids), within, atol=1e-5, rtol=0)
     bind_window_cache(model, 64, torch.float8_e4m3fn, CPU)
-    assert not torch.allclose(log_probs(model, ids, CPU), within, atol=1e-5, rtol=0)
+    assert not torch.allclose(log_probs(model, ids), within, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("half", [False, True])

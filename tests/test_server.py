@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from pagellm import LLM, SamplingParams
-from pagellm.entrypoints.cli import main
+from pagellm.cli import main
 from pagellm.entrypoints.openai.api_server import load_chat_template
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagellm.sampling_params import RequestOutputKind

@@ -10,7 +10,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from pagellm import LLM, SamplingParams
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.stats import IterationStats

@@ -14,7 +14,7 @@ import torch
 import xgrammar as xgr
 
 from pagellm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.reasoning import REASONING_PARSERS
 from pagellm.structured_output import GrammarError
 from pagellm.structured_output.bitmask import apply_token_bitmask

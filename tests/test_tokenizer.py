@@ -8,7 +8,7 @@ import pytest
 from tokenizers import processors
 
 from pagellm.loader import ModelSource, resolve_model
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 from pagellm.tokenizer import Tokenizer, load_tokenizer
 from pagellm.tokenizer.gguf_tokenizer import build_gguf_tokenizer
 

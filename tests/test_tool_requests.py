@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from pagellm.entrypoints.cli import build_parser
+from pagellm.cli import build_parser
 from pagellm.entrypoints.openai.constraints import one_constraint, request_constraints
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from pagellm.models.layers.rotary import RotaryEmbedding
+from pagellm.layers.rotary import RotaryEmbedding
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata, KVCache
 from pagellm.attention.torch_backend import TorchAttentionBackend
-from pagellm.ops import cpu_ops
+from pagellm.ops.c import cpu_ops
 
 
 class CPUAttentionBackend(TorchAttentionBackend):

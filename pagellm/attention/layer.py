@@ -1,15 +1,11 @@
 """The attention module a model layer holds: head geometry, a backend, and its KV cache slot."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-
-if TYPE_CHECKING:
-    from pagellm.models.layers.rotary import RotaryEmbedding
+from pagellm.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):

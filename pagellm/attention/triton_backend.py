@@ -2,15 +2,12 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
-from pagellm.attention.triton_kernels import paged_attention, rotary_write_kv, write_kv
-
-if TYPE_CHECKING:
-    from pagellm.models.layers.rotary import RotaryEmbedding
+from pagellm.layers.rotary import RotaryEmbedding
+from pagellm.ops.triton.attention import paged_attention, rotary_write_kv, write_kv
 
 MAX_SPLITS = 16
 """Most ranges a decode's context is split into (flash-decoding)."""
@@ -73,8 +70,6 @@ class TritonAttentionBackend(AttentionBackend):
 def _fusable(rotary_type: type) -> bool:
     """Whether a rotary module rotates as `RotaryEmbedding` does (rotate-half by its
     `cos_sin_cache`), which is the rotation the fused kernel applies."""
-    from pagellm.models.layers.rotary import RotaryEmbedding  # noqa: PLC0415 (the models import attention)
-
     return rotary_type.forward is RotaryEmbedding.forward
 
 

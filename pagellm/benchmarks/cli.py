@@ -7,8 +7,9 @@ from collections.abc import Callable
 
 from pagellm.benchmarks.datasets import DATASETS
 from pagellm.benchmarks.serve_client import ENDPOINTS
-from pagellm.dtype_sizes import KV_CACHE_DTYPES
-from pagellm.entrypoints.cli_args import (
+from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.arg_types import (
     existing_file,
     fraction,
     non_negative_float,
@@ -26,9 +27,8 @@ PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memor
 """The engine flags that change how the KV cache is sized."""
 
 
-def add_bench_parser(sub: argparse._SubParsersAction,
-                     add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Register `bench` and its subcommands; every engine flag comes from `add_engine_args`."""
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    """Register `bench` and its subcommands."""
     bench = sub.add_parser("bench", help="benchmarks: offline throughput and latency, serving load tests and sweeps")
     # No dest: a missing benchmark is then reported by its choices, not by an attribute name.
     kinds = bench.add_subparsers(required=True)
@@ -39,7 +39,7 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                                               "ignored. --seed also seeds the prompts.")
     _add_common_args(throughput)
     add_dataset_args(throughput)
-    add_engine_args(throughput)
+    EngineArgs.add_cli_args(throughput)
     set_handler(throughput, _throughput)
 
     latency = kinds.add_parser("latency", formatter_class=_FORMATTER,
@@ -56,7 +56,7 @@ def add_bench_parser(sub: argparse._SubParsersAction,
                          help="output tokens per request, at least 2 (a time per output token needs two)")
     latency.add_argument("--num-iters-warmup", type=non_negative_int, default=2, help="untimed batches per batch size")
     latency.add_argument("--num-iters", type=positive_int, default=5, help="timed batches per batch size")
-    add_engine_args(latency)
+    EngineArgs.add_cli_args(latency)
     set_handler(latency, _latency)
 
     serve = kinds.add_parser("serve", formatter_class=_FORMATTER,
@@ -168,10 +168,8 @@ def _latency(ns: argparse.Namespace) -> int:
     return run_cli(ns)
 
 
-def add_plan_parser(sub: argparse._SubParsersAction,
-                    add_engine_args: Callable[..., None]) -> None:
-    """Register `plan`: the memory ledger of a model, settings and workload; the engine flags it shares
-    with `serve` come from `add_engine_args`."""
+def register_plan(sub: argparse._SubParsersAction) -> None:
+    """Register `plan`: the memory ledger of a model, settings and workload."""
     plan = sub.add_parser(
         "plan", formatter_class=_FORMATTER, help="capacity planning: the memory ledger and how many sequences fit",
         description="The memory ledger of one engine rank, as the engine will size it: weights, activation peak, "
@@ -197,7 +195,7 @@ def add_plan_parser(sub: argparse._SubParsersAction,
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
                            "--kv-cache-dtype stores them")
-    add_engine_args(plan, names=PLAN_ENGINE_ARGS)
+    EngineArgs.add_cli_args(plan, names=PLAN_ENGINE_ARGS)
     plan.add_argument("--input-len", type=positive_int, default=1024, help="typical prompt tokens per request")
     plan.add_argument("--output-len", type=positive_int, default=128, help="typical output tokens per request")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")

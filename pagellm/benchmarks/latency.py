@@ -17,17 +17,17 @@ from tqdm.auto import tqdm
 from pagellm.benchmarks.datasets import random_requests
 from pagellm.benchmarks.results import format_table, run_metadata, summarize, write_json
 from pagellm.benchmarks.runner import engine_summary, run_requests
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.llm import LLM
 
 
 def run_cli(ns: argparse.Namespace) -> int:
     """`pagellm bench latency`: print a table per batch size; with --output-json also write it."""
-    from pagellm.entrypoints.cli import engine_args_from
 
     # The other counts are checked as the command line is parsed.
     if ns.output_len < 2:
         raise ValueError(f"--output-len must be >= 2 (a time per output token needs two tokens), got {ns.output_len}")
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     metadata = run_metadata()
     llm = LLM(**dataclasses.asdict(args))
     results = [measure_latency(llm, b, ns.input_len, ns.output_len, ns.num_iters, ns.num_iters_warmup, args.seed,
@@ -51,7 +51,7 @@ def measure_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, 
     engine = llm.llm_engine
     batches = num_iters_warmup + num_iters
     # Seeded by the batch size too: no two batch sizes of one run share prompts (or cache blocks).
-    requests = random_requests(batch_size * batches, input_len, output_len, engine.config.source.arch.vocab_size,
+    requests = random_requests(batch_size * batches, input_len, output_len, engine.config.model.source.arch.vocab_size,
                                seed=seed + batch_size)
     e2e, gaps, ttft = [], [], []
     for i in tqdm(range(batches), desc=f"batch size {batch_size}", disable=not progress, dynamic_ncols=True):

@@ -23,8 +23,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagellm.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
+from pagellm.config.arch import ModelArchConfig
 
 SAMPLER_BYTES_PER_LOGIT = 40
 """Measured on an H200: 40.0 bytes per (sequence x vocabulary entry) between 256, 384 and 1024 sequences."""
@@ -193,13 +193,8 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
     import torch
 
     from pagellm.attention import get_attn_backend
+    from pagellm.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from pagellm.models import get_model_class
-    from pagellm.models.layers import (
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
     from pagellm.quantization.gguf import GGUFConfig, kept_weight_bytes
 
     linear_layers = (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)

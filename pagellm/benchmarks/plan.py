@@ -10,7 +10,7 @@ from typing import Any
 
 from pagellm.benchmarks.memory import Ledger, PlanSpec, compute_ledger
 from pagellm.benchmarks.results import format_table
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 
 _GiB = 1 << 30
 
@@ -44,9 +44,9 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
     the engine would resolve them (a GGUF file's blocks kept where the engine keeps them)."""
     import torch
 
-    from pagellm.config import EngineArgs, EngineConfig, default_max_num_batched_tokens, resolve_dtype
-
     from pagellm.benchmarks.cli import PLAN_ENGINE_ARGS
+    from pagellm.config import EngineConfig
+    from pagellm.engine.arg_utils import EngineArgs, default_max_num_batched_tokens, resolve_dtype
 
     # The engine's own checks, with its messages (which name the flag).
     EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_ARGS}).validate()

@@ -13,8 +13,8 @@ import platform
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 
 
 @dataclass(frozen=True, slots=True)

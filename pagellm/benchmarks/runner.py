@@ -59,17 +59,17 @@ def engine_summary(llm: LLM) -> dict[str, Any]:
     config = llm.llm_engine.config
     core = llm.llm_engine.engine_core
     return {
-        "model": config.source.path,
-        "load_format": config.source.load_format,
+        "model": config.model.source.path,
+        "load_format": config.model.source.load_format,
         "device": str(config.device),
-        "dtype": str(config.dtype).removeprefix("torch."),
-        "attention_backend": config.attention_backend,
-        "enforce_eager": getattr(config.args, "enforce_eager", None),
-        "max_model_len": config.max_model_len,
-        "max_num_seqs": config.args.max_num_seqs,
-        "max_num_batched_tokens": config.max_num_batched_tokens,
-        "block_size": config.args.block_size,
-        "enable_prefix_caching": config.args.enable_prefix_caching,
+        "dtype": str(config.model.dtype).removeprefix("torch."),
+        "attention_backend": config.model.attention_backend,
+        "enforce_eager": config.model.enforce_eager,
+        "max_model_len": config.model.max_model_len,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "block_size": config.cache.block_size,
+        "enable_prefix_caching": config.cache.enable_prefix_caching,
         "num_kv_blocks": core.num_blocks,
     }
 

@@ -18,13 +18,7 @@ from urllib.parse import urlparse
 
 from pagellm.benchmarks.datasets import dataset_requests
 from pagellm.benchmarks.results import run_metadata, write_json
-from pagellm.benchmarks.serve_client import (
-    ENDPOINTS,
-    arrival_gaps,
-    fill_missing_counts,
-    request_payload,
-    run_load,
-)
+from pagellm.benchmarks.serve_client import ENDPOINTS, arrival_gaps, fill_missing_counts, request_payload, run_load
 from pagellm.benchmarks.serve_metrics import format_summary, parse_goodput, summarize
 
 _PREFLIGHT_TIMEOUT_S = 10.0

@@ -24,7 +24,7 @@ class ServerProcess:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *([model] if model else []),
+        self.command = [sys.executable, "-m", "pagellm.cli", "serve", *([model] if model else []),
                         "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._startup_timeout_s = startup_timeout_s
         self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-sweep-", suffix=".log")

@@ -14,6 +14,7 @@ from typing import Any
 from pagellm.benchmarks.datasets import BenchRequest, dataset_requests, random_requests
 from pagellm.benchmarks.results import run_metadata, write_json
 from pagellm.benchmarks.runner import RunResult, engine_summary, run_requests
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.llm import LLM
 
 _WARMUP = {"num": 2, "input_len": 16, "output_len": 4}
@@ -23,10 +24,9 @@ _WARMUP_SEED = -1
 
 def run_cli(ns: argparse.Namespace) -> int:
     """`pagellm bench throughput`: print the numbers; with --output-json also write them."""
-    from pagellm.entrypoints.cli import engine_args_from
     from pagellm.loader import resolve_model
 
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     requests, dataset = dataset_requests(ns.dataset, ns.num_prompts, resolve_model(args.model, args.load_format),
                                          args.seed, ns.input_len, ns.output_len, ns.random_range_ratio,
                                          ns.dataset_path, prefix_len=ns.prefix_len, num_prefixes=ns.num_prefixes)
@@ -53,7 +53,7 @@ def measure_throughput(llm: LLM, requests: list[BenchRequest], deadline: float |
     the timed run (a benchmark starting its own records)."""
     engine = llm.llm_engine
     warmup = random_requests(_WARMUP["num"], _WARMUP["input_len"], _WARMUP["output_len"],
-                             engine.config.source.arch.vocab_size, _WARMUP_SEED)
+                             engine.config.model.source.arch.vocab_size, _WARMUP_SEED)
     run_requests(engine, warmup)
     if before_timed is not None:
         before_timed()

@@ -4,14 +4,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pagellm.core.hashing import BlockHash, extend_block_hashes
+from pagellm.core.interfaces import Grammar
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagellm.structured_output.manager import RequestGrammar
 
 
 def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
@@ -75,7 +72,7 @@ class Request:
     pooling_params: PoolingParams | None = None
     """Set for a pooling-runner request (embeddings): it runs its prompt once and samples nothing.
     Its `sampling_params` are then inert defaults."""
-    grammar: "RequestGrammar | None" = None
+    grammar: Grammar | None = None
     """The matcher of a request with structured output, set by the scheduler when it arrives."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens scheduled after its last token by the step in flight (speculative decoding)."""

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagellm.core.interfaces import DraftProposer, GrammarCompiler
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.outputs import (
     CachedRequestData,
@@ -26,10 +27,9 @@ from pagellm.core.outputs import (
     SpecDecodeStats,
 )
 from pagellm.core.request import Request, RequestStatus, check_prompt_fits
-from pagellm.spec_decode import NgramProposer, SpeculativeConfig
 
 if TYPE_CHECKING:
-    from pagellm.structured_output.manager import GrammarManager
+    from pagellm.config.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,14 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
-                 grammars: "GrammarManager | None" = None, speculative: SpeculativeConfig | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, speculative: SpeculativeConfig | None = None,
+                 proposer: DraftProposer | None = None) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
         token before it is scheduled again (no placeholders), and the scheduler output carries it.
         `grammars`: compiles and matches structured-output requests (None: they are refused).
-        `speculative`: propose draft tokens for decoding requests (None: no speculation)."""
+        `speculative`: propose draft tokens for decoding requests (None: no speculation), with
+        `proposer` beside the scheduler, or (None) from the workers' proposals (`propose_drafts`)."""
         self.limits = limits
         self.grammars = grammars
         self.rejected: list[tuple[str, str]] = []
@@ -85,8 +87,8 @@ class Scheduler:
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
         self.speculative = speculative
-        self.ngram = NgramProposer(speculative) if speculative is not None and speculative.method == "ngram" else None
-        self.lookahead = speculative.num_speculative_tokens if speculative is not None and self.ngram is None else 0
+        self.proposer = proposer
+        self.lookahead = speculative.num_speculative_tokens if speculative is not None and proposer is None else 0
         """Slots kept free after a request's scheduled tokens for the draft model's own guesses
         (`DraftModelProposer`): it runs k - 1 positions past the tokens it proposes from."""
         self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
@@ -127,8 +129,8 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
-        if self.ngram is not None:
-            self.ngram.forget(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self._num_history_requests -= request.sampling_params.reads_output_history
         if request.grammar is not None:
             self._num_grammar_requests -= 1
@@ -298,9 +300,9 @@ class Scheduler:
         # The step yields the accepted drafts and one token more: all must fit.
         room = min(request.max_tokens - request.num_output_tokens,
                    self.limits.max_model_len - request.num_tokens, budget) - 1
-        if self.ngram is None:  # the draft model proposed when this request's last token came back
+        if self.proposer is None:  # the workers proposed when this request's last token came back
             return proposal[:max(room, 0)]
-        return self.ngram.propose(request.all_token_ids, room, request.request_id)
+        return self.proposer.propose(request.all_token_ids, room, request.request_id)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed or ran out of time is

@@ -14,11 +14,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import torch
 import zmq
 import zmq.asyncio
 
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineConfig
 from pagellm.core.outputs import SchedulerStats, SpecDecodeStats, merge_step_outputs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import CoreClient
 from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S
 from pagellm.engine.dp_router import DataParallelRouter
@@ -45,12 +47,12 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
                  stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S) -> None:
         """`stall_timeout_s`: how long one engine step may run before the engine counts as dead
         (None: never; a core that stops heartbeating or exits is dead regardless)."""
-        self.config: EngineConfig = args.create_engine_config()
-        self.tokenizer: Tokenizer | None = load_tokenizer(self.config.source)
+        self.config = config
+        self.tokenizer: Tokenizer | None = load_tokenizer(self.config.model.source)
         self.processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, pooling=self.config.is_pooling)
         self.stat_loggers = list(stat_loggers or [])
@@ -65,10 +67,10 @@ class AsyncLLM:
         self._ctx = zmq.asyncio.Context()
         self._cores: list[CoreClient] = []
         num_replicas = self.config.parallel.data_parallel_size
-        self.router = DataParallelRouter(num_replicas, args.block_size)
+        self.router = DataParallelRouter(num_replicas, self.config.cache.block_size)
         try:
             for index in range(num_replicas):
-                self._cores.append(CoreClient(_replica_args(args, self.config, index), index, self._ctx,
+                self._cores.append(CoreClient(_replica_config(self.config, index), index, self._ctx,
                                               stall_timeout_s))
             for core in self._cores:
                 core.wait_until_ready()
@@ -79,7 +81,7 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
                          stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S) -> "AsyncLLM":
-        return cls(args, stat_loggers, stall_timeout_s)
+        return cls(args.create_engine_config(), stat_loggers, stall_timeout_s)
 
     @property
     def engine_pids(self) -> list[int]:
@@ -292,15 +294,18 @@ class AsyncLLM:
         self._ctx.term()
 
 
-def _replica_args(args: EngineArgs, config: EngineConfig, index: int) -> EngineArgs:
-    """Replica `index`'s engine arguments: one replica of its own (the API process checked that all
-    of them fit), on CUDA the next `world_size` GPUs after the previous replica's, on the CPU its
-    share of the default KV-cache memory."""
+def _replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """Replica `index`'s configuration: one replica of its own (the API process checked that all of
+    them fit), on CUDA the next `world_size` GPUs after the previous replica's, on the CPU its share
+    of the default KV-cache memory."""
     parallel = config.parallel
-    replica = dataclasses.replace(args, data_parallel_size=1)
+    replica = dataclasses.replace(config, parallel=dataclasses.replace(parallel, data_parallel_size=1))
     if config.device.type == "cuda":
-        replica.device = f"cuda:{config.device.index + index * parallel.world_size}"
-    elif args.kv_cache_memory_bytes is None:
+        return dataclasses.replace(
+            replica, device=torch.device("cuda", config.device.index + index * parallel.world_size))
+    if config.cache.kv_cache_memory_bytes is None:
         num_ranks = parallel.world_size * parallel.data_parallel_size
-        replica.kv_cache_memory_bytes = config.default_cpu_kv_cache_bytes() // num_ranks
+        cache = dataclasses.replace(config.cache,
+                                    kv_cache_memory_bytes=config.default_cpu_kv_cache_bytes() // num_ranks)
+        return dataclasses.replace(replica, cache=cache)
     return replica

@@ -4,13 +4,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, SpeculativeConfig
+from pagellm.core.interfaces import DraftProposer
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
+from pagellm.spec_decode import NgramProposer
 from pagellm.structured_output.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
@@ -25,19 +27,18 @@ class EngineCore:
         self.executor = create_executor(config)
         try:
             num_blocks = self.executor.determine_num_blocks()
-            args = config.args
             if num_blocks < 1:
                 raise ValueError(_no_kv_block_error(config))
             # Validates that max_model_len fits before the cache is allocated.
             limits = SchedulerLimits(
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=config.max_model_len,
-                block_size=args.block_size,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                max_num_seqs=config.scheduler.max_num_seqs,
+                max_model_len=config.model.max_model_len,
+                block_size=config.cache.block_size,
                 num_blocks=num_blocks,
                 # A cached prefix's hidden states are never computed, and MEAN/CLS pooling needs
                 # them (vLLM's pooling runner turns prefix caching off too).
-                enable_prefix_caching=args.enable_prefix_caching and not config.is_pooling,
+                enable_prefix_caching=config.cache.enable_prefix_caching and not config.is_pooling,
             )
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
@@ -48,15 +49,16 @@ class EngineCore:
         # sends tokens and requests wait for theirs (no placeholders). Pooling requests sample
         # nothing: one waits for its pooled result and is never scheduled past its prompt.
         self.grammars = None if config.is_pooling else GrammarManager(
-            config.source, config.source.arch.vocab_size, args.structured_outputs_compile_timeout, args.reasoning_parser)
+            config.model.source, config.model.source.arch.vocab_size, config.structured_outputs.compile_timeout_s,
+            config.structured_outputs.reasoning_parser)
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
-                                   grammars=self.grammars, speculative=config.speculative)
+                                   grammars=self.grammars, speculative=config.speculative,
+                                   proposer=_host_proposer(config.speculative))
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
         # scheduled for a pooling request (its last step yields a vector, not a token).
-        overlap = args.async_scheduling if args.async_scheduling is not None else config.device.type == "cuda"
-        self.overlap = overlap and not pipelined and not config.is_pooling
+        self.overlap = config.scheduler.async_scheduling and not pipelined and not config.is_pooling
         self._in_flight: deque[StepFuture] = deque()
         self._heap = HeapTrimmer()
         # An engine holds no reference cycles, so dropping it still frees it.
@@ -126,11 +128,18 @@ class EngineCore:
         self.executor.shutdown()
 
 
+def _host_proposer(speculative: SpeculativeConfig | None) -> DraftProposer | None:
+    """The proposer that runs beside the scheduler (n-gram); None where the workers propose."""
+    if speculative is not None and speculative.method == "ngram":
+        return NgramProposer(speculative)
+    return None
+
+
 def _no_kv_block_error(config: EngineConfig) -> str:
     """Why the KV cache got no block, naming the flags that size it."""
-    args = config.args
-    given = f" above {args.kv_cache_memory_bytes}" if args.kv_cache_memory_bytes is not None else ""
+    cache = config.cache
+    given = f" above {cache.kv_cache_memory_bytes}" if cache.kv_cache_memory_bytes is not None else ""
     gpu = (" or gpu_memory_utilization (--gpu-memory-utilization)"
-           if config.device.type == "cuda" and args.kv_cache_memory_bytes is None else "")
-    return (f"the KV cache's memory holds no block of {args.block_size} tokens (keys and values of every layer): "
+           if config.device.type == "cuda" and cache.kv_cache_memory_bytes is None else "")
+    return (f"the KV cache's memory holds no block of {cache.block_size} tokens (keys and values of every layer): "
             f"raise kv_cache_memory_bytes (--kv-cache-memory-bytes){given}{gpu}")

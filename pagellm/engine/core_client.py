@@ -14,7 +14,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from pagellm.config import EngineArgs
+from pagellm.config import EngineConfig
 from pagellm.core.outputs import SchedulerStats
 from pagellm.engine.core_proc import run_engine_core
 from pagellm.engine.liveness import LivenessMonitor
@@ -29,7 +29,7 @@ STARTUP_TIMEOUT_S = 600.0
 class CoreClient:
     """Engine-core process number `index`, started by the constructor; `wait_until_ready` next."""
 
-    def __init__(self, args: EngineArgs, index: int, ctx: zmq.asyncio.Context,
+    def __init__(self, config: EngineConfig, index: int, ctx: zmq.asyncio.Context,
                  stall_timeout_s: float | None) -> None:
         self.index = index
         self.liveness = LivenessMonitor(stall_timeout_s)
@@ -52,7 +52,7 @@ class CoreClient:
         self.heartbeats.bind(heartbeat_address)
         # spawn, not fork: the child must not inherit this process's threads or CUDA state.
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(args, input_address, output_address, heartbeat_address),
+            target=run_engine_core, args=(config, input_address, output_address, heartbeat_address),
             name=f"pagellm-engine-core-{index}", daemon=True)
         self.process.start()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from pagellm.config import EngineArgs
+from pagellm.config import EngineConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.engine.core import EngineCore
 from pagellm.engine.wire import (
@@ -44,7 +44,7 @@ class _Progress:
     num_steps: int = 0
 
 
-def run_engine_core(args: EngineArgs, input_address: str, output_address: str, heartbeat_address: str) -> None:
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, heartbeat_address: str) -> None:
     """Process entry point: build the engine, report readiness, then loop until told to stop."""
     # The API process owns Ctrl-C and SIGTERM handling; it tells the core to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -56,7 +56,7 @@ def run_engine_core(args: EngineArgs, input_address: str, output_address: str, h
     outputs.connect(output_address)
     try:
         try:
-            core = EngineCore(args.create_engine_config())
+            core = EngineCore(config)
         except ValueError as e:  # a bad setting: its message says which flag to change, a traceback nothing more
             logger.error("engine core failed to start: %s", e)
             outputs.send(encoder.encode(StartupFailed(str(e), bad_setting=True)))

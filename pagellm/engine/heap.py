@@ -17,7 +17,6 @@ import ctypes.util
 import time
 from collections.abc import Callable
 
-
 TRIM_INTERVAL_S = 2.0
 
 

@@ -5,8 +5,9 @@ import itertools
 import logging
 import time
 
-from pagellm.config import EngineArgs, EngineConfig
+from pagellm.config import EngineConfig
 from pagellm.core.outputs import SchedulerStats
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
@@ -22,7 +23,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        self.tokenizer: Tokenizer | None = load_tokenizer(config.source)
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.model.source)
         self.processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer, pooling=config.is_pooling)
         self.engine_core = EngineCore(config)

@@ -24,10 +24,10 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.generation_config = config.source.generation_config
-        self.vocab_size = config.source.arch.vocab_size
+        self.generation_config = config.model.source.generation_config
+        self.vocab_size = config.model.source.arch.vocab_size
         self.eos_token_ids = frozenset(_eos_ids(config, tokenizer))
-        self.grammar_checker = GrammarChecker(config.args.structured_outputs_max_bytes)
+        self.grammar_checker = GrammarChecker(config.structured_outputs.max_bytes)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text if any, prompt token ids)."""
@@ -71,13 +71,13 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]  # the end of a prompt matters most
         self._validate_prompt(token_ids)
-        check_prompt_fits(len(token_ids), self.config.max_model_len)
+        check_prompt_fits(len(token_ids), self.config.model.max_model_len)
         params = params.apply_model_defaults(self.generation_config)
         self._validate_token_features(params)
         self.check_structured_outputs(params)
         params._bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         # Generation also stops at max_model_len.
-        room = self.config.max_model_len - len(token_ids)
+        room = self.config.model.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
             request_id=request_id,
@@ -94,20 +94,20 @@ class InputProcessor:
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
         self._validate_prompt(token_ids)
-        check_prompt_fits(len(token_ids), self.config.max_model_len)
-        hidden_size = self.config.source.arch.hidden_size
+        check_prompt_fits(len(token_ids), self.config.model.max_model_len)
+        hidden_size = self.config.model.source.arch.hidden_size
         if params.dimensions is not None and params.dimensions != hidden_size:
             raise ValueError(f"dimensions must be the model's hidden size ({hidden_size}) or left out: this model "
                              f"was not trained for shorter (Matryoshka) embeddings, got {params.dimensions}")
         if params.normalize is None:
-            params = dataclasses.replace(params, normalize=self.config.pooler.normalize)
+            params = dataclasses.replace(params, normalize=self.config.model.pooler.normalize)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=_POOLING_SAMPLING_PARAMS,
                           eos_token_ids=frozenset(), max_tokens=0, pooling_params=params)
         return request, text
 
     def _validate_token_features(self, params: SamplingParams) -> None:
         """Limits that depend on the model and the engine, which SamplingParams cannot know."""
-        limit = self.config.args.max_logprobs
+        limit = self.config.model.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > limit:
@@ -153,8 +153,8 @@ class InputProcessor:
 
 
 def _eos_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:
-    ids = set(config.source.arch.eos_token_ids)
-    eos = config.source.generation_config.get("eos_token_id")
+    ids = set(config.model.source.arch.eos_token_ids)
+    eos = config.model.source.generation_config.get("eos_token_id")
     if isinstance(eos, int):
         ids.add(eos)
     elif isinstance(eos, list):

@@ -66,7 +66,7 @@ def beam_search(engine: LLMEngine, prompts: list[list[int]], params: BeamSearchP
     width = params.beam_width
     # As transformers: keep enough candidates that `width` survive even if some hit EOS.
     num_candidates = max(2, 1 + len(eos_token_ids)) * width
-    max_logprobs = engine.config.args.max_logprobs
+    max_logprobs = engine.config.model.max_logprobs
     if num_candidates > max_logprobs:
         raise ValueError(f"beam_width {width} needs {num_candidates} logprobs per step but max_logprobs is "
                          f"{max_logprobs}: lower beam_width or raise max_logprobs")

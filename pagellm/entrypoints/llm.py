@@ -7,10 +7,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagellm.config import EngineArgs
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.processor import PromptType
+from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams

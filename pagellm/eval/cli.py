@@ -4,14 +4,22 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from pagellm.entrypoints.cli_args import existing_file, int_at_least, output_file, positive_int, set_handler
-from pagellm.quantization import QUANTIZATION_METHODS
+from pagellm.benchmarks.datasets import load_sharegpt_pairs, sharegpt_path
+from pagellm.benchmarks.results import format_table, run_metadata, write_json
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.arg_types import existing_file, int_at_least, output_file, positive_int, set_handler
+from pagellm.eval.quality import bind_window_cache, evaluate, windows
+from pagellm.layers.linear import _ParallelLinear
+from pagellm.loader import resolve_model
+from pagellm.quantization import QUANTIZATION_METHODS, checkpoint_quantization
+from pagellm.tokenizer.tokenizer import load_tokenizer
+from pagellm.worker.loading import build_model
 
 EVAL_ENGINE_ARGS = ("load_format", "dtype", "device", "attention_backend", "seed", "kv_cache_dtype")
 """The engine flags that decide how a model is built (the rest is about serving)."""
@@ -21,7 +29,7 @@ SHAREGPT_MIN_CHARS = 400
 """Its answers are at least this long (not one-line replies)."""
 
 
-def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[..., None]) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser(
         "eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="quality of quantized weights: perplexity, top-1 agreement and KL divergence against a reference",
@@ -49,21 +57,11 @@ def add_eval_parser(sub: argparse._SubParsersAction, add_engine_args: Callable[.
     ev.add_argument("--max-tokens", type=positive_int, default=None, help="evaluate at most this many tokens")
     ev.add_argument("--output-json", type=output_file, default=None, help="also write the results (with hardware, command, "
                                                         "commit) to this JSON file")
-    add_engine_args(ev, names=EVAL_ENGINE_ARGS)
+    EngineArgs.add_cli_args(ev, names=EVAL_ENGINE_ARGS)
     set_handler(ev, run_cli)
 
 
 def run_cli(ns: argparse.Namespace) -> int:
-    from tqdm import tqdm  # noqa: PLC0415
-
-    from pagellm.benchmarks.results import format_table, run_metadata, write_json  # noqa: PLC0415
-    from pagellm.config import EngineArgs  # noqa: PLC0415
-    from pagellm.eval.quality import bind_window_cache, evaluate, windows  # noqa: PLC0415
-    from pagellm.loader import resolve_model  # noqa: PLC0415
-    from pagellm.quantization import checkpoint_quantization  # noqa: PLC0415
-    from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
-    from pagellm.worker.loading import build_model  # noqa: PLC0415
-
     for method in ns.quantization or ():
         if method not in QUANTIZATION_METHODS:
             raise ValueError(f"--quantization: {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
@@ -86,13 +84,13 @@ def run_cli(ns: argparse.Namespace) -> int:
                 raise
             raise ValueError(f"--reference {ns.reference}: {e}") from None
     first = configs[(reference, "auto")]
-    tokenizer = load_tokenizer(first.source)
+    tokenizer = load_tokenizer(first.model.source)
     if tokenizer is None:
         raise ValueError("eval needs the model's tokenizer, and a dummy preset has none: pass a model directory "
                          "with tokenizer.json or a GGUF file")
-    if ns.context > first.source.arch.max_position_embeddings:
+    if ns.context > first.model.source.arch.max_position_embeddings:
         raise ValueError(f"--context {ns.context} exceeds the model's max_position_embeddings "
-                         f"({first.source.arch.max_position_embeddings})")
+                         f"({first.model.source.arch.max_position_embeddings})")
     if ns.text is None:
         text = resources.files("pagellm.eval").joinpath("sample.txt").read_text(encoding="utf-8")
     elif ns.text == "sharegpt":
@@ -113,10 +111,10 @@ def run_cli(ns: argparse.Namespace) -> int:
         label = _label(method, config)
         # Loading (and calibrating, for the methods that quantize at load) takes seconds to minutes.
         print(f"loading {label} ({i + 1}/{len(configs)})", file=sys.stderr, flush=True)
-        models[label] = build_model(config.source, config.quantization, config.dtype, config.device,
-                                    config.attention_backend, ns.seed)
-        if config.kv_cache_dtype != config.dtype:
-            bind_window_cache(models[label], ns.context, config.kv_cache_dtype, config.device)
+        models[label] = build_model(config.model.source, config.model.quantization, config.model.dtype, config.device,
+                                    config.model.attention_backend, ns.seed)
+        if config.cache.kv_cache_dtype != config.model.dtype:
+            bind_window_cache(models[label], ns.context, config.cache.kv_cache_dtype, config.device)
         load_s[label] = time.perf_counter() - start
         weight_bytes[label] = _linear_weight_bytes(models[label])
     reference_label = _label(reference, first)
@@ -131,11 +129,11 @@ def run_cli(ns: argparse.Namespace) -> int:
     print(format_table(["method", "linear weights MiB", "perplexity", "vs reference", "top-1 agreement",
                         "mean KL"], rows, left=[0]))
     print(f"{total} tokens predicted in windows of {ns.context}, reference {reference_label}, "
-          f"{first.device}, {first.dtype}")
+          f"{first.device}, {first.model.dtype}")
     if ns.output_json:
         payload: dict[str, Any] = {
             "metadata": run_metadata(),
-            "model": first.source.path, "device": str(first.device), "dtype": str(first.dtype),
+            "model": first.model.source.path, "device": str(first.device), "dtype": str(first.model.dtype),
             "context": ns.context, "tokens": total, "text": ns.text or "built-in sample", "reference": reference_label,
             "results": {label: {"perplexity": r.perplexity, "perplexity_vs_reference": r.perplexity / ref_ppl,
                                 "top1_agreement": r.top1_agreement, "mean_kl": r.mean_kl,
@@ -153,8 +151,6 @@ def _text_source(value: str) -> str:
 def sharegpt_text() -> str:
     """The `--text sharegpt` text: a larger one than the sample, for differences of a fraction of
     a percent in perplexity."""
-    from pagellm.benchmarks.datasets import load_sharegpt_pairs, sharegpt_path  # noqa: PLC0415
-
     answers, size = [], 0
     for _, answer in load_sharegpt_pairs(sharegpt_path()):
         if size >= SHAREGPT_CHARS:
@@ -167,14 +163,12 @@ def sharegpt_text() -> str:
 
 def _label(method: str, config) -> str:
     """A row's name: the method (for none the dtype the weights are in), and a float8 KV cache."""
-    name = str(config.dtype).removeprefix("torch.") if config.quantization is None else method
-    return name + (", fp8 KV" if config.kv_cache_dtype != config.dtype else "")
+    name = str(config.model.dtype).removeprefix("torch.") if config.model.quantization is None else method
+    return name + (", fp8 KV" if config.cache.kv_cache_dtype != config.model.dtype else "")
 
 
 def _linear_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes the linear layers' weights take (scales, zero points included; not the embedding, the
     LM head or the norms, which every method keeps the same)."""
-    from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415
-
     return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, _ParallelLinear)
                for name, p in m.named_parameters() if name != "bias")

@@ -12,12 +12,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
-from pagellm.worker.batch import attention_layout, padded_block_table
-from pagellm.worker.loading import bind_kv_cache
+from pagellm.worker.loading import bind_kv_cache, prompt_hidden_states
 
 _LOGIT_ROWS = 256
 """Rows of logits computed at once (a window's full-vocabulary float32 logits can be large)."""
@@ -63,25 +61,14 @@ def bind_window_cache(model: nn.Module, context: int, dtype: torch.dtype, device
 
 
 @torch.inference_mode()
-def log_probs(model: nn.Module, ids: list[int], device: torch.device) -> torch.Tensor:
+def log_probs(model: nn.Module, ids: list[int]) -> torch.Tensor:
     """float32 log-softmax of `model`'s next-token logits at every position of `ids` but the last
     ([len(ids) - 1, vocab]): one prompt from position 0, through the model's KV cache if one is
     bound (`bind_window_cache`)."""
     n = len(ids)
-    hidden = hidden_states(model, ids, device)[: n - 1]
+    hidden = prompt_hidden_states(model, ids)[: n - 1]
     return torch.cat([torch.log_softmax(model.compute_logits(hidden[i:i + _LOGIT_ROWS]).float(), dim=-1)
                       for i in range(0, n - 1, _LOGIT_ROWS)])
-
-
-@torch.inference_mode()
-def hidden_states(model: nn.Module, ids: list[int], device: torch.device) -> torch.Tensor:
-    """`model`'s last hidden states [len(ids), hidden] for one prompt from position 0 (through its KV
-    cache if one is bound)."""
-    n = len(ids)
-    # Without a bound cache the backends attend within the batch and ignore the slots.
-    layout = attention_layout(padded_block_table([list(range(-(-n // _BLOCK_SIZE)))]), np.zeros(1, dtype=np.int64),
-                              np.array([n], dtype=np.int64), _BLOCK_SIZE, device)
-    return model(torch.tensor(ids, dtype=torch.int64, device=device), layout.positions, layout.attn_metadata)
 
 
 def evaluate(models: dict[str, nn.Module], reference: str, token_ids: list[int], context: int,
@@ -91,10 +78,10 @@ def evaluate(models: dict[str, nn.Module], reference: str, token_ids: list[int],
     results = {name: QualityResult() for name in models}
     for window in windows(token_ids, context):
         targets = torch.tensor(window[1:], device=device)
-        ref = log_probs(models[reference], window, device)
+        ref = log_probs(models[reference], window)
         ref_top1 = ref.argmax(dim=-1)
         for name, model in models.items():
-            lp = ref if name == reference else log_probs(model, window, device)
+            lp = ref if name == reference else log_probs(model, window)
             r = results[name]
             r.tokens += len(targets)
             r.nll_sum -= lp.gather(1, targets[:, None]).sum().item()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pagellm.loader.gguf_file import GGUFFile, GGUFTensorInfo
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 
 # general.architecture -> (HF architecture, HF model_type).
 _GGUF_ARCHITECTURES = {

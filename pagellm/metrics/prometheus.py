@@ -1,8 +1,7 @@
 """Prometheus metrics under the names vLLM users already chart, with the `pagellm:` prefix."""
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
 from pagellm.metrics.log_stats import CumulativeDelta

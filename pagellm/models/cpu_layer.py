@@ -1,4 +1,4 @@
-"""A Llama-family decoder layer as one C call on the CPU (`pagellm/ops/cpu_layer.c`).
+"""A Llama-family decoder layer as one C call on the CPU (`pagellm/ops/c/cpu_layer.c`).
 
 On a CPU decode step the Python between a layer's kernels (module calls, dispatch, allocation,
 ctypes) cost about as much as its matrix products. After the KV cache is bound, the worker fuses
@@ -19,7 +19,8 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed import parallel_state
-from pagellm.ops import cpu_ops, native
+from pagellm.ops.c import build as native
+from pagellm.ops.c import cpu_ops
 from pagellm.quantization.gguf import GGUFLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -63,13 +64,13 @@ class _StepPlan:
 
 def why_not_fused(layer: nn.Module) -> str | None:
     """Why `layer` (a decoder layer, KV cache bound) keeps its modules; None: it can be fused."""
-    from pagellm.models.llama import LlamaAttention, LlamaDecoderLayer  # noqa: PLC0415 (llama imports this)
-
-    if not isinstance(layer, LlamaDecoderLayer):
+    blocker = getattr(layer, "cpu_fusion_blocker", None)
+    if blocker is None:
         return f"{type(layer).__name__} is not a Llama decoder layer"
+    reason = blocker()
+    if reason is not None:
+        return reason
     attn = layer.self_attn
-    if type(attn).normalize_qk is not LlamaAttention.normalize_qk:
-        return f"{type(attn).__name__} changes q/k before the rotary embedding"
     if parallel_state().tp_size != 1:
         return "tensor parallelism sums the row-parallel projections across ranks"
     if attn.attn.backend.name != "cpu" or attn.attn.kv_cache is None:

@@ -10,9 +10,7 @@ from torch import nn
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.layer import Attention
 from pagellm.distributed import parallel_state
-from pagellm.model_arch import ModelArchConfig
-from pagellm.models.cpu_layer import FusedDecoderLayer
-from pagellm.models.layers import (
+from pagellm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -22,6 +20,8 @@ from pagellm.models.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from pagellm.config.arch import ModelArchConfig
+from pagellm.models.cpu_layer import FusedDecoderLayer
 
 # (Hugging Face name part, fused parameter name part, shard id for its weight_loader)
 _STACKED_PARAMS = (
@@ -121,6 +121,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused: FusedDecoderLayer | None = None
         """The whole layer as one C call, set by the worker on the CPU where it applies (cpu_layer.py)."""
+
+    def cpu_fusion_blocker(self) -> str | None:
+        """Why this layer's graph is not the one the fused C layer computes (`cpu_layer`); None: it is."""
+        if type(self.self_attn).normalize_qk is not LlamaAttention.normalize_qk:
+            return f"{type(self.self_attn).__name__} changes q/k before the rotary embedding"
+        return None
 
     def smoothable(self) -> list[tuple[RMSNorm, nn.Module]]:
         """(norm, linear layer that reads only its output) pairs: a per-channel scale divided out of

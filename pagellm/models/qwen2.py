@@ -1,7 +1,7 @@
 """Qwen2: Llama with a bias on the q/k/v projections."""
 from __future__ import annotations
 
-from pagellm.model_arch import ModelArchConfig
+from pagellm.config.arch import ModelArchConfig
 from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
 
 

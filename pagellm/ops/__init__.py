@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, impl: Impl | Non
     """x [..., N] / rms(x) * weight [N], normalised in float32 and cast back before the weight."""
     chosen = resolve_impl(x, impl)
     if chosen == "triton":
-        from pagellm.ops import triton_norm
+        from pagellm.ops.triton import norm as triton_norm
 
         return triton_norm.rms_norm(x, weight, eps)
     return _cpu_or_torch(chosen).rms_norm(x, weight, eps)
@@ -34,7 +34,7 @@ def fused_add_rms_norm(
     """(rms_norm(x + residual), x + residual): the next block's input and its residual stream."""
     chosen = resolve_impl(x, impl)
     if chosen == "triton":
-        from pagellm.ops import triton_norm
+        from pagellm.ops.triton import norm as triton_norm
 
         return triton_norm.fused_add_rms_norm(x, residual, weight, eps)
     return _cpu_or_torch(chosen).fused_add_rms_norm(x, residual, weight, eps)
@@ -44,7 +44,7 @@ def silu_and_mul(x: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
     """x [..., 2d] (gate, up) -> silu(gate) * up [..., d]."""
     chosen = resolve_impl(x, impl)
     if chosen == "triton":
-        from pagellm.ops import triton_activation
+        from pagellm.ops.triton import activation as triton_activation
 
         return triton_activation.silu_and_mul(x)
     return _cpu_or_torch(chosen).silu_and_mul(x)
@@ -54,7 +54,7 @@ def argmax(x: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
     """x [R, V] -> int64 [R]: each row's index of its largest value (the first, NaN the largest),
     as `x.argmax(dim=-1)`."""
     if resolve_impl(x, impl) == "triton":
-        from pagellm.ops import triton_argmax
+        from pagellm.ops.triton import argmax as triton_argmax
 
         return triton_argmax.argmax(x)
     return x.argmax(dim=-1)
@@ -70,7 +70,7 @@ def rotary_embedding(
     """Rotate-half rotary embedding: positions [T], query [T, H, D], key [T, Hkv, D] -> new (query, key)."""
     chosen = resolve_impl(query, impl)
     if chosen == "triton":
-        from pagellm.ops import triton_rotary
+        from pagellm.ops.triton import rotary as triton_rotary
 
         return triton_rotary.rotary_embedding(positions, query, key, cos_sin_cache)
     return _cpu_or_torch(chosen).rotary_embedding(positions, query, key, cos_sin_cache)
@@ -79,7 +79,7 @@ def rotary_embedding(
 def _cpu_or_torch(impl: Impl):
     """The module of a non-Triton implementation."""
     if impl == "cpu":
-        from pagellm.ops import cpu_ops
+        from pagellm.ops.c import cpu_ops
 
         return cpu_ops
     return torch_ops

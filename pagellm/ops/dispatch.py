@@ -75,6 +75,6 @@ def resolve_impl(x: torch.Tensor, impl: Impl | None) -> Impl:
 
 def cpu_kernels_available() -> bool:
     """Whether the C kernels build and load here (imported late: building them runs the compiler)."""
-    from pagellm.ops import cpu_ops  # noqa: PLC0415
+    from pagellm.ops.c import cpu_ops  # noqa: PLC0415
 
     return cpu_ops.available()

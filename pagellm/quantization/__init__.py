@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pagellm.quantization.base import FLAG as _FLAG
-from pagellm.quantization.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from pagellm.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "gptq", "awq", "rtn
 _FROM_CHECKPOINT_ONLY = ("compressed-tensors", "gptq", "awq")
 """Methods whose weights a checkpoint must already hold (the others quantize a dense model at load)."""
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "UnquantizedLinearMethod",
+__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig",
            "build_quant_config", "checkpoint_quantization", "compressed_tensors_weights", "resolve_quantization"]
 
 
@@ -101,7 +101,7 @@ def _resolve_gguf(requested: str | None, load_format: str, model_path: str, devi
             return None
         raise ValueError(f"{flag} 'gguf' on {device} needs Triton, which cannot be imported here; make "
                          "it 'none'")
-    from pagellm.quantization import ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
+    from pagellm.ops.c import ggml as ggml_cpu  # noqa: PLC0415 (builds the kernels on first use)
 
     reason = ggml_cpu.unavailable_reason()
     if reason is None:

@@ -13,60 +13,33 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagellm.ops.dispatch import resolve_impl
+from pagellm.distributed import get_tp_world_size
+from pagellm.layers.linear import RowParallelLinear, _ParallelLinear
+from pagellm.layers.linear_method import LinearMethod
 
 FLAG = "quantization (--quantization)"
 """How errors name the flag (and LLM(...)'s keyword)."""
-QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
-"""The largest magnitude of each 8-bit type (what a row's largest value is scaled to)."""
 
 
-class LinearMethod(ABC):
-    """How one linear layer stores and multiplies its weight (the layer's `quant_method`)."""
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """A prompt the loaded model runs over while a method that quantizes at load measures its
+    layers' inputs. The worker provides it: it tokenizes and lays out batches, the methods cannot."""
 
-    @abstractmethod
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
-        """Register this rank's weight parameter(s) on `layer` ([output_size, input_size] logically),
-        each with `weight_loader = layer.weight_loader`."""
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Turn the loaded parameters into what `apply` reads (no-op by default)."""
-
-    @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [T, input_size] -> x W^T + bias [T, output_size], in x's dtype."""
-
-    @abstractmethod
-    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [T] of W (a vocabulary table) -> [T, input_size] in the model's dtype."""
+    token_ids: list[int]
+    forward: Callable[[nn.Module, list[int]], object]
+    """Runs a model over one prompt from position 0 (what it returns is not used)."""
 
 
-class UnquantizedLinearMethod(LinearMethod):
-    """A dense weight in the model's dtype, multiplied with `F.linear`, or at one row on a GPU
-    with the one-row kernel where start-up timed it faster (`dense_one_row`)."""
-
-    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
-        # Device and dtype come from the caller's `torch.device(...)` context and default dtype.
-        layer.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        layer.weight.weight_loader = layer.weight_loader
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Batch-1 decode on a GPU only; other steps pay one comparison here.
-        if x.shape[0] == 1 and x.dim() == 2 and bias is None and x.is_cuda and resolve_impl(x, None) == "triton":
-            from pagellm.quantization import dense_one_row  # noqa: PLC0415 (Triton is optional)
-
-            if dense_one_row.dense_gemv_is_faster(x, layer.weight):
-                return dense_one_row.dense_gemv(x, layer.weight)
-        return F.linear(x, layer.weight, bias)
-
-    def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, layer.weight)
+CalibrationSource = Callable[[str], "Calibration | None"]
+"""A calibration text -> its prompt for the model being loaded, or None (after a warning saying why)
+where the model cannot be calibrated: a pipeline stage holds part of it, or it has no tokenizer."""
 
 
 class QuantizationConfig(ABC):
@@ -79,9 +52,9 @@ class QuantizationConfig(ABC):
         """Give the layers this config quantizes their methods (before loading); returns the
         checkpoint tensor names whose weights the loader must hand over as stored."""
 
-    def prepare_weights(self, model: nn.Module, source) -> None:
-        """Work on the loaded model (`source`: its ModelSource) before the methods process their
-        weights; nothing by default."""
+    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
+        """Work on the loaded model before the methods process their weights (a method that
+        quantizes at load calibrates here); nothing by default."""
 
 
 class LinearLayersConfig(QuantizationConfig):
@@ -102,8 +75,6 @@ class LinearLayersConfig(QuantizationConfig):
         return self.method_cls(self.fmt)
 
     def apply(self, model: nn.Module) -> set[str]:
-        from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415 (layers import this package)
-
         for prefix, module in model.named_modules():
             if isinstance(module, _ParallelLinear) and not self._is_ignored(model.checkpoint_names(f"{prefix}.weight")):
                 module.set_quant_method(self.method())
@@ -127,9 +98,6 @@ def _matches(pattern: str, module: str) -> bool:
 def per_channel_loader(layer: nn.Module):
     """A weight loader for a per-output-channel scale [N] that also takes a checkpoint's per-tensor
     scalar (every row of that tensor gets it: a fused layer keeps each part's own) or [N, 1]."""
-
-    from pagellm.distributed import get_tp_world_size  # noqa: PLC0415
-    from pagellm.models.layers.linear import RowParallelLinear  # noqa: PLC0415 (layers import this package)
 
     # As long as the checkpoint's tensor would be: a row-parallel layer's outputs are whole.
     full_rows = 1 if isinstance(layer, RowParallelLinear) else get_tp_world_size()
@@ -156,11 +124,3 @@ def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> No
     delattr(layer, name)
     if value is not None:
         setattr(layer, name, nn.Parameter(value, requires_grad=False))
-
-
-def process_weights_after_loading(modules: Iterable[nn.Module]) -> None:
-    """Let every module's method finish its weights (after `load_weights`)."""
-    for module in modules:
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)

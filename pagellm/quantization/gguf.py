@@ -17,11 +17,17 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagellm.quantization import ggml_cpu, gguf_blocks
-from pagellm.quantization.base import LinearMethod, QuantizationConfig
+from pagellm.ops.c import ggml as ggml_cpu
+from pagellm.quantization import gguf_blocks
+from pagellm.layers.embedding import VocabParallelEmbedding
+from pagellm.layers.linear import _ParallelLinear
+from pagellm.layers.linear_method import LinearMethod
+from pagellm.loader.gguf_file import GGUFFile
+from pagellm.loader.gguf_loader import hf_tensor_name
+from pagellm.quantization.base import QuantizationConfig
 
 try:  # the GPU's kernel
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 except ImportError:
     triton_matmul = None
 
@@ -145,16 +151,10 @@ class GGUFConfig(QuantizationConfig):
 
     @classmethod
     def from_file(cls, path: str) -> "GGUFConfig":
-        from pagellm.loader.gguf_file import GGUFFile  # noqa: PLC0415 (the loader imports the layers)
-        from pagellm.loader.gguf_loader import hf_tensor_name  # noqa: PLC0415
-
         with GGUFFile(path) as gguf:
             return cls({hf_tensor_name(t.name): t.ggml_type for t in gguf.tensors})
 
     def apply(self, model: nn.Module) -> set[str]:
-        from pagellm.models.layers import VocabParallelEmbedding  # noqa: PLC0415 (layers import this package)
-        from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415
-
         on_gpu = next(model.parameters()).is_cuda
         kept: set[str] = set()
         methods: dict[int, nn.Module] = {}  # id(original weight) -> the module that re-created it (tied tables)
@@ -182,8 +182,6 @@ class GGUFConfig(QuantizationConfig):
         """The method of a layer (or vocabulary table) stacked from checkpoint tensors `names`, if
         the device's kernels take their block types (one type; on the GPU also one per fused part)
         and this rank's input features are whole blocks; else None (dequantized at load)."""
-        from pagellm.models.layers.linear import _ParallelLinear  # noqa: PLC0415 (layers import this package)
-
         kernel_types = tuple(gguf_blocks.BLOCKS) if on_gpu else CPU_TYPES
         types = [self.qtypes.get(name) for name in names]
         input_size = module.input_size if isinstance(module, _ParallelLinear) else module.embedding_dim

@@ -32,12 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed import get_tp_world_size
-from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization import smoothing
-from pagellm.quantization.base import LinearLayersConfig, LinearMethod, new_param, replace_param
+from pagellm.quantization.base import FLAG as _FLAG
+from pagellm.layers.linear import RowParallelLinear
+from pagellm.layers.linear_method import LinearMethod
+from pagellm.quantization.base import Calibration, CalibrationSource, LinearLayersConfig, new_param, replace_param
 
 try:  # the GPU's kernel; the CPU computes the products in PyTorch
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 except ImportError:
     triton_matmul = None
 
@@ -177,8 +179,6 @@ def _same_for_every_part(layer: nn.Module):
 def _check_shape(layer: nn.Module, input_size: int):
     """weight_shape's loader: the checkpoint's [N, K] must have this layer's K (whole, before any
     row-parallel split); nothing is kept."""
-    from pagellm.models.layers.linear import RowParallelLinear  # noqa: PLC0415 (layers import this package)
-
     full = input_size * (get_tp_world_size() if isinstance(layer, RowParallelLinear) else 1)
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -274,16 +274,16 @@ class Int4Config(LinearLayersConfig):
 
     method_cls = Int4LinearMethod
 
-    def prepare_weights(self, model: nn.Module, source) -> None:
+    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
         """rtn: activation-aware scales, then clipping, calibrated on the package's text (AWQ's
         searches: `smoothing.awq`, `smoothing.clip`)."""
         if self.fmt.kind == "rtn":
-            def searched(m: nn.Module, ids: list[int]) -> str:
-                scaled = smoothing.awq(m, ids, _rtn_values)
+            def searched(m: nn.Module, c: Calibration) -> str:
+                scaled = smoothing.awq(m, c, _rtn_values)
                 return f"activation-aware scales for {scaled} layers, clipping for " \
-                       f"{smoothing.clip(m, ids, _rtn_values, _rtn_group)}"
+                       f"{smoothing.clip(m, c, _rtn_values, _rtn_group)}"
 
-            smoothing.calibrate(model, source, self.name, searched)
+            smoothing.calibrate(model, calibration, self.name, searched)
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any], model_dtype: str | None = None) -> "Int4Config":

@@ -27,7 +27,8 @@ from importlib import resources
 import torch
 from torch import nn
 
-from pagellm.quantization.base import UnquantizedLinearMethod
+from pagellm.layers.linear_method import UnquantizedLinearMethod
+from pagellm.quantization.base import Calibration, CalibrationSource
 
 logger = logging.getLogger(__name__)
 
@@ -47,58 +48,40 @@ _MIN = 1e-5
 """Floor of the measured statistics: a channel never active in calibration is not divided by ~0."""
 
 
-def calibration_ids(model: nn.Module, source, method: str) -> list[int] | None:
-    """The calibration text's tokens for `model` (at most `CALIBRATION_TOKENS`, and no more than
-    its positions), or None with a warning where it cannot be calibrated: a pipeline stage holds
-    part of the model, or there is no tokenizer."""
-    from pagellm.distributed import parallel_state  # noqa: PLC0415
-    from pagellm.tokenizer.tokenizer import load_tokenizer  # noqa: PLC0415
-
-    if parallel_state().pp_size > 1:
-        logger.warning("%s: no calibration at load with pipeline parallelism (a stage holds part of the model); "
-                       "the weights are quantized without it", method)
-        return None
-    try:
-        tokenizer = load_tokenizer(source)
-    except ValueError:  # a folder without tokenizer.json (the engine may serve token ids alone)
-        tokenizer = None
-    if tokenizer is None:
-        logger.warning("%s: no tokenizer to calibrate with; the weights are quantized without calibration", method)
-        return None
+def calibrate(model: nn.Module, source: CalibrationSource, method: str,
+              search: Callable[[nn.Module, Calibration], str]) -> None:
+    """Run `search(model, calibration)` (`smooth`; `awq` and `clip` with the method's rounding) on
+    the package's calibration text (at most `CALIBRATION_TOKENS` of it) where the model can be
+    calibrated, and log the summary it returns."""
     text = resources.files("pagellm.quantization").joinpath("calibration.txt").read_text(encoding="utf-8")
-    return tokenizer.encode(text)[:min(CALIBRATION_TOKENS, source.arch.max_position_embeddings)]
-
-
-def calibrate(model: nn.Module, source, method: str, search: Callable[[nn.Module, list[int]], str]) -> None:
-    """Run `search(model, ids)` (`smooth`; `awq` and `clip` with the method's rounding) on the
-    calibration tokens where the model can be calibrated, and log the summary it returns."""
-    ids = calibration_ids(model, source, method)
-    if ids is None:
+    calibration = source(text)
+    if calibration is None:
         return
+    calibration = Calibration(calibration.token_ids[:CALIBRATION_TOKENS], calibration.forward)
     start = time.perf_counter()
-    summary = search(model, ids)
+    summary = search(model, calibration)
     logger.info("%s: %s, calibrated in %.2f s", method, summary, time.perf_counter() - start)
 
 
-def smooth(model: nn.Module, ids: list[int], alpha: float = ALPHA) -> int:
-    """SmoothQuant: measure the inputs of the smoothable layers on `ids` and fold their scales;
+def smooth(model: nn.Module, calibration: Calibration, alpha: float = ALPHA) -> int:
+    """SmoothQuant: measure the inputs of the smoothable layers on the calibration prompt and fold their scales;
     returns how many layers were smoothed (0: none, when a statistic or scale is not finite).
     Every tensor-parallel rank runs this alike (the forward's collectives keep them in step). A
     rank's scales depend on its own rows of the weight, so they differ between ranks; each folds
     its own into its own copy of the norm, whose output only its own rows read: exact again."""
     pairs = _pairs(model)
-    inputs = layer_inputs(model, [linear for _, linear in pairs], ids)
+    inputs = layer_inputs(model, [linear for _, linear in pairs], calibration)
     return _fold_all(pairs, [scale(inputs[linear].abs().amax(dim=0), linear.weight.data, alpha)
                              for _, linear in pairs])
 
 
-def awq(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+def awq(model: nn.Module, calibration: Calibration, fake_quantize: Callable[[torch.Tensor], torch.Tensor],
         grid: tuple[float, ...] = AWQ_GRID) -> int:
     """Activation-aware scaling for weights that `fake_quantize` ([N, K] float32 -> its quantized
     values) will round: per smoothable layer, the exponent of `grid` whose scales give the smallest
     error of the product on the calibration inputs is folded; returns how many layers were scaled."""
     pairs = _pairs(model)
-    inputs = layer_inputs(model, [linear for _, linear in pairs], ids)
+    inputs = layer_inputs(model, [linear for _, linear in pairs], calibration)
     scales = []
     for _, linear in pairs:
         x, weight = inputs[linear], linear.weight.data.float()
@@ -116,7 +99,7 @@ def awq(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor]
     return _fold_all(pairs, scales)
 
 
-def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+def clip(model: nn.Module, calibration: Calibration, fake_quantize: Callable[[torch.Tensor], torch.Tensor],
          group_of: Callable[[int], int], grid: tuple[float, ...] = CLIP_GRID) -> int:
     """AWQ's clipping search for weights that `fake_quantize` rounds in groups of `group_of(K)`
     inputs (the same groups), each to its own range [min, max]: per row and group of each
@@ -124,7 +107,7 @@ def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor
     errs least; the weights are clamped to it. Returns the layers searched. (AWQ clamps to
     +-r max|w|; with a zero point per group, as here, both ends of the range shrink by r instead.)"""
     layers = [linear for layer in model.decoder_layers() for linear in layer.clippable()]
-    inputs = layer_inputs(model, layers, ids)
+    inputs = layer_inputs(model, layers, calibration)
     if not all(bool(x.isfinite().all()) for x in inputs.values()):
         logger.warning("calibration gave non-finite activations; the weights are not clipped")
         return 0
@@ -154,11 +137,10 @@ def clip(model: nn.Module, ids: list[int], fake_quantize: Callable[[torch.Tensor
     return len(layers)
 
 
-def layer_inputs(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> dict[nn.Module, torch.Tensor]:
-    """Each of `layers`' inputs [tokens, K] (float32) over `ids`, every layer whose weight is still
-    dense multiplying it as such (the quantized methods have not processed the weights yet)."""
-    from pagellm.eval.quality import hidden_states  # noqa: PLC0415 (eval imports the worker, which imports us)
-
+def layer_inputs(model: nn.Module, layers: list[nn.Module], calibration: Calibration) -> dict[nn.Module, torch.Tensor]:
+    """Each of `layers`' inputs [tokens, K] (float32) over the calibration prompt, every layer whose
+    weight is still dense multiplying it as such (the quantized methods have not processed the
+    weights yet)."""
     inputs: dict[nn.Module, torch.Tensor] = {}
 
     def record(layer: nn.Module, args: tuple) -> None:
@@ -171,7 +153,7 @@ def layer_inputs(model: nn.Module, layers: list[nn.Module], ids: list[int]) -> d
     try:
         for module in methods:
             module.quant_method = dense
-        hidden_states(model, ids, next(model.parameters()).device)
+        calibration.forward(model, calibration.token_ids)
     finally:
         for module, method in methods.items():
             module.quant_method = method

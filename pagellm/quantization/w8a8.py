@@ -16,19 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.ops.numerics import QMAX
 from pagellm.quantization import smoothing
 from pagellm.quantization.base import FLAG as _FLAG
-from pagellm.quantization.base import (
-    QMAX,
-    LinearLayersConfig,
-    LinearMethod,
-    new_param,
-    per_channel_loader,
-    replace_param,
-)
+from pagellm.layers.linear_method import LinearMethod
+from pagellm.quantization.base import (CalibrationSource, LinearLayersConfig, new_param, per_channel_loader,
+                                      replace_param)
 
 try:  # the GPU's kernels; the CPU computes the products in PyTorch
-    from pagellm.quantization import triton_matmul
+    from pagellm.ops.triton import matmul as triton_matmul
 except ImportError:
     triton_matmul = None
 
@@ -159,11 +155,11 @@ class W8A8Config(LinearLayersConfig):
 
     method_cls = W8A8LinearMethod
 
-    def prepare_weights(self, model: nn.Module, source) -> None:
+    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
         """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text."""
         if self.fmt.online and self.fmt.quantize_activations:
-            smoothing.calibrate(model, source, self.name,
-                                lambda m, ids: f"SmoothQuant scales for {smoothing.smooth(m, ids)} layers")
+            smoothing.calibrate(model, calibration, self.name,
+                                lambda m, c: f"SmoothQuant scales for {smoothing.smooth(m, c)} layers")
 
     @classmethod
     def create(cls, method: str, qc: dict[str, Any]) -> "W8A8Config":

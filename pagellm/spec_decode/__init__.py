@@ -6,7 +6,7 @@ and keeps the longest prefix that verification accepts, plus one token of its ow
 (`pagellm.sample.rejection`), so greedy output is exactly what it would be without speculation
 and sampled output has the same distribution.
 """
-from pagellm.spec_decode.config import SpeculativeConfig
+from pagellm.config.speculative import SpeculativeConfig
 from pagellm.spec_decode.ngram import NgramProposer
 
 __all__ = ["NgramProposer", "SpeculativeConfig"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagellm.spec_decode.config import SpeculativeConfig
+from pagellm.config.speculative import SpeculativeConfig
 
 
 class NgramProposer:

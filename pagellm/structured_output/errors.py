@@ -1,7 +1,6 @@
 """The error of a structured-output spec that cannot be used (no xgrammar import here)."""
 from __future__ import annotations
 
-
 _PREFIX = "structured_outputs."
 
 

@@ -7,16 +7,24 @@ import math
 import mmap
 import time
 
+import numpy as np
 import torch
 
 from pagellm.attention import get_attn_backend
+from pagellm.distributed import parallel_state
+from pagellm.layers.linear_method import process_weights_after_loading
 from pagellm.loader import ModelSource, initialize_dummy_weights, iter_weights
 from pagellm.models import get_model_class
 from pagellm.models.cpu_layer import fuse_decoder_layers
 from pagellm.quantization import build_quant_config
-from pagellm.quantization.base import process_weights_after_loading
+from pagellm.quantization.base import Calibration, CalibrationSource
+from pagellm.tokenizer import load_tokenizer
+from pagellm.worker.batch import attention_layout, padded_block_table
 
 logger = logging.getLogger(__name__)
+
+_PROMPT_BLOCK_SIZE = 16
+"""The block size of `prompt_hidden_states`'s layout (its slots matter only with a bound cache)."""
 
 
 def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtype, device: torch.device,
@@ -42,7 +50,7 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
         if missing:
             raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
         if quant is not None:
-            quant.prepare_weights(model, source)
+            quant.prepare_weights(model, _calibration_source(source, quant.name))
     process_weights_after_loading(model.modules())
     for param in model.parameters():
         # The loaders are bound to their layers (param -> loader -> layer -> param): without them
@@ -52,6 +60,41 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
     logger.info("loaded %s (%s%s) in %.2f s", source.path, dtype,
                 f", {quant.name} weights" if quant is not None else "", time.perf_counter() - start)
     return model.eval()
+
+
+@torch.inference_mode()
+def prompt_hidden_states(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """`model`'s last hidden states [len(ids), hidden] for one prompt from position 0 (through its KV
+    cache if one is bound; without one the backends attend within the batch and ignore the slots)."""
+    device = next(model.parameters()).device
+    n = len(ids)
+    layout = attention_layout(padded_block_table([list(range(-(-n // _PROMPT_BLOCK_SIZE)))]),
+                              np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64), _PROMPT_BLOCK_SIZE, device)
+    return model(torch.tensor(ids, dtype=torch.int64, device=device), layout.positions, layout.attn_metadata)
+
+
+def _calibration_source(source: ModelSource, method: str) -> CalibrationSource:
+    """How `method` (quantizing at load) runs the model on a calibration text: the text's tokens, as
+    many as the model has positions, through `prompt_hidden_states`. None, with a warning, where a
+    pipeline stage holds part of the model or there is no tokenizer."""
+
+    def calibration(text: str) -> Calibration | None:
+        if parallel_state().pp_size > 1:
+            logger.warning("%s: no calibration at load with pipeline parallelism (a stage holds part of the "
+                           "model); the weights are quantized without it", method)
+            return None
+        try:
+            tokenizer = load_tokenizer(source)
+        except ValueError:  # a folder without tokenizer.json (the engine may serve token ids alone)
+            tokenizer = None
+        if tokenizer is None:
+            logger.warning("%s: no tokenizer to calibrate with; the weights are quantized without calibration",
+                           method)
+            return None
+        ids = tokenizer.encode(text)[:source.arch.max_position_embeddings]
+        return Calibration(ids, prompt_hidden_states)
+
+    return calibration
 
 
 def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:

@@ -17,9 +17,9 @@ from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection import verify
 from pagellm.sample.sampler import in_float32, sample
 from pagellm.sampling_params import SamplingParams
-from pagellm.spec_decode.draft_model import DraftModelProposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
 from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs
+from pagellm.worker.draft_model import DraftModelProposer
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -29,9 +29,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
-        self.dtype = config.dtype
-        self.arch = config.source.arch
-        self.block_size = config.args.block_size
+        self.dtype = config.model.dtype
+        self.arch = config.model.source.arch
+        self.block_size = config.cache.block_size
         self.ps = parallel_state()
         self.requests = RequestStates(self.block_size, self.device)
         self.model: torch.nn.Module | None = None
@@ -41,8 +41,8 @@ class ModelRunner:
         """Token ids sampled by the latest launched step, still on the device (each request's row
         in it: `RequestStates.sampled_row`)."""
         self._default_generator = torch.Generator(device=self.device)
-        self._default_generator.manual_seed(config.args.seed)
-        self.pooler = config.pooler
+        self._default_generator.manual_seed(config.model.seed)
+        self.pooler = config.model.pooler
         """The pooling runner's pooler (embeddings instead of sampling); None: generate."""
         self.drafter = DraftModelProposer(config) if config.draft is not None else None
         """Proposes draft tokens after each step (draft_model speculation); None otherwise."""
@@ -51,15 +51,15 @@ class ModelRunner:
 
     def load_model(self) -> None:
         config = self.config
-        self.model = build_model(config.source, config.quantization, self.dtype, self.device,
-                                 config.attention_backend, config.args.seed)
+        self.model = build_model(config.model.source, config.model.quantization, self.dtype, self.device,
+                                 config.model.attention_backend, config.model.seed)
         if self.drafter is not None:
             self.drafter.load()
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads,
         and the draft model's layers (draft_model speculation: a block holds both)."""
-        kv_dtype = self.config.kv_cache_dtype
+        kv_dtype = self.config.cache.kv_cache_dtype
         size = kv_bytes_per_block(self.model, self.block_size, kv_dtype)
         if self.drafter is not None:
             size += kv_bytes_per_block(self.drafter.model, self.block_size, kv_dtype)
@@ -80,8 +80,8 @@ class ModelRunner:
         """The largest step the scheduler can produce, run before the KV cache exists: a full
         token budget of fresh prompts, each sampling with top-k/top-p. Returns the sampled ids (on
         the last pipeline stage)."""
-        num_tokens = self.config.max_num_batched_tokens
-        num_seqs = min(self.config.args.max_num_seqs, num_tokens)
+        num_tokens = self.config.scheduler.max_num_batched_tokens
+        num_seqs = min(self.config.scheduler.max_num_seqs, num_tokens)
         # Spread the tokens over num_seqs prompts, as a full step of fresh prompts would be.
         lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
         lens[: num_tokens % num_seqs] += 1
@@ -111,7 +111,7 @@ class ModelRunner:
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.config.kv_cache_dtype,
+        self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.config.cache.kv_cache_dtype,
                                        self.device)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
@@ -119,18 +119,18 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
         the torch attention backend, which plans on the host)."""
-        if self.device.type != "cuda" or self.config.attention_backend != "triton" or self.ps.pp_size > 1:
+        if self.device.type != "cuda" or self.config.model.attention_backend != "triton" or self.ps.pp_size > 1:
             return
         self._compile_eager_steps()
-        if self.config.args.enforce_eager:
+        if self.config.model.enforce_eager:
             return
-        max_blocks = -(-self.config.max_model_len // self.block_size)
+        max_blocks = -(-self.config.model.max_model_len // self.block_size)
         spec = self.config.speculative
-        self.graphs = DecodeGraphs(self.model, self.config.args.max_num_seqs, max_blocks, self.device,
+        self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device,
                                    verify_len=1 + spec.num_speculative_tokens if spec is not None else 1)
         self.graphs.capture()
         if self.drafter is not None:
-            self.drafter.capture_cuda_graphs(self.config.args.max_num_seqs, max_blocks)
+            self.drafter.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_blocks)
 
     @torch.inference_mode()
     def _compile_eager_steps(self) -> None:
@@ -143,17 +143,17 @@ class ModelRunner:
         (with its logits) first times each dense weight's one-row product against cuBLAS
         (`dense_one_row`), and the one-row kernel's tiles for each weight shape (`one_row_tiles`),
         before the graphs capture the choices."""
-        from pagellm.attention.triton_kernels import LARGE_DECODE_PROGRAMS  # only with Triton
-        from pagellm.quantization.one_row_tiles import timing_one_row_products
+        from pagellm.ops.triton.attention import LARGE_DECODE_PROGRAMS  # only with Triton
+        from pagellm.ops.triton.one_row_tiles import timing_one_row_products
 
         num_kv_heads = self.kv_caches[0][0].shape[2]
-        max_num_seqs = self.config.args.max_num_seqs
+        max_num_seqs = self.config.scheduler.max_num_seqs
         shapes = [(1, 64), (1, 2), (-(-LARGE_DECODE_PROGRAMS // num_kv_heads), 2)]
-        if self.config.args.enforce_eager or max_num_seqs > MAX_CAPTURE_SIZE:
+        if self.config.model.enforce_eager or max_num_seqs > MAX_CAPTURE_SIZE:
             shapes.append((max_num_seqs, 1))
         with timing_one_row_products():
             for num_seqs, q in [(1, 1), *shapes]:
-                num_seqs = min(num_seqs, max(1, self.config.max_num_batched_tokens // q))
+                num_seqs = min(num_seqs, max(1, self.config.scheduler.max_num_batched_tokens // q))
                 blocks = np.zeros((num_seqs, -(-q // self.block_size)), dtype=np.int32)  # all block 0
                 grid = attention_layout(blocks, np.zeros(num_seqs, dtype=np.int64),
                                         np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)

@@ -52,12 +52,12 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit this rank's memory budget (or the explicit override)."""
-        args = self.config.args
-        if args.num_gpu_blocks_override is not None:
-            return args.num_gpu_blocks_override
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
         block_bytes = self.runner.kv_bytes_per_block()
-        if args.kv_cache_memory_bytes is not None:
-            budget = args.kv_cache_memory_bytes
+        if cache.kv_cache_memory_bytes is not None:
+            budget = cache.kv_cache_memory_bytes
         elif self.config.device.type == "cpu":
             # The CPU budget is for the whole replica: its ranks share one machine's memory (data-
             # parallel replicas get their share as kv_cache_memory_bytes).
@@ -65,7 +65,7 @@ class Worker:
         else:
             budget = self._gpu_kv_budget()
         num_blocks = budget // block_bytes
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, args.block_size,
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache.block_size,
                     num_blocks * block_bytes / _GiB)
         return num_blocks
 
@@ -75,13 +75,13 @@ class Worker:
         peak = self.runner.profile_peak_memory()
         free, total = torch.cuda.mem_get_info(self.config.device)
         not_torch = (total - free) - torch.cuda.memory_reserved(self.config.device)
-        budget = int(total * self.config.args.gpu_memory_utilization) - peak - not_torch
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - not_torch
         logger.info("GPU memory: total %.2f GiB, peak of a full step %.2f GiB, not PyTorch's %.2f GiB",
                     total / _GiB, peak / _GiB, not_torch / _GiB)
         if budget <= 0:
             raise ValueError(
                 f"no GPU memory is left for the KV cache: gpu_memory_utilization "
-                f"{self.config.args.gpu_memory_utilization} allows {total * self.config.args.gpu_memory_utilization / _GiB:.2f} GiB "
+                f"{self.config.cache.gpu_memory_utilization} allows {total * self.config.cache.gpu_memory_utilization / _GiB:.2f} GiB "
                 f"but weights and activations peak at {peak / _GiB:.2f} GiB and {not_torch / _GiB:.2f} GiB is used "
                 f"outside PyTorch; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
         return budget

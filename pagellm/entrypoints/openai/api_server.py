@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: the FastAPI app, its routes, and the uvicorn runner.
 
-`python -m pagellm.entrypoints.openai.api_server [MODEL] [flags]` is `pagellm serve`.
+`pagellm serve` (`pagellm.cli.serve`) runs it with the flags of `cli_args`.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.gc_freeze import freeze_startup_objects
-from pagellm.entrypoints.cli import API_KEY_ENV, engine_args_from
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
+from pagellm.entrypoints.openai.cli_args import API_KEY_ENV
 from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, request_id_of
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
@@ -39,19 +39,20 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizerInfo,
 )
 from pagellm.entrypoints.openai.protocol_anthropic import CountTokensRequest, CountTokensResponse, MessagesRequest
+from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
-from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
-from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
-from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
 from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.tokenizer.chat_template import compile_chat_template
+from pagellm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
     chats = OpenAIServingChat(engine, names, chat_template, limits, auto_tool_parser)
     tokens = OpenAIServingTokens(engine, names, chat_template, limits)
 
-    traffic = traffic or TrafficState(TrafficLimits.for_engine(engine.config.args.max_num_seqs))
+    traffic = traffic or TrafficState(TrafficLimits.for_engine(engine.config.scheduler.max_num_seqs))
 
     app = FastAPI(title="pagellm", version=__version__)
     install_error_handlers(app)
@@ -117,7 +118,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
             return Response(metrics.render(), media_type=metrics.content_type)
 
     def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=engine.config.source.path, max_model_len=engine.config.max_model_len)
+        return ModelCard(id=name, root=engine.config.model.source.path, max_model_len=engine.config.model.max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -220,7 +221,7 @@ def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:
 
 
 async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
-    args = engine_args_from(ns)
+    args = EngineArgs.from_cli_args(ns)
     names = ns.served_model_name or [default_served_name(args.model)]
     chat_template = load_chat_template(ns.chat_template)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
@@ -296,8 +297,3 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
     return sock
 
-
-if __name__ == "__main__":
-    from pagellm.entrypoints.cli import main
-
-    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -71,13 +71,13 @@ class OpenAIServing:
         self.limits = limits or ServerLimits()
         self.auto_tool_parser: ToolParser | None = TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser else None
         """Reads tool calls out of the text for tool_choice auto (--enable-auto-tool-choice --tool-call-parser)."""
-        reasoning = engine.config.args.reasoning_parser
+        reasoning = engine.config.structured_outputs.reasoning_parser
         self.reasoning_parser = ReasoningParser.named(reasoning) if reasoning else None
         """Separates a chat answer's reasoning (--reasoning-parser)."""
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.max_model_len
+        return self.engine.config.model.max_model_len
 
     def check_model(self, model: str | None) -> str:
         """The name to report for a request's `model` (None: the first served name); 404 if unknown."""
@@ -126,7 +126,7 @@ class OpenAIServing:
         """The request's SamplingParams, constrained by `constraint`; 400 naming the field that asks
         for more than the server's limits (logprobs, sequences, stop strings) or for token ids outside
         the vocabulary."""
-        limit = self.engine.config.args.max_logprobs
+        limit = self.engine.config.model.max_logprobs
         for name, value in request.logprob_fields().items():
             if value is not None and value > limit:
                 raise APIError(f"{name} must be at most {limit} (the server's --max-logprobs), got {value}",
@@ -147,7 +147,7 @@ class OpenAIServing:
 
     def check_in_vocabulary(self, param: str, token_ids: Iterable[int], vocab_size: int | None = None) -> None:
         """400 naming `param` if it holds a token id outside [0, vocab_size) (default: the model's)."""
-        vocab_size = vocab_size or self.engine.config.source.arch.vocab_size
+        vocab_size = vocab_size or self.engine.config.model.source.arch.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise APIError(f"{param} holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}", param=param)

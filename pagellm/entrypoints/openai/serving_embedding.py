@@ -30,7 +30,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if not self.engine.config.is_pooling:
             raise APIError("this server runs the generate runner, which cannot compute embeddings; start the server "
                            "with --runner pooling to serve /v1/embeddings")
-        hidden_size = self.engine.config.source.arch.hidden_size
+        hidden_size = self.engine.config.model.source.arch.hidden_size
         if request.dimensions is not None and request.dimensions != hidden_size:
             raise APIError(f"dimensions must be this model's hidden size ({hidden_size}) or left out: the model does "
                            f"not support shorter (Matryoshka) embeddings, got {request.dimensions}", param="dimensions")

@@ -6,16 +6,18 @@ machine at SmolLM2-135M shapes: the fastest took 16 ms per token for the matrix 
 at batch 1 (2.1x llama.cpp's whole token), and the int8 ones round activations (per tensor, or
 to bfloat16), which broke greedy agreement (28/123 tokens for fbgemm's). The C file multiplies
 the GGUF blocks as they are with float32 activations, compiled once per machine with the system
-C compiler (`pagellm.ops.native`); without a compiler or AVX2 the GGUF weights are
+C compiler (`pagellm.ops.c.build`); without a compiler or AVX2 the GGUF weights are
 dequantized at load instead, with a warning.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+
 import torch
 
-from pagellm.ops import native
+from pagellm.ops.c import build as native
+
 
 def unavailable_reason() -> str | None:
     """Why the kernels cannot run here (None: they can)."""

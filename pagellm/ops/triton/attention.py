@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.ops.triton_rotary import rotate_heads
 from pagellm.ops.dispatch import triton_interpreting
-from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_start, pdl_wait
+from pagellm.ops.triton.rotary import rotate_heads
+from pagellm.ops.triton.utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_start, pdl_wait
 
 _LOG2E = 1.4426950408889634
 

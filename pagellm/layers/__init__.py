@@ -1,15 +1,15 @@
 """Tensor-parallel-aware building blocks shared by the model definitions."""
-from pagellm.models.layers.activation import SiluAndMul
-from pagellm.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from pagellm.models.layers.layernorm import RMSNorm
-from pagellm.models.layers.linear import (
+from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagellm.layers.layernorm import RMSNorm
+from pagellm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     default_weight_loader,
 )
-from pagellm.models.layers.rotary import RotaryEmbedding
+from pagellm.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",

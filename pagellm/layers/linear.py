@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed import get_tp_rank, get_tp_world_size, tensor_parallel_all_reduce
-from pagellm.quantization.base import LinearMethod, UnquantizedLinearMethod
+from pagellm.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 
 
 def copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:

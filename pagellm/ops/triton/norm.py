@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.ops.triton_utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_wait
+from pagellm.ops.triton.utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_wait
 
 
 @triton.jit

@@ -14,8 +14,8 @@ import logging
 import torch
 import triton
 
-from pagellm.quantization.one_row_tiles import choose, replay_us, timing, uncached_copies
-from pagellm.quantization.triton_matmul import OneRowKey, interpreter_tile, launch_one_row, one_row_configs
+from pagellm.ops.triton.matmul import OneRowKey, interpreter_tile, launch_one_row, one_row_configs
+from pagellm.ops.triton.one_row_tiles import choose, replay_us, timing, uncached_copies
 
 logger = logging.getLogger(__name__)
 

@@ -1,26 +1,42 @@
-"""Engine arguments (the user-facing knobs, named as in vLLM) and the configuration resolved from them."""
+"""Engine arguments: the user-facing knobs (`LLM(...)` keywords and CLI flags, named as in vLLM),
+checked and resolved into an `EngineConfig` against the model and the machine."""
 from __future__ import annotations
 
-import json
+import argparse
 import logging
-import os
+import types
+import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from pagellm.attention import ATTENTION_BACKENDS
-from pagellm.dtype_sizes import KV_CACHE_DTYPES
-from pagellm.loader import LOAD_FORMATS, ModelSource, resolve_model
-from pagellm.model_arch import ModelArchConfig
-from pagellm.ops.dispatch import triton_interpreting
+from pagellm.config import (
+    CacheConfig,
+    DraftModelConfig,
+    EngineConfig,
+    ModelArchConfig,
+    ModelConfig,
+    ParallelConfig,
+    PoolerConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    StructuredOutputsConfig,
+)
+from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
+from pagellm.config.model import RUNNERS
+from pagellm.loader import LOAD_FORMATS, resolve_model
+from pagellm.ops.c import cpu_ops
+from pagellm.ops.dispatch import triton_available, triton_interpreting
 from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
-from pagellm.spec_decode import SpeculativeConfig
+from pagellm.reasoning import REASONING_PARSERS
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
-_GiB = 1 << 30
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 def _arg(default, help: str):
@@ -116,8 +132,6 @@ class EngineArgs:
                 raise ValueError("speculative_config (--speculative-config) runs on one rank only so far: "
                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
         if self.reasoning_parser is not None:
-            from pagellm.reasoning import REASONING_PARSERS  # noqa: PLC0415 (keeps config import-light)
-
             if self.reasoning_parser not in REASONING_PARSERS:
                 raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of "
                                  f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
@@ -132,7 +146,8 @@ class EngineArgs:
             raise ValueError(f"{_flag('distributed_executor_backend')} 'uni' runs one rank, but tensor_parallel_size x "
                              f"pipeline_parallel_size is {world_size}: use 'mp' or 'ray'")
 
-    def create_engine_config(self) -> "EngineConfig":
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model, device, dtype and defaults, checked against the model and the machine."""
         self.validate()
         device = _resolve_device(self.device)
         source = resolve_model(self.model, self.load_format)
@@ -142,7 +157,7 @@ class EngineArgs:
             raise ValueError(
                 f"{_flag('max_model_len')} {max_model_len} is larger than the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})")
-        parallel = ParallelConfig.resolve(self, arch, device)
+        parallel = _resolve_parallel(self, arch, device)
         dtype = resolve_dtype(self.dtype, device, arch.torch_dtype)
         kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         attention_backend = self.attention_backend or _default_attention_backend(device, dtype, kv_cache_dtype)
@@ -160,151 +175,96 @@ class EngineArgs:
             raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
                              f"{device.type}: use torch")
         speculative = SpeculativeConfig.parse(self.speculative_config)
-        return EngineConfig(
+        model = ModelConfig(
+            source=source,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            attention_backend=attention_backend,
             quantization=resolve_quantization(self.quantization, source.load_format, source.path, device,
                                               arch.hf_config),
-            args=self,
-            source=source,
-            device=device,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            max_model_len=max_model_len,
-            max_num_batched_tokens=self.max_num_batched_tokens or default_max_num_batched_tokens(device,
-                                                                                                 self.max_num_seqs),
-            attention_backend=attention_backend,
-            parallel=parallel,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager,
             pooler=PoolerConfig.parse(self.pooler_config, self.runner),
+        )
+        return EngineConfig(
+            model=model,
+            device=device,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_dtype=kv_cache_dtype,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens or default_max_num_batched_tokens(
+                    device, self.max_num_seqs),
+                async_scheduling=self.async_scheduling if self.async_scheduling is not None
+                else device.type == "cuda",
+            ),
+            parallel=parallel,
+            structured_outputs=StructuredOutputsConfig(
+                compile_timeout_s=self.structured_outputs_compile_timeout,
+                max_bytes=self.structured_outputs_max_bytes,
+                reasoning_parser=self.reasoning_parser,
+            ),
             speculative=speculative,
             draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device),
         )
 
-
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-RUNNERS = ("generate", "pooling")
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
-
-
-@dataclass(slots=True, frozen=True)
-class PoolerConfig:
-    """How the pooling runner turns a prompt's final hidden states into one vector (vLLM's names)."""
-
-    pooling_type: str = "LAST"
-    """LAST: the last prompt token's hidden state; MEAN: the mean over the prompt; CLS: the first token's."""
-    normalize: bool = True
-    """L2-normalize the vector, unless a request's PoolingParams says otherwise."""
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, names: Collection[str] | None = None) -> None:
+        """One `--kebab-case` flag per field (the model is positional), or per field in `names`, help
+        from its docs."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine")
+        for f in fields(cls):
+            if f.name == "model" or (names is not None and f.name not in names):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = _base_type(hints[f.name])
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                   help=f.metadata["help"])
+            else:
+                group.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
 
     @classmethod
-    def parse(cls, value: "str | dict | PoolerConfig | None", runner: str) -> "PoolerConfig | None":
-        """`--pooler-config` (JSON text, a dict, or a PoolerConfig) -> the config of the pooling
-        runner, None for the generate runner. Fails naming the flag."""
-        if runner != "pooling":
-            if value is not None:
-                raise ValueError("pooler_config (--pooler-config) applies only with runner='pooling' (--runner pooling)")
-            return None
-        if value is None or isinstance(value, cls):
-            return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config (--pooler-config) is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config (--pooler-config) must be a JSON object, got {value!r}")
-        unknown = set(value) - {"pooling_type", "normalize"}
-        if unknown:
-            raise ValueError(f"pooler_config (--pooler-config) has unknown key(s) {', '.join(sorted(unknown))}; "
-                             "known: pooling_type, normalize")
-        pooling_type = value.get("pooling_type", "LAST")
-        if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
-            raise ValueError(f"pooler_config (--pooler-config) pooling_type must be one of "
-                             f"{', '.join(POOLING_TYPES)}, got {pooling_type!r}")
-        normalize = value.get("normalize", True)
-        if not isinstance(normalize, bool):
-            raise ValueError(f"pooler_config (--pooler-config) normalize must be true or false, got {normalize!r}")
-        return cls(pooling_type.upper(), normalize)
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        """The engine flags of a parsed command line, checked (ValueError naming the flag), so that a
+        bad one fails before the model loads."""
+        names = cls.field_names()
+        args = cls(**{k: v for k, v in vars(ns).items() if k in names})
+        args.validate()
+        return args
 
 
-@dataclass(slots=True, frozen=True)
-class ParallelConfig:
-    """How one model replica is split over ranks (see `pagellm.distributed`)."""
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    """Replicas, each of `world_size` ranks (the server runs one engine core per replica)."""
-    executor_backend: str = "uni"
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @classmethod
-    def resolve(cls, args: EngineArgs, arch: ModelArchConfig, device: torch.device) -> "ParallelConfig":
-        """Check the split against the model and the machine; fail naming the flag."""
-        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-        for name, size in (("num_attention_heads", arch.num_attention_heads),
-                           ("intermediate_size", arch.intermediate_size)):
-            if size % tp:
-                raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's {name} ({size})")
-        kv = arch.num_key_value_heads
-        if kv % tp and tp % kv:
-            raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's num_key_value_heads "
-                             f"({kv}) or be a multiple of it")
-        if pp > arch.num_hidden_layers:
-            raise ValueError(f"{_flag('pipeline_parallel_size')} {pp} exceeds the model's {arch.num_hidden_layers} "
-                             f"layers")
-        world_size, dp = tp * pp, args.data_parallel_size
-        if device.type == "cuda":
-            available = torch.cuda.device_count() - (device.index or 0)
-            if world_size * dp > available:
-                raise ValueError(f"--data-parallel-size x --tensor-parallel-size x --pipeline-parallel-size = "
-                                 f"{dp} x {tp} x {pp} ranks need as many GPUs from {device}, but {available} are "
-                                 f"available")
-        backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
-        return cls(tp, pp, dp, backend)
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """EngineArgs after resolving the model, device, dtype and defaults."""
-
-    args: EngineArgs
-    source: ModelSource
-    device: torch.device
-    dtype: torch.dtype
-    kv_cache_dtype: torch.dtype
-    """How KV-cache entries are stored: `dtype`, or float8_e4m3fn (--kv-cache-dtype fp8)."""
-    max_model_len: int
-    max_num_batched_tokens: int
-    attention_backend: str
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    pooler: PoolerConfig | None = None
-    """The pooling runner's pooler; None for the generate runner."""
-    quantization: str | None = None
-    """The weights' quantization method (see `pagellm.quantization`); None: dense in `dtype`."""
-    speculative: SpeculativeConfig | None = None
-    """Speculative decoding (None: off)."""
-    draft: "DraftModelConfig | None" = None
-    """The draft model of draft_model speculation."""
-
-    @property
-    def is_pooling(self) -> bool:
-        return self.pooler is not None
-
-    @staticmethod
-    def default_cpu_kv_cache_bytes() -> int:
-        """The CPU's KV-cache budget when none is given: min(4 GiB, a quarter of RAM)."""
-        total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return min(4 * _GiB, total_ram // 4)
-
-
-@dataclass(slots=True, frozen=True)
-class DraftModelConfig:
-    """The draft model of draft_model speculation, resolved as the target is (same dtype, device
-    and attention backend)."""
-
-    source: ModelSource
-    quantization: str | None
+def _resolve_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.device) -> ParallelConfig:
+    """Check the split against the model and the machine; fail naming the flag."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    for name, size in (("num_attention_heads", arch.num_attention_heads),
+                       ("intermediate_size", arch.intermediate_size)):
+        if size % tp:
+            raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's {name} ({size})")
+    kv = arch.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's num_key_value_heads "
+                         f"({kv}) or be a multiple of it")
+    if pp > arch.num_hidden_layers:
+        raise ValueError(f"{_flag('pipeline_parallel_size')} {pp} exceeds the model's {arch.num_hidden_layers} "
+                         f"layers")
+    world_size, dp = tp * pp, args.data_parallel_size
+    if device.type == "cuda":
+        available = torch.cuda.device_count() - (device.index or 0)
+        if world_size * dp > available:
+            raise ValueError(f"--data-parallel-size x --tensor-parallel-size x --pipeline-parallel-size = "
+                             f"{dp} x {tp} x {pp} ranks need as many GPUs from {device}, but {available} are "
+                             f"available")
+    backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
+    return ParallelConfig(tp, pp, dp, backend)
 
 
 def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, target: ModelArchConfig,
@@ -363,15 +323,9 @@ def _resolve_device(device: str) -> torch.device:
 
 def _default_attention_backend(device: torch.device, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str:
     if device.type != "cuda":
-        from pagellm.ops import cpu_ops  # noqa: PLC0415 (builds the C kernels on first use)
-
         cpu = dtype == torch.float32 and kv_cache_dtype == dtype and cpu_ops.available()
         return "cpu" if cpu else "torch"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "triton"
+    return "triton" if triton_available() else "torch"
 
 
 def _cpu_has_bf16_instructions() -> bool:
@@ -405,3 +359,10 @@ def _has_kv_scales(hf_config: dict) -> bool:
     """Whether a checkpoint's quantization_config declares calibrated KV-cache scales."""
     qc = hf_config.get("quantization_config")
     return isinstance(qc, dict) and isinstance(qc.get("kv_cache_scheme"), dict)
+
+
+def _base_type(hint) -> type:
+    """int | None -> int."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint

@@ -27,21 +27,21 @@ class DraftModelProposer:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.k = config.speculative.num_speculative_tokens
-        self.block_size = config.args.block_size
+        self.block_size = config.cache.block_size
         self.model: torch.nn.Module | None = None
         self.graphs: DecodeGraphs | None = None
 
     def load(self) -> None:
         config = self.config
         try:
-            self.model = build_model(config.draft.source, config.draft.quantization, config.dtype, config.device,
-                                     config.attention_backend, config.args.seed)
+            self.model = build_model(config.draft.source, config.draft.quantization, config.model.dtype, config.device,
+                                     config.model.attention_backend, config.model.seed)
         except ValueError as e:  # the checkpoint's, its quantization's: say they are the draft's
             raise ValueError(f"speculative_config (--speculative-config) model {config.draft.source.path!r}: "
                              f"{e}") from None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        bind_kv_cache(self.model, num_blocks, self.block_size, self.config.kv_cache_dtype, self.config.device)
+        bind_kv_cache(self.model, num_blocks, self.block_size, self.config.cache.kv_cache_dtype, self.config.device)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Graphs of the draft's passes of one token per request (its greedy decode) and of up to
@@ -89,7 +89,7 @@ class DraftModelProposer:
                 or (not params.ignore_eos and last in s.eos_token_ids)):
             return 0
         # The step yields the accepted drafts and one token more: all must fit.
-        room = self.config.max_model_len - n
+        room = self.config.model.max_model_len - n
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - (n - s.num_prompt_tokens))
         return max(0, min(self.k, room - 1, len(s.block_ids) * self.block_size - n + 1))
@@ -100,7 +100,7 @@ class DraftModelProposer:
         first = torch.zeros(len(states), dtype=torch.int64, device=self.config.device)
         pending = list(range(len(states)))
         while pending:
-            chosen, lens, left = [], [], self.config.max_num_batched_tokens
+            chosen, lens, left = [], [], self.config.scheduler.max_num_batched_tokens
             for i in pending:
                 s = states[i]
                 take = min(len(s.token_ids) - s.num_draft_computed, left)

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from pagellm.ops.triton_utils import pdl, pdl_release, pdl_wait
-from pagellm.quantization.base import QMAX
-from pagellm.quantization.one_row_tiles import choose
+from pagellm.ops.numerics import QMAX
+from pagellm.ops.triton.one_row_tiles import choose
+from pagellm.ops.triton.utils import pdl, pdl_release, pdl_wait
 
 
 @triton.jit

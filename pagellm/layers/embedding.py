@@ -4,14 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.distributed import (
-    get_tp_rank,
-    get_tp_world_size,
-    tensor_parallel_all_gather,
-    tensor_parallel_all_reduce,
-)
-from pagellm.models.layers.linear import copy_weight
-from pagellm.quantization.base import LinearMethod, UnquantizedLinearMethod
+from pagellm.distributed import get_tp_rank, get_tp_world_size, tensor_parallel_all_gather, tensor_parallel_all_reduce
+from pagellm.layers.linear import copy_weight
+from pagellm.layers.linear_method import LinearMethod, UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from pagellm import ops
-from pagellm.models.layers.linear import default_weight_loader
+from pagellm.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):

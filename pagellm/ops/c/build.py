@@ -25,10 +25,10 @@ logger = logging.getLogger(__name__)
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
-_PACKAGE = Path(__file__).resolve().parent.parent
-SOURCES = (_PACKAGE / "ops" / "cpu_kernels.c", _PACKAGE / "quantization" / "ggml_cpu.c", _PACKAGE / "ops" / "cpu_layer.c")
+_HERE = Path(__file__).resolve().parent
+SOURCES = (_HERE / "cpu_kernels.c", _HERE / "ggml_cpu.c", _HERE / "cpu_layer.c")
 """Built together into one library: the decoder-layer call (cpu_layer.c) calls the others."""
-HEADER = _PACKAGE / "ops" / "cpu_kernels.h"
+HEADER = _HERE / "cpu_kernels.h"
 
 
 def unavailable_reason() -> str | None:

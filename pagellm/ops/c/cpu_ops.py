@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+
 import torch
 
-from pagellm.ops import native
+from pagellm.ops.c import build as native
 
 
 @functools.cache

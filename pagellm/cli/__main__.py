@@ -1,0 +1,5 @@
+import sys
+
+from pagellm.cli.main import main
+
+sys.exit(main())

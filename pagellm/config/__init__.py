@@ -1,0 +1,14 @@
+"""The engine's configuration types (pure data, no engine imports), one sub-config per concern.
+
+`pagellm.engine.arg_utils.EngineArgs` turns what a user passes into an `EngineConfig`.
+"""
+from pagellm.config.arch import ModelArchConfig
+from pagellm.config.engine import (
+    CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
+from pagellm.config.model import DraftModelConfig, ModelConfig, ModelSource, PoolerConfig
+from pagellm.config.speculative import SpeculativeConfig
+
+__all__ = [
+    "CacheConfig", "DraftModelConfig", "EngineConfig", "ModelArchConfig", "ModelConfig", "ModelSource",
+    "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
+]
