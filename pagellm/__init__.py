@@ -22,7 +22,7 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "pagellm.outputs",
     "EmbeddingOutput": "pagellm.outputs",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from pagellm.engine.arg_utils import EngineArgs

@@ -3,8 +3,8 @@ that import the engine only when a command actually runs, so `pagellm --help` st
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
+from pagellm.benchmarks import plan as plan_command
 from pagellm.benchmarks.datasets import DATASETS
 from pagellm.benchmarks.serve_client import ENDPOINTS
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
@@ -22,9 +22,6 @@ from pagellm.entrypoints.arg_types import (
 from pagellm.quantization import QUANTIZATION_METHODS
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
-PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
-                    "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "enforce_eager")
-"""The engine flags that change how the KV cache is sized."""
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -195,11 +192,11 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
                            "--kv-cache-dtype stores them")
-    EngineArgs.add_cli_args(plan, names=PLAN_ENGINE_ARGS)
+    EngineArgs.add_cli_args(plan, names=plan_command.PLAN_ENGINE_ARGS)
     plan.add_argument("--input-len", type=positive_int, default=1024, help="typical prompt tokens per request")
     plan.add_argument("--output-len", type=positive_int, default=128, help="typical output tokens per request")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    set_handler(plan, _plan)
+    set_handler(plan, plan_command.run_cli)
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -213,8 +210,3 @@ def _sweep(ns: argparse.Namespace) -> int:
 
     return run_cli(ns)
 
-
-def _plan(ns: argparse.Namespace) -> int:
-    from pagellm.benchmarks.plan import run_cli
-
-    return run_cli(ns)

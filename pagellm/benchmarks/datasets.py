@@ -19,6 +19,9 @@ import os
 import random
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pagellm.loader import resolve_model
+from pagellm.tokenizer import load_tokenizer
+
 if TYPE_CHECKING:
     from pagellm.loader import ModelSource
     from pagellm.tokenizer import Tokenizer
@@ -84,9 +87,6 @@ def dataset_requests(
 
 def _length_tokenizer(source: ModelSource) -> tuple[Tokenizer, dict[str, Any]]:
     """The tokenizer that measures ShareGPT lengths for `source`, and how the result file names it."""
-    from pagellm.loader import resolve_model
-    from pagellm.tokenizer import load_tokenizer
-
     tokenizer = load_tokenizer(source)
     if tokenizer is not None:
         return tokenizer, {"name": source.path, "stand_in": False}

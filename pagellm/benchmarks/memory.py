@@ -23,8 +23,16 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagellm.config.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
+import torch
+
+from pagellm.attention import get_attn_backend
 from pagellm.config.arch import ModelArchConfig
+from pagellm.config.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
+from pagellm.distributed.parallel_state import init_tensor_parallel, parallel_state
+from pagellm.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pagellm.models import get_model_class
+from pagellm.quantization.gguf import GGUFConfig, kept_weight_bytes
+from pagellm.worker.cuda_graphs import capture_sizes
 
 SAMPLER_BYTES_PER_LOGIT = 40
 """Measured on an H200: 40.0 bytes per (sequence x vocabulary entry) between 256, 384 and 1024 sequences."""
@@ -171,8 +179,6 @@ def activation_peak_bytes(spec: PlanSpec) -> int:
 def cuda_graph_bytes(spec: PlanSpec) -> int:
     if spec.device != "cuda" or spec.enforce_eager:
         return 0
-    from pagellm.worker.cuda_graphs import capture_sizes
-
     return CUDA_GRAPH_BASE_BYTES + CUDA_GRAPH_BYTES_PER_SIZE * len(capture_sizes(spec.max_num_seqs))
 
 
@@ -190,13 +196,6 @@ class ModelBytes:
 def model_bytes(spec: PlanSpec) -> ModelBytes:
     """The bytes of one tensor-parallel rank's model, read off the engine's own model class built on
     the meta device (no memory), so every architecture the engine supports is counted as allocated."""
-    import torch
-
-    from pagellm.attention import get_attn_backend
-    from pagellm.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    from pagellm.models import get_model_class
-    from pagellm.quantization.gguf import GGUFConfig, kept_weight_bytes
-
     linear_layers = (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
     try:
         with _as_tensor_parallel_rank(spec.tensor_parallel_size), torch.device("meta"):
@@ -250,8 +249,6 @@ def cuda_allocated_bytes(num_bytes: int) -> int:
 @contextlib.contextmanager
 def _as_tensor_parallel_rank(tp_size: int) -> Iterator[None]:
     """Build layers as rank 0 of `tp_size` would (they read the process's parallel state), then restore it."""
-    from pagellm.distributed.parallel_state import init_tensor_parallel, parallel_state
-
     state = parallel_state()
     saved = (state.tp_rank, state.tp_size, state.tp_group)
     init_tensor_parallel(0, tp_size)

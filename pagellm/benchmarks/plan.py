@@ -8,11 +8,22 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from pagellm.benchmarks.memory import Ledger, PlanSpec, compute_ledger
 from pagellm.benchmarks.results import format_table
+from pagellm.config import EngineConfig
 from pagellm.config.arch import ModelArchConfig
+from pagellm.engine.arg_utils import EngineArgs, default_max_num_batched_tokens, resolve_dtype
+from pagellm.loader import resolve_model
+from pagellm.loader.source import read_json
+from pagellm.quantization import checkpoint_quantization, compressed_tensors_weights, resolve_quantization
+from pagellm.quantization.gguf import GGUFConfig
 
 _GiB = 1 << 30
+PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
+                    "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "enforce_eager")
+"""The engine flags that change how the KV cache is sized."""
 
 
 def run_cli(ns: argparse.Namespace) -> int:
@@ -30,9 +41,6 @@ def resolve_arch(model: str | None) -> tuple[str, ModelArchConfig, str | None]:
     """(name, architecture, path) of a model path (GGUF file, Hugging Face directory), a
     config.json file or a preset name (path None); None: the embedded default model. Only the
     shape is read, never the weights."""
-    from pagellm.loader import resolve_model
-    from pagellm.loader.source import read_json
-
     if model is not None and model.endswith(".json") and os.path.isfile(model):
         return model, ModelArchConfig.from_hf_dict(read_json(model)), None
     source = resolve_model(model, "dummy")
@@ -42,12 +50,6 @@ def resolve_arch(model: str | None) -> tuple[str, ModelArchConfig, str | None]:
 def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | None = None) -> PlanSpec:
     """The plan's inputs from the command line: the device and its memory, dtype and defaults as
     the engine would resolve them (a GGUF file's blocks kept where the engine keeps them)."""
-    import torch
-
-    from pagellm.benchmarks.cli import PLAN_ENGINE_ARGS
-    from pagellm.config import EngineConfig
-    from pagellm.engine.arg_utils import EngineArgs, default_max_num_batched_tokens, resolve_dtype
-
     # The engine's own checks, with its messages (which name the flag).
     EngineArgs(**{name: getattr(ns, name) for name in PLAN_ENGINE_ARGS}).validate()
     device = ns.device
@@ -86,9 +88,6 @@ def _quantization(requested: str | None, arch: ModelArchConfig, path: str | None
     a quantized checkpoint's own method). A dense model may be planned at any method's size (what
     its fp8 or GPTQ checkpoint would take); a quantized checkpoint only as the engine loads it.
     compressed-tensors is planned as the storage its weights have: fp8, int8 or gptq's int4."""
-    from pagellm.quantization import checkpoint_quantization, compressed_tensors_weights, resolve_quantization
-    from pagellm.quantization.gguf import GGUFConfig
-
     is_gguf = path is not None and path.endswith(".gguf")
     if requested == "gguf" and not is_gguf:
         raise ValueError("--quantization gguf plans a .gguf model's blocks; this model is not one")

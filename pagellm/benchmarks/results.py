@@ -17,6 +17,9 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 """The checkout this package runs from (an editable install); git answers None elsewhere."""
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -64,8 +67,6 @@ def git_state() -> dict[str, Any]:
 
 def hardware_info() -> dict[str, Any]:
     """CPU model and core counts, torch's thread count, and the GPUs torch sees."""
-    import torch
-
     info: dict[str, Any] = {
         "cpu_model": _cpu_model(),
         "logical_cores": os.cpu_count(),
@@ -120,8 +121,6 @@ def format_table(header: list[str], rows: list[list[Any]], left: Collection[int]
 
 def summarize(values: list[float]) -> dict[str, float | int]:
     """Count, mean, p50 and p99 (linear interpolation between samples, as numpy's default)."""
-    import numpy as np
-
     if not values:
         return {"count": 0}
     p50, p99 = np.percentile(values, [50, 99]).tolist()

@@ -16,10 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+import httpx
+
 from pagellm.benchmarks.datasets import dataset_requests
 from pagellm.benchmarks.results import run_metadata, write_json
 from pagellm.benchmarks.serve_client import ENDPOINTS, arrival_gaps, fill_missing_counts, request_payload, run_load
 from pagellm.benchmarks.serve_metrics import format_summary, parse_goodput, summarize
+from pagellm.loader import resolve_model
+from pagellm.tokenizer import load_tokenizer
 
 _PREFLIGHT_TIMEOUT_S = 10.0
 _WARMUP_PROMPT = "Warming up: say hello."
@@ -150,9 +154,6 @@ def run_serve(config: ServeConfig, workload: Workload | None = None) -> dict[str
 
 def make_workload(config: ServeConfig) -> Workload:
     """The dataset's requests, decoded to text with the tokenizer."""
-    from pagellm.loader import resolve_model
-    from pagellm.tokenizer import load_tokenizer
-
     source = resolve_model(config.tokenizer, "dummy")
     tokenizer = load_tokenizer(source)
     if tokenizer is None:
@@ -173,8 +174,6 @@ def make_workload(config: ServeConfig) -> Workload:
 def served_model(root_url: str, headers: dict[str, str]) -> str | None:
     """The first model the server lists on /v1/models (None if it lists none); raises ValueError
     naming --base-url if no server answers or it wants an API key."""
-    import httpx
-
     try:
         response = httpx.get(f"{root_url}/v1/models", headers=headers, timeout=_PREFLIGHT_TIMEOUT_S)
     except httpx.HTTPError as e:

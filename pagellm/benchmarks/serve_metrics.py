@@ -10,6 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+import numpy as np
+
 from pagellm.benchmarks.results import format_table
 from pagellm.benchmarks.serve_client import LoadResult, RequestResult
 
@@ -78,8 +80,6 @@ def summarize(load: LoadResult, goodput: dict[str, float]) -> dict[str, Any]:
 
 
 def _statistics(name: str, samples: list[float]) -> dict[str, float | None]:
-    import numpy as np
-
     if not samples:
         keys = ["mean", "median", "std", *(f"p{p}" for p in PERCENTILES)]
         return {f"{k}_{name}_ms": None for k in keys}

@@ -20,6 +20,8 @@ from typing import Any
 from pagellm.benchmarks.results import format_table, run_metadata, write_json
 from pagellm.benchmarks.serve import ServeConfig, make_workload, run_serve
 from pagellm.benchmarks.serve_metrics import METRICS
+from pagellm.benchmarks.server_process import ServerProcess
+from pagellm.benchmarks.sweep_plots import plot_sweep
 
 SLO_STATS = ("mean", "median", "p90", "p99")
 SETTINGS_LADDER = "max-num-seqs"
@@ -47,8 +49,6 @@ def parse_slo(items: list[str]) -> dict[str, float]:
 
 def run_cli(ns: argparse.Namespace) -> int:
     """`pagellm bench sweep`: run the ladder, write sweep.json and the plots, print the table and advice."""
-    from pagellm.benchmarks.sweep_plots import plot_sweep
-
     values = _check_ladder(ns.ladder, ns.values)
     slo = parse_slo(ns.slo)
     server_args = _split_server_args(ns.server_args)
@@ -90,8 +90,6 @@ def _split_server_args(text: str) -> list[str]:
 def run_ladder(config: ServeConfig, ladder: str, values: list[float], server_model: str | None,
                server_args: list[str]) -> list[dict[str, Any]]:
     """One `bench serve` result per rung (without the per-request lists), its load under `load`."""
-    from pagellm.benchmarks.server_process import ServerProcess
-
     workload = make_workload(config)
     rungs = []
     for value in values:

@@ -16,6 +16,7 @@ from pagellm.benchmarks.results import run_metadata, write_json
 from pagellm.benchmarks.runner import RunResult, engine_summary, run_requests
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.llm import LLM
+from pagellm.loader import resolve_model
 
 _WARMUP = {"num": 2, "input_len": 16, "output_len": 4}
 _WARMUP_SEED = -1
@@ -24,8 +25,6 @@ _WARMUP_SEED = -1
 
 def run_cli(ns: argparse.Namespace) -> int:
     """`pagellm bench throughput`: print the numbers; with --output-json also write them."""
-    from pagellm.loader import resolve_model
-
     args = EngineArgs.from_cli_args(ns)
     requests, dataset = dataset_requests(ns.dataset, ns.num_prompts, resolve_model(args.model, args.load_format),
                                          args.seed, ns.input_len, ns.output_len, ns.random_range_ratio,

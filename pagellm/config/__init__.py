@@ -3,8 +3,7 @@
 `pagellm.engine.arg_utils.EngineArgs` turns what a user passes into an `EngineConfig`.
 """
 from pagellm.config.arch import ModelArchConfig
-from pagellm.config.engine import (
-    CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig)
+from pagellm.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig, ModelSource, PoolerConfig
 from pagellm.config.speculative import SpeculativeConfig
 

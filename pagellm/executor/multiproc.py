@@ -29,6 +29,7 @@ import zmq
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, StepFuture, WorkerFailedError
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +193,6 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, input_addres
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's owner handles Ctrl-C and stops us
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
-    from pagellm.worker.worker import Worker  # imports torch: only in the child
-
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_address)

@@ -16,6 +16,7 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.executor.base import Executor, StepFuture, WorkerFailedError
+from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ class _RankActor:
 
     def start(self, config: EngineConfig, rank: int, init_method: str) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
-        from pagellm.worker.worker import Worker
-
         # Ray shows each actor only the GPU of its bundle.
         gpu_index = 0 if config.device.type == "cuda" else None
         self.worker = Worker(config, rank, init_method, gpu_index)

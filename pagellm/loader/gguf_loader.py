@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagellm.loader.gguf_file import GGUFFile, GGUFTensorInfo
 from pagellm.config.arch import ModelArchConfig
+from pagellm.loader.gguf_file import GGUFFile, GGUFTensorInfo
 
 # general.architecture -> (HF architecture, HF model_type).
 _GGUF_ARCHITECTURES = {

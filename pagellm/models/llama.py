@@ -9,6 +9,7 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.layer import Attention
+from pagellm.config.arch import ModelArchConfig
 from pagellm.distributed import parallel_state
 from pagellm.layers import (
     MergedColumnParallelLinear,
@@ -20,7 +21,6 @@ from pagellm.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
-from pagellm.config.arch import ModelArchConfig
 from pagellm.models.cpu_layer import FusedDecoderLayer
 
 # (Hugging Face name part, fused parameter name part, shard id for its weight_loader)

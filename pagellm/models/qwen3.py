@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from pagellm.attention.backend import AttentionBackend
-from pagellm.layers import RMSNorm, RotaryEmbedding
 from pagellm.config.arch import ModelArchConfig
+from pagellm.layers import RMSNorm, RotaryEmbedding
 from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
 
 

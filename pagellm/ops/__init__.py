@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagellm.ops import torch_ops
+from pagellm.ops.c import cpu_ops
 from pagellm.ops.dispatch import IMPLS, Impl, resolve_impl, triton_available, use_impl
 
 __all__ = [
@@ -79,7 +80,5 @@ def rotary_embedding(
 def _cpu_or_torch(impl: Impl):
     """The module of a non-Triton implementation."""
     if impl == "cpu":
-        from pagellm.ops.c import cpu_ops
-
         return cpu_ops
     return torch_ops

@@ -11,6 +11,8 @@ from typing import Literal, get_args
 
 import torch
 
+from pagellm.ops.c import cpu_ops
+
 Impl = Literal["torch", "triton", "cpu"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 
@@ -74,7 +76,5 @@ def resolve_impl(x: torch.Tensor, impl: Impl | None) -> Impl:
 
 
 def cpu_kernels_available() -> bool:
-    """Whether the C kernels build and load here (imported late: building them runs the compiler)."""
-    from pagellm.ops.c import cpu_ops  # noqa: PLC0415
-
+    """Whether the C kernels build and load here (the first call builds them: it runs the compiler)."""
     return cpu_ops.available()

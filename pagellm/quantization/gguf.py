@@ -17,13 +17,13 @@ from collections import Counter
 import torch
 from torch import nn
 
-from pagellm.ops.c import ggml as ggml_cpu
-from pagellm.quantization import gguf_blocks
 from pagellm.layers.embedding import VocabParallelEmbedding
 from pagellm.layers.linear import _ParallelLinear
 from pagellm.layers.linear_method import LinearMethod
 from pagellm.loader.gguf_file import GGUFFile
 from pagellm.loader.gguf_loader import hf_tensor_name
+from pagellm.ops.c import ggml as ggml_cpu
+from pagellm.quantization import gguf_blocks
 from pagellm.quantization.base import QuantizationConfig
 
 try:  # the GPU's kernel

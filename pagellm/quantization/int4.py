@@ -32,10 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagellm.distributed import get_tp_world_size
-from pagellm.quantization import smoothing
-from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.linear_method import LinearMethod
+from pagellm.quantization import smoothing
+from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import Calibration, CalibrationSource, LinearLayersConfig, new_param, replace_param
 
 try:  # the GPU's kernel; the CPU computes the products in PyTorch

@@ -16,12 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.layers.linear_method import LinearMethod
 from pagellm.ops.numerics import QMAX
 from pagellm.quantization import smoothing
 from pagellm.quantization.base import FLAG as _FLAG
-from pagellm.layers.linear_method import LinearMethod
-from pagellm.quantization.base import (CalibrationSource, LinearLayersConfig, new_param, per_channel_loader,
-                                      replace_param)
+from pagellm.quantization.base import (
+    CalibrationSource,
+    LinearLayersConfig,
+    new_param,
+    per_channel_loader,
+    replace_param,
+)
 
 try:  # the GPU's kernels; the CPU computes the products in PyTorch
     from pagellm.ops.triton import matmul as triton_matmul

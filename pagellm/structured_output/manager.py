@@ -19,6 +19,7 @@ from pagellm.reasoning import REASONING_PARSERS
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.errors import GrammarError
 from pagellm.structured_output.source import GrammarSource
+from pagellm.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     import xgrammar
@@ -209,8 +210,6 @@ class GrammarManager:
         with self._init_lock:
             if self._compiler is None:
                 import xgrammar as xgr
-
-                from pagellm.tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(self._source)
                 info = build_tokenizer_info(tokenizer, self._vocab_size, list(eos_token_ids))

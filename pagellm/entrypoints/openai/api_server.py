@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import Coroutine, Sequence
 from types import FrameType
 from typing import Any
@@ -19,9 +18,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.gc_freeze import freeze_startup_objects
-from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
 from pagellm.entrypoints.openai.cli_args import API_KEY_ENV
 from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, request_id_of
