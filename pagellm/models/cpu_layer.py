@@ -9,8 +9,6 @@ output is bit for bit theirs (tested); a layer that does not qualify keeps its m
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -20,44 +18,17 @@ from torch import nn
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed import parallel_state
 from pagellm.ops.c import build as native
-from pagellm.ops.c import cpu_ops
+from pagellm.ops.c import cpu_ops, decoder_layer
 from pagellm.quantization.gguf import GGUFLinearMethod
 
 logger = logging.getLogger(__name__)
-
-_i64, _f32, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
-_ptr = ctypes.c_void_p
-
-
-class _DecoderLayer(ctypes.Structure):
-    """Mirrors `DecoderLayer` in cpu_layer.c, field for field."""
-
-    _fields_ = [
-        ("hidden_size", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate_size", _i64), ("block_size", _i64), ("eps", _f32), ("scale", _f32),
-        ("input_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("cos_sin", _ptr),
-        ("qkv", _ptr), ("o", _ptr), ("gate_up", _ptr), ("down", _ptr),
-        ("qkv_type", _i32), ("o_type", _i32), ("gate_up_type", _i32), ("down_type", _i32),
-        ("k_cache", _ptr), ("v_cache", _ptr),
-    ]
-
-
-class _LayerStep(ctypes.Structure):
-    """Mirrors `LayerStep` in cpu_layer.c."""
-
-    _fields_ = [
-        ("num_tokens", _i64), ("num_seqs", _i64), ("block_table_stride", _i64),
-        ("positions", _ptr), ("slots", _ptr), ("query_start", _ptr), ("seq_lens", _ptr), ("block_table", _ptr),
-        ("scratch", _ptr),
-    ]
-
 
 @dataclass
 class _StepPlan:
     """One step's batch description for C, built by the step's first fused layer and reused by the
     others (it rides in `AttentionMetadata.backend_plan`, which the `cpu` backend leaves unused)."""
 
-    step: _LayerStep
+    step: decoder_layer.LayerStep
     tensors: tuple[torch.Tensor, ...]
     """What the struct points into, kept alive for the step."""
 
@@ -102,7 +73,7 @@ class FusedDecoderLayer:
         in_norm, post_norm, bias, cos_sin, qkv, o, gate_up, down, _, _ = (
             None if p is None else p.data_ptr() for p in params)
         self.hidden_size = layer.input_layernorm.weight.shape[0]
-        self.c = _DecoderLayer(
+        self.c = decoder_layer.DecoderLayer(
             hidden_size=self.hidden_size, num_heads=attn.attn.num_heads, num_kv_heads=attn.attn.num_kv_heads,
             head_dim=attn.attn.head_dim, intermediate_size=mlp.down_proj.input_size, block_size=k_cache.shape[1],
             eps=layer.input_layernorm.eps, scale=attn.attn.scale, input_norm=in_norm, post_norm=post_norm,
@@ -112,7 +83,7 @@ class FusedDecoderLayer:
             k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
         if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
             raise ValueError("the fused layer takes one RMSNorm epsilon for both norms")
-        self.scratch_per_token = _lib().decoder_layer_scratch(ctypes.byref(self.c))
+        self.scratch_per_token = decoder_layer.scratch_floats_per_token(self.c)
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +94,7 @@ class FusedDecoderLayer:
         first = residual is None
         residual = torch.empty_like(hidden) if first else residual.contiguous()
         out = torch.empty_like(hidden)
-        status = _lib().decoder_layer(ctypes.byref(self.c), ctypes.byref(plan.step), hidden.data_ptr(),
-                                      residual.data_ptr(), int(first), out.data_ptr())
+        status = decoder_layer.run(self.c, plan.step, hidden.data_ptr(), residual.data_ptr(), first, out.data_ptr())
         if status:
             raise MemoryError("the fused CPU decoder layer could not allocate its GEMM scratch memory")
         return out, residual
@@ -135,7 +105,7 @@ class FusedDecoderLayer:
                    md.block_table.to(torch.int32).contiguous(),
                    torch.empty(md.num_tokens * self.scratch_per_token, dtype=torch.float32))
         pos, slots, qsl, seq_lens, block_table, scratch = tensors
-        step = _LayerStep(num_tokens=md.num_tokens, num_seqs=md.num_seqs, block_table_stride=block_table.stride(0),
+        step = decoder_layer.LayerStep(num_tokens=md.num_tokens, num_seqs=md.num_seqs, block_table_stride=block_table.stride(0),
                           positions=pos.data_ptr(), slots=slots.data_ptr(), query_start=qsl.data_ptr(),
                           seq_lens=seq_lens.data_ptr(), block_table=block_table.data_ptr(),
                           scratch=scratch.data_ptr())
@@ -155,13 +125,3 @@ def fuse_decoder_layers(layers: list[nn.Module]) -> bool:
     for layer, call in zip(layers, fused):
         layer.fused = call
     return True
-
-
-@functools.cache
-def _lib() -> ctypes.CDLL:
-    lib = native.library()
-    lib.decoder_layer_scratch.argtypes = [_ptr]
-    lib.decoder_layer_scratch.restype = _i64
-    lib.decoder_layer.argtypes = [_ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr]
-    lib.decoder_layer.restype = ctypes.c_int
-    return lib
