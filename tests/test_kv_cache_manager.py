@@ -10,10 +10,10 @@ from pagellm.core.request import EngineCoreRequest, Request
 from pagellm.sampling_params import SamplingParams
 
 
-def make_req(rid: str, tokens) -> Request:
+def make_req(rid: str, tokens, salt: str | None = None) -> Request:
     return Request.from_record(EngineCoreRequest(request_id=rid, prompt_token_ids=list(tokens),
                                                  sampling_params=SamplingParams(), eos_token_ids=frozenset(),
-                                                 max_tokens=16))
+                                                 max_tokens=16, cache_salt=salt))
 
 
 def admit(kv: KVCacheManager, req: Request, num_new: int | None = None):
@@ -237,6 +237,20 @@ def test_reclaimed_hits_count_against_free_capacity():
     assert kv.pool.num_free_blocks == 0
     kv.free(c)
     kv.free(b)
+    assert_no_leak(kv)
+
+
+def test_cache_salt_isolates_prefixes():
+    kv = KVCacheManager(num_blocks=32, block_size=4, enable_caching=True)
+    tokens = list(range(50, 63))
+    admit(kv, a := make_req("a", tokens, salt="alice"))
+    assert admit(kv, b := make_req("b", tokens, salt="bob"))[0] == 0
+    assert admit(kv, c := make_req("c", tokens))[0] == 0
+    assert admit(kv, d := make_req("d", tokens, salt="alice"))[0] == 12
+    assert admit(kv, e := make_req("e", tokens, salt="bob"))[0] == 12
+    assert admit(kv, f := make_req("f", tokens))[0] == 12
+    for r in (a, b, c, d, e, f):
+        kv.free(r)
     assert_no_leak(kv)
 
 

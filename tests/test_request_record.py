@@ -25,7 +25,7 @@ def make_record(**fields) -> EngineCoreRequest:
                             structured_outputs=StructuredOutputsParams(regex="[ab]+"))
     return EngineCoreRequest(**{"request_id": "r", "prompt_token_ids": [5, 6, 7, 8, 9], "sampling_params": params,
                                 "eos_token_ids": frozenset({2, 3}), "max_tokens": 7, "arrival_time": 123.5,
-                                **fields})
+                                "cache_salt": "tenant-a", **fields})
 
 
 def test_the_record_crosses_the_wire_and_pickle_unchanged():
@@ -59,6 +59,7 @@ def test_states_derived_from_the_record_see_its_fields():
             request.max_tokens, request.pooling_params) == ("r", [5, 6, 7, 8, 9], record.sampling_params,
                                                             {2, 3}, 7, None)
     assert request.num_prompt_tokens == 5 and request.num_output_tokens == 0
+    assert request.extra_keys == ("tenant-a",), "the salt is chained into its blocks' hashes"
     request.all_token_ids.append(20)
     assert record.prompt_token_ids == [5, 6, 7, 8, 9], "the scheduler's tokens are its own list"
 
@@ -88,5 +89,6 @@ def test_children_are_the_parent_record_with_their_own_id_and_params():
     assert [c.request_id for c in children] == ["0_r", "1_r", "2_r"]
     for i, child in enumerate(children):
         assert (child.sampling_params.n, child.sampling_params.seed) == (1, 7 + i)
+        assert child.cache_salt == "tenant-a"
         # Every other field, whichever the record has, is the parent's.
         assert msgspec.structs.replace(child, request_id="r", sampling_params=record.sampling_params) == record

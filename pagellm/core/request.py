@@ -47,6 +47,9 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """time.monotonic() when the request arrived (the same clock in every process of one machine)."""
     pooling_params: PoolingParams | None = None
     """Set for a pooling-runner request (embeddings): it runs its prompt once and samples nothing."""
+    cache_salt: str | None = None
+    """Isolates its prefix-cache entries: its blocks' hashes chain the salt in, so only requests
+    with the same salt share them (vLLM's `cache_salt`)."""
 
 
 class RequestStatus(enum.Enum):
@@ -175,8 +178,9 @@ class Request:
 
     @property
     def extra_keys(self) -> tuple:
-        """What its blocks' hashes chain in besides the tokens (none yet)."""
-        return ()
+        """What its blocks' hashes chain in besides the tokens: the cache salt, if any."""
+        salt = self.record.cache_salt
+        return (salt,) if salt is not None else ()
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys)

@@ -15,7 +15,9 @@ from pagellm.structured_output.source import GrammarChecker
 from pagellm.tokenizer import Tokenizer
 
 PromptType = Union[str, Mapping]
-"""A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt)."""
+"""A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt);
+a dict may carry "cache_salt": a non-empty string that keeps its prefix-cache blocks apart from those of
+requests with another salt or none."""
 
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 """The inert sampling params a pooling request carries (it samples nothing)."""
@@ -58,6 +60,7 @@ class InputProcessor:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if arrival_time is None:
             arrival_time = time.monotonic()
+        cache_salt = _cache_salt(prompt)
         if self.config.is_pooling:
             if isinstance(params, SamplingParams):
                 raise ValueError("this engine runs the pooling runner (runner='pooling', --runner pooling): it "
@@ -65,7 +68,7 @@ class InputProcessor:
                                  "it with runner='generate' (--runner generate, the default) to generate text")
             if not isinstance(params, PoolingParams):
                 raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-            return self._process_pooling(request_id, prompt, params, arrival_time)
+            return self._process_pooling(request_id, prompt, params, arrival_time, cache_salt)
         if isinstance(params, PoolingParams):
             raise ValueError("embeddings need the pooling runner: start the engine with runner='pooling' "
                              "(--runner pooling); this one runs the generate runner")
@@ -90,11 +93,12 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
             arrival_time=arrival_time,
+            cache_salt=cache_salt,
         )
         return record, text
 
-    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                         arrival_time: float) -> tuple[EngineCoreRequest, str | None]:
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float,
+                         cache_salt: str | None) -> tuple[EngineCoreRequest, str | None]:
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -108,7 +112,7 @@ class InputProcessor:
             params = dataclasses.replace(params, normalize=self.config.model.pooler.normalize)
         record = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,
                                    sampling_params=_POOLING_SAMPLING_PARAMS, eos_token_ids=frozenset(), max_tokens=0,
-                                   arrival_time=arrival_time, pooling_params=params)
+                                   arrival_time=arrival_time, pooling_params=params, cache_salt=cache_salt)
         return record, text
 
     def _validate_token_features(self, params: SamplingParams) -> None:
@@ -156,6 +160,14 @@ class InputProcessor:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's "cache_salt" (None when absent), which must be a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _eos_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:
