@@ -7,18 +7,12 @@ import uuid
 
 import httpx
 import pytest
-
-from pagellm import LLM, SamplingParams
 from conftest import SHARED_SERVER_NAME as MODEL_NAME
-from engine_utils import assert_no_leak
+from engine_utils import TINY_LLAMA, assert_no_leak
 from server_utils import metric_samples
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
-    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
-    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-}
+from pagellm import LLM, SamplingParams
+
 PROMPT_LEN = 80
 """Five blocks of 16 tokens: a repeat of the prompt can take the first four from the cache (the last
 prompt token is always computed)."""

@@ -3,13 +3,17 @@
 workers and the output processor keep of a request is derived from it, not copied field by field."""
 from __future__ import annotations
 
+import json
 import pickle
 
 import msgspec
 import pytest
+from engine_utils import TINY_LLAMA
 
 from pagellm.core.outputs import NewRequestData, SchedulerOutput
 from pagellm.core.request import EngineCoreRequest, Request
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.output_processor import _RequestState
 from pagellm.engine.parallel_sampling import ParentRequest
 from pagellm.engine.wire import encoder, input_decoder
@@ -92,3 +96,15 @@ def test_children_are_the_parent_record_with_their_own_id_and_params():
         assert child.cache_salt == "tenant-a"
         # Every other field, whichever the record has, is the parent's.
         assert msgspec.structs.replace(child, request_id="r", sampling_params=record.sampling_params) == record
+
+
+def test_the_arrival_time_given_to_the_engine_is_the_records(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tmp_path), load_format="dummy", device="cpu",
+                                                   dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20))
+    engine.add_request("r", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, n=2), arrival_time=42.0)
+    assert {r.record.arrival_time for r in engine.engine_core.scheduler.requests.values()} == {42.0}
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [out for out in engine.step() if out.finished]
+    assert [out.metrics["arrival_time"] for out in finals] == [42.0]
