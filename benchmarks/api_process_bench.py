@@ -24,7 +24,7 @@ if __package__ in (None, ""):
 
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats, merge_step_outputs
-from pagellm.core.request import Request
+from pagellm.core.request import EngineCoreRequest
 from pagellm.engine.mailbox import OutputMailbox
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.wire import CoreOutputs, encoder, output_decoder
@@ -43,9 +43,10 @@ async def run(streams: int, steps: int, behind: int) -> dict[str, float]:
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     mailboxes = {}
     for i in range(streams):
-        request = Request(f"s{i}", text_ids[:16], params, frozenset(), max_tokens=steps)
-        processor.add_request(request, None)
-        mailboxes[request.request_id] = OutputMailbox(coalesce=True)
+        record = EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=text_ids[:16], sampling_params=params,
+                                   eos_token_ids=frozenset(), max_tokens=steps)
+        processor.add_request(record, None)
+        mailboxes[record.request_id] = OutputMailbox(coalesce=True)
     # What the core sends, made up front: one message per step.
     messages = []
     for step in range(steps):

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from pagellm import LLM, EngineArgs, PoolingParams, SamplingParams
 from pagellm.config import PoolerConfig
 from pagellm.core.outputs import ModelRunnerOutput
-from pagellm.core.request import Request
+from pagellm.core.request import EngineCoreRequest
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.entrypoints.openai.api_server import build_app
 from server_utils import RemoteServer
@@ -166,9 +166,9 @@ def test_scheduler_runs_a_pooling_request_as_a_prefill_only():
     limits = SchedulerLimits(max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64, block_size=8,
                              num_blocks=8, enable_prefix_caching=False)
     scheduler = Scheduler(limits, workers_see_samples=False)  # as EngineCore builds it for pooling
-    request = Request("r", list(range(1, 21)), SamplingParams(max_tokens=1), frozenset(), 0,
-                      pooling_params=PoolingParams(normalize=True))
-    scheduler.add_request(request)
+    request = scheduler.add_request(EngineCoreRequest(
+        request_id="r", prompt_token_ids=list(range(1, 21)), sampling_params=SamplingParams(max_tokens=1),
+        eos_token_ids=frozenset(), max_tokens=0, pooling_params=PoolingParams(normalize=True)))
     vector = np.arange(4, dtype="<f4").tobytes()
     for attempt in range(2):
         chunks = []

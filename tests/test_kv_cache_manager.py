@@ -6,13 +6,14 @@ import math
 import pytest
 
 from pagellm.core.kv_cache_manager import KVCacheManager
-from pagellm.core.request import Request
+from pagellm.core.request import EngineCoreRequest, Request
 from pagellm.sampling_params import SamplingParams
 
 
 def make_req(rid: str, tokens, salt: str | None = None) -> Request:
-    return Request(rid, list(tokens), SamplingParams(), eos_token_ids=frozenset(), max_tokens=16,
-                   cache_salt=salt)
+    return Request.from_record(EngineCoreRequest(request_id=rid, prompt_token_ids=list(tokens),
+                                                 sampling_params=SamplingParams(), eos_token_ids=frozenset(),
+                                                 max_tokens=16, cache_salt=salt))
 
 
 def admit(kv: KVCacheManager, req: Request, num_new: int | None = None):

@@ -110,11 +110,13 @@ def test_max_logprobs_is_enforced(llm):
 def test_logprobs_and_bad_words_cross_the_process_boundary():
     """The engine core's outputs and the API side's bad-word ids survive msgspec (AsyncLLM's wire)."""
     from pagellm.core.outputs import EngineCoreOutput, SchedulerStats, TokenLogprobs
-    from pagellm.engine.wire import AddRequest, CoreOutputs, encoder, input_decoder, output_decoder
+    from pagellm.core.request import EngineCoreRequest
+    from pagellm.engine.wire import CoreOutputs, encoder, input_decoder, output_decoder
 
     rows = TokenLogprobs([[5, 5, 9]], [[-0.5, -0.5, -1.25]], [1])
     sent = CoreOutputs([EngineCoreOutput("a", [5], new_logprobs=rows, new_prompt_logprobs=rows)], SchedulerStats())
     assert output_decoder.decode(encoder.encode(sent)) == sent
     params = SamplingParams(bad_words=["x"], _bad_words_token_ids=[[3, 4]])
-    received = input_decoder.decode(encoder.encode(AddRequest("r", [1], params, [2], 5, 0.0)))
+    received = input_decoder.decode(encoder.encode(EngineCoreRequest(
+        request_id="r", prompt_token_ids=[1], sampling_params=params, eos_token_ids=frozenset({2}), max_tokens=5)))
     assert received.sampling_params._bad_words_token_ids == [[3, 4]]

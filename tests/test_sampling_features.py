@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.core.request import Request
+from pagellm.core.request import EngineCoreRequest, Request
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.sampler import sample
@@ -76,7 +76,9 @@ def test_features_apply_to_greedy_rows_and_a_batch_without_them_builds_nothing()
 
 
 def test_check_stop_waits_for_min_tokens():
-    request = Request("r", [1, 2], SamplingParams(min_tokens=2, stop_token_ids=[5]), frozenset({EOS}), max_tokens=10)
+    request = Request.from_record(EngineCoreRequest(
+        request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(min_tokens=2, stop_token_ids=[5]),
+        eos_token_ids=frozenset({EOS}), max_tokens=10))
     request.all_token_ids.append(EOS)
     assert not request.check_stop(EOS, 100)
     request.all_token_ids.append(5)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.sampling_params import SamplingParams
 
@@ -26,6 +26,12 @@ def next_token(history: list[int], num_prompt_tokens: int) -> int:
     for t in history:
         acc = (acc * 1_000_003 + t) % 998_244_353
     return 10 + acc % 5000
+
+
+def make_record(rid: str, prompt, max_tokens: int = 8, **sp) -> EngineCoreRequest:
+    sp.setdefault("max_tokens", max_tokens)
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(**sp),
+                             eos_token_ids=frozenset({EOS}), max_tokens=max_tokens)
 
 
 def reference(prompt: list[int], max_tokens: int, fn=next_token) -> list[int]:
@@ -55,7 +61,8 @@ class FakeWorker:
         for nr in out.scheduled_new_reqs:
             assert nr.req_id not in self.reqs, f"{nr.req_id!r} sent as new twice"
             self.reqs[nr.req_id] = WorkerState(
-                list(nr.token_ids), nr.num_prompt_tokens, nr.num_computed_tokens, list(nr.block_ids))
+                [*nr.record.prompt_token_ids, *nr.output_token_ids], len(nr.record.prompt_token_ids),
+                nr.num_computed_tokens, list(nr.block_ids))
         for cr in out.scheduled_cached_reqs:
             st = self.reqs[cr.req_id]
             assert st.num_computed == cr.num_computed_tokens
@@ -105,11 +112,8 @@ class Driver:
         self.preempted: list[tuple[int, str]] = []  # (step index, req id)
         self.admitted: list[str] = []
 
-    def add(self, rid: str, prompt, max_tokens: int = 8, salt=None, **sp) -> Request:
-        sp.setdefault("max_tokens", max_tokens)
-        req = Request(rid, list(prompt), SamplingParams(**sp), eos_token_ids=frozenset({EOS}),
-                      max_tokens=max_tokens, cache_salt=salt)
-        self.s.add_request(req)
+    def add(self, rid: str, prompt, max_tokens: int = 8, **sp) -> Request:
+        req = self.s.add_request(make_record(rid, prompt, max_tokens, **sp))
         self.results[rid] = Result()
         return req
 
@@ -301,9 +305,8 @@ def test_preemption_picks_latest_admitted_and_recomputes_same_tokens(caching):
     # A preempted request restarts as a new request carrying its generated tokens.
     resent = [nr for o in d.steps[step_idx + 1:] for nr in o.scheduled_new_reqs if nr.req_id == victim]
     assert resent, "the preempted request was never rescheduled"
-    assert resent[0].num_prompt_tokens == 8
-    assert resent[0].token_ids[:8] == specs[victim][0]
-    assert len(resent[0].token_ids) > 8
+    assert resent[0].record.prompt_token_ids == specs[victim][0]
+    assert resent[0].output_token_ids
 
 
 def test_preempted_request_goes_back_in_front_of_waiting():
@@ -543,7 +546,7 @@ def test_overlapped_schedule_decodes_from_a_placeholder():
     # schedule() for step N+1 may run before step N's tokens are known (async scheduling): a
     # request that samples at step N is scheduled again with that token as a placeholder input.
     s = Scheduler(limits(num_blocks=4, block_size=4))
-    s.add_request(Request("c", prompt(1, 4), SamplingParams(max_tokens=3), frozenset({EOS}), max_tokens=3))
+    s.add_request(make_record("c", prompt(1, 4), max_tokens=3))
     out1 = s.schedule()
     out2 = s.schedule()                      # before step 1's token is known
     assert out1.num_scheduled_tokens == {"c": 4} and out2.num_scheduled_tokens == {"c": 1}
@@ -562,9 +565,8 @@ def test_late_output_for_request_preempted_by_overlapped_schedule():
     # Pipelined (schedule N+1 before update N), a request can be preempted while a token sampled
     # for it is still in flight: that token is dropped and sampled again after recomputation.
     s = Scheduler(limits(num_blocks=2, block_size=4))
-    eos = frozenset({EOS})
-    s.add_request(Request("c", prompt(1, 4), SamplingParams(max_tokens=5), eos, max_tokens=5))
-    s.add_request(Request("b", prompt(2, 1), SamplingParams(max_tokens=2), eos, max_tokens=2))
+    s.add_request(make_record("c", prompt(1, 4), max_tokens=5))
+    s.add_request(make_record("b", prompt(2, 1), max_tokens=2))
     out1 = s.schedule()                      # c's prefill fills block 1, b's takes block 2
     assert out1.num_scheduled_tokens == {"c": 4, "b": 1}
     out2 = s.schedule()                      # c's placeholder decode needs a 3rd block: b is preempted
@@ -584,15 +586,14 @@ def test_pipeline_batches_wait_for_tokens_and_carry_them_to_the_workers():
     s = Scheduler(limits(max_num_batched_tokens=12), workers_see_samples=False)
     lengths = {"a": 20, "b": 7, "c": 3}
     for rid, n in lengths.items():
-        s.add_request(Request(rid, prompt(len(rid) + n, n), SamplingParams(max_tokens=5), frozenset({EOS}),
-                              max_tokens=5))
+        s.add_request(make_record(rid, prompt(len(rid) + n, n), max_tokens=5))
     worker: dict[str, list[int]] = {}
     in_flight: deque[tuple[set[str], ModelRunnerOutput]] = deque()  # (scheduled ids, output)
     chunked_while_in_flight = False
     while s.has_unfinished_requests() or in_flight:
         out = s.schedule()
         for new in out.scheduled_new_reqs:
-            worker[new.req_id] = list(new.token_ids)
+            worker[new.req_id] = [*new.record.prompt_token_ids, *new.output_token_ids]
         for cached in out.scheduled_cached_reqs:
             tokens, num_prompt = worker[cached.req_id], lengths[cached.req_id]
             for scheduled, output in in_flight:

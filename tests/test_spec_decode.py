@@ -398,15 +398,15 @@ def test_draft_lookahead_never_takes_a_request_past_max_model_len():
     holds a third block (a wider block table than the CUDA graphs' would not fit them), every
     step's tokens fit, and the output stops exactly at the length."""
     from pagellm.core.outputs import ModelRunnerOutput  # noqa: PLC0415
-    from pagellm.core.request import Request  # noqa: PLC0415
+    from pagellm.core.request import EngineCoreRequest  # noqa: PLC0415
     from pagellm.core.scheduler import Scheduler, SchedulerLimits  # noqa: PLC0415
 
     limits = SchedulerLimits(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=32, block_size=16,
                              num_blocks=8, enable_prefix_caching=True)
     scheduler = Scheduler(limits, speculative=SpeculativeConfig(3, method="draft_model", model="draft"))
-    request = Request("r", list(range(1, 21)), SamplingParams(max_tokens=100, ignore_eos=True), frozenset(),
-                      max_tokens=12)
-    scheduler.add_request(request)
+    request = scheduler.add_request(EngineCoreRequest(
+        request_id="r", prompt_token_ids=list(range(1, 21)),
+        sampling_params=SamplingParams(max_tokens=100, ignore_eos=True), eos_token_ids=frozenset(), max_tokens=12))
     next_token = 100
     while scheduler.has_unfinished_requests():
         so = scheduler.schedule()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagellm.core.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pagellm.core.request import EngineCoreRequest
 from pagellm.sampling_params import SamplingParams
 from pagellm.worker.batch import RequestStates, upload
 
@@ -44,7 +45,10 @@ def test_steps_match_a_layout_from_the_lists_as_requests_come_and_go():
             blocks = list(range(next_block, next_block + -(-len(tokens) // BLOCK)))
             next_block += len(blocks)
             live[req_id] = {"tokens": tokens, "computed": 0, "blocks": blocks}
-            new.append(NewRequestData(req_id, list(tokens), len(tokens), params, list(blocks), 0, [2]))
+            record = EngineCoreRequest(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
+                                       eos_token_ids=frozenset({2}), max_tokens=16)
+            new.append(NewRequestData(record=record, output_token_ids=[], block_ids=list(blocks),
+                                      num_computed_tokens=0))
             scheduled[req_id] = len(tokens)
         for req_id, r in live.items():
             if req_id in scheduled:

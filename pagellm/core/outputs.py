@@ -4,28 +4,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagellm.pooling_params import PoolingParams
-from pagellm.sampling_params import SamplingParams
+from pagellm.core.request import EngineCoreRequest
 
 if TYPE_CHECKING:
     import numpy as np
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class NewRequestData:
-    """A request the workers have not seen (or a preempted one that restarts from scratch)."""
+    """A request the workers have not seen (or a preempted one that restarts from scratch): its
+    record, and where the scheduler has it now."""
 
-    req_id: str
-    token_ids: list[int]
-    """Prompt plus any tokens generated before a preemption."""
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
+    record: EngineCoreRequest
+    output_token_ids: list[int]
+    """Tokens it generated before a preemption (they follow the prompt as input); empty for a
+    request that is new."""
     block_ids: list[int]
     num_computed_tokens: int
-    eos_token_ids: list[int]
-    """The model's EOS ids: the worker masks them (unless ignore_eos) until min_tokens are generated."""
-    pooling_params: PoolingParams | None = None
-    """Set for a pooling request: the worker pools its hidden states instead of sampling."""
+
+    @property
+    def req_id(self) -> str:
+        return self.record.request_id
 
 
 @dataclass(slots=True)

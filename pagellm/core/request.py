@@ -1,9 +1,11 @@
-"""The scheduler's view of one request."""
+"""One request: the record of what was asked (`EngineCoreRequest`), and the scheduler's state of it."""
 from __future__ import annotations
 
 import enum
 import time
 from dataclasses import dataclass, field
+
+import msgspec
 
 from pagellm.core.hashing import BlockHash, extend_block_hashes
 from pagellm.core.interfaces import Grammar
@@ -17,6 +19,37 @@ def check_prompt_fits(num_prompt_tokens: int, max_model_len: int) -> None:
         raise ValueError(
             f"prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}: "
             "shorten it or raise max_model_len (at least one token must be generated)")
+
+
+class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Everything one request asked for, as the input processor resolved it: the one declaration of
+    a request's fields.
+
+    Made once by the input processor (`engine/processor.py`), it travels to the engine core as it
+    is (over the ZMQ wire, `engine/wire.py`; pickled to worker processes inside `NewRequestData`)
+    and is held, never copied field by field, by what the scheduler (`Request`), the workers
+    (`CachedRequestState`) and the output processor (`_RequestState`) keep of the request. A new
+    per-request field is declared here and read where it is used. n > 1 children are copies with
+    their own id and sampling params (`msgspec.structs.replace`).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    """Resolved: the model's generation-config defaults applied and bad words tokenized
+    (`_bad_words_token_ids`). A pooling request's are inert defaults (it samples nothing)."""
+    eos_token_ids: frozenset[int]
+    """The model's EOS ids: generation stops at one (unless ignore_eos), and the worker masks them
+    until min_tokens are generated."""
+    max_tokens: int
+    """Generation cap after clamping to the model's context length (0 for a pooling request)."""
+    arrival_time: float = msgspec.field(default_factory=time.monotonic)
+    """time.monotonic() when the request arrived (the same clock in every process of one machine)."""
+    pooling_params: PoolingParams | None = None
+    """Set for a pooling-runner request (embeddings): it runs its prompt once and samples nothing."""
+    cache_salt: str | None = None
+    """Isolates its prefix-cache entries: its blocks' hashes chain the salt in, so only requests
+    with the same salt share them (vLLM's `cache_salt`)."""
 
 
 class RequestStatus(enum.Enum):
@@ -44,20 +77,14 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Request:
-    """Tokens so far, how many of them have KV in the cache, and why it stopped."""
+    """The scheduler's state of one request: tokens so far, how many of them have KV in the cache,
+    and why it stopped. What was asked is its `record`, read through the properties below."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int]
-    max_tokens: int
-    """Generation cap after clamping to the model's context length."""
-    arrival_time: float = field(default_factory=time.monotonic)
-    cache_salt: str | None = None
-    """Isolates this request's prefix-cache entries from requests with another salt."""
+    record: EngineCoreRequest
     all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -69,9 +96,6 @@ class Request:
     num_output_placeholders: int = 0
     """Tokens sampled by a step still in flight: scheduled as input before their ids are known.
     For a pooling request: 1 while the step that pools its last prompt chunk is in flight."""
-    pooling_params: PoolingParams | None = None
-    """Set for a pooling-runner request (embeddings): it runs its prompt once and samples nothing.
-    Its `sampling_params` are then inert defaults."""
     grammar: Grammar | None = None
     """The matcher of a request with structured output, set by the scheduler when it arrives."""
     spec_token_ids: list[int] = field(default_factory=list)
@@ -88,14 +112,41 @@ class Request:
     _stop_ids: frozenset[int] = field(init=False)
     """The tokens that may end it: EOS (unless ignore_eos) and stop_token_ids (see `check_stop`)."""
 
+    @classmethod
+    def from_record(cls, record: EngineCoreRequest) -> Request:
+        """A request that has just arrived (waiting, nothing computed)."""
+        return cls(record=record)
+
     def __post_init__(self) -> None:
-        self.all_token_ids = list(self.prompt_token_ids)
-        sp = self.sampling_params
-        self._stop_ids = frozenset(sp.stop_token_ids or ()) | frozenset(() if sp.ignore_eos else self.eos_token_ids)
+        record = self.record
+        self.all_token_ids = list(record.prompt_token_ids)
+        self.num_prompt_tokens = len(record.prompt_token_ids)
+        sp = record.sampling_params
+        self._stop_ids = frozenset(sp.stop_token_ids or ()) | frozenset(() if sp.ignore_eos else record.eos_token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.record.prompt_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.record.sampling_params
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.record.pooling_params
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.record.eos_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.record.max_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -109,16 +160,16 @@ class Request:
         """Whether the tokens in flight already take it to max_tokens or max_model_len, so it ends
         when they arrive and must not be scheduled further."""
         return self.num_output_placeholders > 0 and (
-            self.num_output_tokens + self.num_output_placeholders >= self.max_tokens
+            self.num_output_tokens + self.num_output_placeholders >= self.record.max_tokens
             or self.num_tokens_with_placeholders >= max_model_len)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def skips_prefix_cache(self) -> bool:
@@ -127,20 +178,23 @@ class Request:
 
     @property
     def extra_keys(self) -> tuple:
-        return (self.cache_salt,) if self.cache_salt is not None else ()
+        """What its blocks' hashes chain in besides the tokens: the cache salt, if any."""
+        salt = self.record.cache_salt
+        return (salt,) if salt is not None else ()
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys)
 
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """After appending `token_id`: set a finished status if generation must end."""
-        num_output = len(self.all_token_ids) - len(self.prompt_token_ids)
+        record = self.record
+        num_output = len(self.all_token_ids) - self.num_prompt_tokens
         # The sampler masks EOS and stop tokens below min_tokens; this keeps the rule even for
         # a token that reached here some other way.
-        if token_id in self._stop_ids and num_output >= self.sampling_params.min_tokens:
+        if token_id in self._stop_ids and num_output >= record.sampling_params.min_tokens:
             self.status = RequestStatus.FINISHED_STOPPED
-            if self.sampling_params.ignore_eos or token_id not in self.eos_token_ids:
+            if record.sampling_params.ignore_eos or token_id not in record.eos_token_ids:
                 self.stop_reason = token_id
-        elif num_output >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
+        elif num_output >= record.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return self.status.is_finished

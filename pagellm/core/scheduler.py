@@ -26,7 +26,7 @@ from pagellm.core.outputs import (
     SchedulerStats,
     SpecDecodeStats,
 )
-from pagellm.core.request import Request, RequestStatus, check_prompt_fits
+from pagellm.core.request import EngineCoreRequest, Request, RequestStatus, check_prompt_fits
 
 if TYPE_CHECKING:
     from pagellm.config.speculative import SpeculativeConfig
@@ -96,10 +96,12 @@ class Scheduler:
 
     # -- requests in and out ------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        check_prompt_fits(request.num_tokens, self.limits.max_model_len)
+    def add_request(self, record: EngineCoreRequest) -> Request:
+        """Queue a request that has arrived; returns the scheduler's state of it."""
+        if record.request_id in self.requests:
+            raise ValueError(f"request_id {record.request_id!r} is already in use")
+        check_prompt_fits(len(record.prompt_token_ids), self.limits.max_model_len)
+        request = Request.from_record(record)
         structured = request.sampling_params.structured_outputs
         if structured is not None:
             if self.grammars is None:
@@ -109,6 +111,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._num_history_requests += request.sampling_params.reads_output_history
+        return request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort). Unknown or already finished ids are ignored."""
@@ -202,17 +205,20 @@ class Scheduler:
                     new_blocks = self.kv.allocate_slots(request, num_new)
                 if new_blocks is None:
                     break
+            # The record's fields directly, not through `Request`'s properties: this runs for
+            # every running request at every step.
+            req_id = request.record.request_id
             if drafts:
-                request.spec_token_ids = spec_tokens[request.request_id] = drafts
+                request.spec_token_ids = spec_tokens[req_id] = drafts
                 num_new += len(drafts)
-            num_scheduled[request.request_id] = num_new
+            num_scheduled[req_id] = num_new
             budget -= num_new
             if new_blocks or request.worker_out_of_date or not self.workers_see_samples:
                 request.worker_out_of_date = False
                 new_token_ids = ([] if self.workers_see_samples else
                                  request.all_token_ids[max(start, request.num_prompt_tokens):start + num_new])
                 cached_reqs.append(CachedRequestData(
-                    request.request_id, [b.block_id for b in new_blocks], start, new_token_ids))
+                    req_id, [b.block_id for b in new_blocks], start, new_token_ids))
             i += 1
 
         # Admitting new work right after a preemption would only thrash.
@@ -246,14 +252,10 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             new_reqs.append(NewRequestData(
-                req_id=request.request_id,
-                token_ids=list(request.all_token_ids),
-                num_prompt_tokens=request.num_prompt_tokens,
-                sampling_params=request.sampling_params,
+                record=request.record,
+                output_token_ids=request.output_token_ids,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_hit_tokens,
-                eos_token_ids=sorted(request.eos_token_ids),
-                pooling_params=request.pooling_params,
             ))
         self.waiting.extendleft(reversed(compiling))
 
@@ -284,7 +286,7 @@ class Scheduler:
         draft model's guesses, when the step ends the request's known tokens; never past
         max_model_len. Without it the draft proposes less, never wrongly."""
         if (not speculate or not self.lookahead or end < request.num_tokens
-                or request.sampling_params.reads_output_history):
+                or request.record.sampling_params.reads_output_history):
             return 0
         return max(0, min(self.lookahead, self.limits.max_model_len - end))
 
@@ -293,16 +295,17 @@ class Scheduler:
         model's length and the step's budget; none for requests whose sampling reads the output
         history (penalties, min_tokens, a grammar...), which decode one token a step."""
         proposal, request.proposed_token_ids = request.proposed_token_ids, []
+        record = request.record
         if (not speculate or request.num_output_placeholders
                 or request.num_computed_tokens != request.num_tokens - 1
-                or request.pooling_params is not None or request.sampling_params.reads_output_history):
+                or record.pooling_params is not None or record.sampling_params.reads_output_history):
             return []
         # The step yields the accepted drafts and one token more: all must fit.
-        room = min(request.max_tokens - request.num_output_tokens,
+        room = min(record.max_tokens - request.num_output_tokens,
                    self.limits.max_model_len - request.num_tokens, budget) - 1
         if self.proposer is None:  # the workers proposed when this request's last token came back
             return proposal[:max(room, 0)]
-        return self.proposer.propose(request.all_token_ids, room, request.request_id)
+        return self.proposer.propose(request.all_token_ids, room, record.request_id)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed or ran out of time is

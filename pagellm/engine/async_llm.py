@@ -28,7 +28,7 @@ from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.engine.mailbox import OutputMailbox
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
-from pagellm.engine.wire import AbortRequests, AddRequest, CoreOutputs, encoder, heartbeat_decoder, output_decoder
+from pagellm.engine.wire import AbortRequests, CoreOutputs, encoder, heartbeat_decoder, output_decoder
 from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -106,10 +106,10 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             await asyncio.to_thread(self.processor.check_structured_outputs, sampling_params)
-        request, text = self.processor.process(request_id, prompt, sampling_params)
-        core_requests = self.output_processor.add_request(request, text)
-        cost = sum(r.num_prompt_tokens + r.max_tokens for r in core_requests)
-        core = self._cores[self.router.route(request.prompt_token_ids, cost, [c.load for c in self._cores],
+        record, text = self.processor.process(request_id, prompt, sampling_params)
+        core_records = self.output_processor.add_request(record, text)
+        cost = sum(len(r.prompt_token_ids) + r.max_tokens for r in core_records)
+        core = self._cores[self.router.route(record.prompt_token_ids, cost, [c.load for c in self._cores],
                                              [c.failure_reason is None for c in self._cores])]
         mailbox = OutputMailbox(coalesce=isinstance(sampling_params, SamplingParams)
                                 and sampling_params.output_kind == RequestOutputKind.DELTA)
@@ -119,11 +119,8 @@ class AsyncLLM:
         finished = False
         try:
             # Inside the try: a cancellation between the sends still withdraws the ones sent.
-            for core_request in core_requests:
-                await core.input.send(encoder.encode(AddRequest(
-                    core_request.request_id, core_request.prompt_token_ids, core_request.sampling_params,
-                    sorted(core_request.eos_token_ids), core_request.max_tokens, core_request.arrival_time,
-                    core_request.pooling_params)))
+            for core_record in core_records:
+                await core.input.send(encoder.encode(core_record))
             while not finished:
                 item = await mailbox.get()
                 if isinstance(item, Exception):

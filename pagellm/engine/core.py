@@ -7,7 +7,7 @@ from collections import deque
 from pagellm.config import EngineConfig, SpeculativeConfig
 from pagellm.core.interfaces import DraftProposer
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
@@ -64,8 +64,8 @@ class EngineCore:
         # An engine holds no reference cycles, so dropping it still frees it.
         freeze_startup_objects()
 
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, record: EngineCoreRequest) -> None:
+        self.scheduler.add_request(record)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -15,11 +15,10 @@ import msgspec
 import zmq
 
 from pagellm.config import EngineConfig
-from pagellm.core.request import Request, RequestStatus
+from pagellm.core.request import EngineCoreRequest
 from pagellm.engine.core import EngineCore
 from pagellm.engine.wire import (
     AbortRequests,
-    AddRequest,
     CoreOutputs,
     Heartbeat,
     Ready,
@@ -120,9 +119,9 @@ def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: _
                 return
             if isinstance(message, AbortRequests):
                 core.abort_requests(message.request_ids)
-            elif isinstance(message, AddRequest):
+            elif isinstance(message, EngineCoreRequest):
                 try:
-                    core.add_request(_to_request(message))
+                    core.add_request(message)
                 except ValueError as e:
                     rejected.append((message.request_id, str(e)))
             timeout_ms = 0
@@ -135,15 +134,3 @@ def _loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, progress: _
         outputs.send(encoder.encode(CoreOutputs(step_outputs, core.stats(), rejected)))
         progress.num_steps += 1
 
-
-def _to_request(message: AddRequest) -> Request:
-    return Request(
-        request_id=message.request_id,
-        prompt_token_ids=message.prompt_token_ids,
-        sampling_params=message.sampling_params,
-        eos_token_ids=frozenset(message.eos_token_ids),
-        max_tokens=message.max_tokens,
-        arrival_time=message.arrival_time,
-        status=RequestStatus.WAITING,
-        pooling_params=message.pooling_params,
-    )

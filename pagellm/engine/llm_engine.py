@@ -43,11 +43,9 @@ class LLMEngine:
         PoolingParams (None: the defaults, on a pooling engine) make an embedding request."""
         if params is None:
             params = PoolingParams() if self.config.is_pooling else SamplingParams()
-        request, text = self.processor.process(request_id, prompt, params)
-        if arrival_time is not None:
-            request.arrival_time = arrival_time
-        for core_request in self.output_processor.add_request(request, text):
-            self.engine_core.add_request(core_request)
+        record, text = self.processor.process(request_id, prompt, params, arrival_time)
+        for core_record in self.output_processor.add_request(record, text):
+            self.engine_core.add_request(core_record)
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         """Abort requests (a parent of n > 1 aborts all its children); returns their final outputs."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagellm.core.outputs import EngineCoreOutput
-from pagellm.core.request import Request
+from pagellm.core.request import EngineCoreRequest
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.logprobs import LogprobsState
 from pagellm.engine.parallel_sampling import ParentRequest, needs_fan_out
@@ -17,17 +17,15 @@ from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import Tokenizer
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _RequestState:
-    """One sequence the engine core runs: a plain request or one child of a ParentRequest."""
+    """One sequence the engine core runs: a plain request or one child of a ParentRequest, as its
+    record says, and what has come back of it so far."""
 
-    request_id: str
+    record: EngineCoreRequest
     prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
     detokenizer: IncrementalDetokenizer | None
     """None with detokenize=False or without a tokenizer: token ids only, text ''."""
-    arrival_time: float
     parent: ParentRequest | None = None
     index: int = 0
     """Position in the parent's outputs."""
@@ -38,6 +36,32 @@ class _RequestState:
     last_token_time: float | None = None
     logprobs: LogprobsState | None = None
     """None unless the request asked for logprobs or prompt_logprobs."""
+
+    @classmethod
+    def from_request(cls, record: EngineCoreRequest, *, prompt: str | None, tokenizer: Tokenizer | None,
+                     parent: ParentRequest | None = None, index: int = 0) -> _RequestState:
+        """The state of a request just sent to the engine core (`prompt`: its text, if any)."""
+        params = record.sampling_params
+        return cls(record=record, prompt=prompt,
+                   detokenizer=IncrementalDetokenizer(tokenizer, params) if tokenizer and params.detokenize else None,
+                   parent=parent, index=index,
+                   logprobs=LogprobsState(params, tokenizer) if LogprobsState.wanted(params) else None)
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.record.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.record.sampling_params
+
+    @property
+    def arrival_time(self) -> float:
+        return self.record.arrival_time
 
 
 @dataclass(slots=True)
@@ -58,30 +82,24 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states or request_id in self.parents
 
-    def add_request(self, request: Request, prompt: str | None) -> list[Request]:
-        """Track a validated request; returns what the engine core must run: the request itself,
-        or its children when it samples several sequences (n > 1, best_of)."""
-        if request.request_id in self:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        if not needs_fan_out(request.sampling_params):
-            self._track(request, prompt, None, 0)
-            return [request]
-        parent = ParentRequest(request, prompt)
-        children = parent.make_children(request)
+    def add_request(self, record: EngineCoreRequest, prompt: str | None) -> list[EngineCoreRequest]:
+        """Track a validated request; returns the records the engine core must run: the request's
+        own, or its children's when it samples several sequences (n > 1, best_of)."""
+        if record.request_id in self:
+            raise ValueError(f"request_id {record.request_id!r} is already in use")
+        if not needs_fan_out(record.sampling_params):
+            self.states[record.request_id] = _RequestState.from_request(record, prompt=prompt, tokenizer=self.tokenizer)
+            return [record]
+        parent = ParentRequest(record, prompt)
+        children = parent.make_children()
         taken = [c.request_id for c in children if c.request_id in self]
         if taken:  # checked first: all children start or none does
-            raise ValueError(f"request_id {taken[0]!r} (a child of {request.request_id!r}) is already in use")
+            raise ValueError(f"request_id {taken[0]!r} (a child of {record.request_id!r}) is already in use")
         self.parents[parent.request_id] = parent
         for index, child in enumerate(children):
-            self._track(child, prompt, parent, index)
+            self.states[child.request_id] = _RequestState.from_request(
+                child, prompt=prompt, tokenizer=self.tokenizer, parent=parent, index=index)
         return children
-
-    def _track(self, request: Request, prompt: str | None, parent: ParentRequest | None, index: int) -> None:
-        params = request.sampling_params
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params) if self.tokenizer and params.detokenize else None
-        self.states[request.request_id] = _RequestState(
-            request.request_id, prompt, request.prompt_token_ids, params, detokenizer, request.arrival_time,
-            parent, index, logprobs=LogprobsState(params, self.tokenizer) if LogprobsState.wanted(params) else None)
 
     def core_request_ids(self, request_ids: list[str]) -> list[str]:
         """The ids the engine core knows for these caller ids (a parent's children in its place)."""
@@ -147,7 +165,7 @@ class OutputProcessor:
                 state.logprobs.update(out, len(new_token_ids))
             if finish_reason is not None:
                 del self.states[out.req_id]
-            elif state.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            elif state.record.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue  # nothing to report before the end (to the caller or to a parent)
             self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
         results.extend(self._parent_outputs(parents))
@@ -182,12 +200,13 @@ class OutputProcessor:
                              None if state.logprobs is None else state.logprobs.prompt_logprobs)
             parents[state.parent.request_id] = state.parent
             return
-        metrics = {"arrival_time": state.arrival_time}
+        record = state.record  # read directly, not through the properties: once per output of every step
+        metrics = {"arrival_time": record.arrival_time}
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
         if finish_reason is not None:
             metrics["finished_time"] = time.monotonic()
-        results.append(RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
+        results.append(RequestOutput(record.request_id, state.prompt, record.prompt_token_ids, [completion],
                                      finish_reason is not None, num_cached_tokens, metrics,
                                      None if state.logprobs is None else state.logprobs.prompt_logprobs))
 
@@ -197,7 +216,7 @@ class OutputProcessor:
         """The sequence as its output kind reports it now (`process` never asks an unfinished
         FINAL_ONLY sequence)."""
         finished = finish_reason is not None
-        delta = state.params.output_kind == RequestOutputKind.DELTA
+        delta = state.record.sampling_params.output_kind == RequestOutputKind.DELTA
         text = state.detokenizer.next_text(finished, delta) if state.detokenizer is not None else ""
         start = state.num_sent_tokens if delta else 0
         token_ids = state.token_ids[start:]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from pagellm.core.request import Request
+import msgspec
+
+from pagellm.core.request import EngineCoreRequest
 from pagellm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -21,42 +23,39 @@ def child_request_id(index: int, parent_id: str) -> str:
 class ParentRequest:
     """Gathers the children's completions into the parent's RequestOutputs (`outputs[i].index == i`)."""
 
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "n", "output_kind", "child_ids", "_latest",
-                 "_new", "_unfinished", "_arrival_time", "_first_token_time", "_num_cached_tokens",
-                 "_prompt_logprobs", "_logprobs_wanted")
+    __slots__ = ("record", "prompt", "n", "output_kind", "child_ids", "_latest", "_new", "_unfinished",
+                 "_first_token_time", "_num_cached_tokens", "_prompt_logprobs", "_logprobs_wanted")
 
-    def __init__(self, request: Request, prompt: str | None) -> None:
-        params = request.sampling_params
-        self.request_id = request.request_id
+    def __init__(self, record: EngineCoreRequest, prompt: str | None) -> None:
+        params = record.sampling_params
+        self.record = record
         self.prompt = prompt
-        self.prompt_token_ids = request.prompt_token_ids
         self.n = params.n
         # Which best_of children are returned is only known at the end: nothing streams before it.
         self.output_kind = RequestOutputKind.FINAL_ONLY if _num_children(params) > params.n else params.output_kind
-        self.child_ids = [child_request_id(i, request.request_id) for i in range(_num_children(params))]
+        self.child_ids = [child_request_id(i, record.request_id) for i in range(_num_children(params))]
         self._latest: list[CompletionOutput | None] = [None] * len(self.child_ids)
         self._new: dict[int, CompletionOutput] = {}
         self._unfinished = set(range(len(self.child_ids)))
-        self._arrival_time = request.arrival_time
         self._first_token_time: float | None = None
         self._num_cached_tokens = 0
         self._prompt_logprobs: PromptLogprobs | None = None
         self._logprobs_wanted = params.logprobs is not None
 
-    def make_children(self, request: Request) -> list[Request]:
-        """The child requests (resolved params copied with n=1; seed + i when seeded)."""
-        return [
-            Request(
-                request_id=child_id,
-                prompt_token_ids=request.prompt_token_ids,
-                sampling_params=child_params(request.sampling_params, i, self.output_kind),
-                eos_token_ids=request.eos_token_ids,
-                max_tokens=request.max_tokens,
-                arrival_time=request.arrival_time,
-                cache_salt=request.cache_salt,
-            )
-            for i, child_id in enumerate(self.child_ids)
-        ]
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.record.prompt_token_ids
+
+    def make_children(self) -> list[EngineCoreRequest]:
+        """The children's records: the parent's, each with its own id and params (resolved params
+        copied with n=1; seed + i when seeded); every other field is the parent's."""
+        return [msgspec.structs.replace(self.record, request_id=child_id,
+                                        sampling_params=child_params(self.record.sampling_params, i, self.output_kind))
+                for i, child_id in enumerate(self.child_ids)]
 
     def add(self, completion: CompletionOutput, num_cached_tokens: int, first_token_time: float | None,
             prompt_logprobs: PromptLogprobs | None = None) -> None:
@@ -91,7 +90,7 @@ class ParentRequest:
         else:
             outputs = [c if c is not None else CompletionOutput(i, "", []) for i, c in enumerate(self._latest)]
         self._new.clear()
-        metrics = {"arrival_time": self._arrival_time}
+        metrics = {"arrival_time": self.record.arrival_time}
         if self._first_token_time is not None:
             metrics["first_token_time"] = self._first_token_time
         if finished:

@@ -1,12 +1,13 @@
-"""Input processing: prompt -> token ids, validation, and the scheduler's Request."""
+"""Input processing: prompt -> token ids, validation, and the request's record (`EngineCoreRequest`)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Union
 
 from pagellm.config import EngineConfig
-from pagellm.core.request import Request, check_prompt_fits
+from pagellm.core.request import EngineCoreRequest, check_prompt_fits
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.structured_output import GrammarError
@@ -14,7 +15,9 @@ from pagellm.structured_output.source import GrammarChecker
 from pagellm.tokenizer import Tokenizer
 
 PromptType = Union[str, Mapping]
-"""A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt)."""
+"""A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt);
+a dict may carry "cache_salt": a non-empty string that keeps its prefix-cache blocks apart from those of
+requests with another salt or none."""
 
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 """The inert sampling params a pooling request carries (it samples nothing)."""
@@ -48,12 +51,16 @@ class InputProcessor:
             token_ids = self.tokenizer.encode(text)
         return text, token_ids
 
-    def process(self, request_id: str, prompt: PromptType,
-                params: SamplingParams | PoolingParams) -> tuple[Request, str | None]:
-        """SamplingParams make a generation request (generate runner), PoolingParams an embedding
-        request (pooling runner); the other combinations are refused."""
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                arrival_time: float | None = None) -> tuple[EngineCoreRequest, str | None]:
+        """The request's record and its prompt text (if any). SamplingParams make a generation
+        request (generate runner), PoolingParams an embedding request (pooling runner); the other
+        combinations are refused. `arrival_time`: time.monotonic() when it arrived (None: now)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if arrival_time is None:
+            arrival_time = time.monotonic()
+        cache_salt = _cache_salt(prompt)
         if self.config.is_pooling:
             if isinstance(params, SamplingParams):
                 raise ValueError("this engine runs the pooling runner (runner='pooling', --runner pooling): it "
@@ -61,7 +68,7 @@ class InputProcessor:
                                  "it with runner='generate' (--runner generate, the default) to generate text")
             if not isinstance(params, PoolingParams):
                 raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-            return self._process_pooling(request_id, prompt, params)
+            return self._process_pooling(request_id, prompt, params, arrival_time, cache_salt)
         if isinstance(params, PoolingParams):
             raise ValueError("embeddings need the pooling runner: start the engine with runner='pooling' "
                              "(--runner pooling); this one runs the generate runner")
@@ -79,17 +86,19 @@ class InputProcessor:
         # Generation also stops at max_model_len.
         room = self.config.model.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        request = Request(
+        record = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             max_tokens=max_tokens,
+            arrival_time=arrival_time,
+            cache_salt=cache_salt,
         )
-        return request, text
+        return record, text
 
-    def _process_pooling(self, request_id: str, prompt: PromptType,
-                         params: PoolingParams) -> tuple[Request, str | None]:
+    def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float,
+                         cache_salt: str | None) -> tuple[EngineCoreRequest, str | None]:
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -101,9 +110,10 @@ class InputProcessor:
                              f"was not trained for shorter (Matryoshka) embeddings, got {params.dimensions}")
         if params.normalize is None:
             params = dataclasses.replace(params, normalize=self.config.model.pooler.normalize)
-        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=_POOLING_SAMPLING_PARAMS,
-                          eos_token_ids=frozenset(), max_tokens=0, pooling_params=params)
-        return request, text
+        record = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,
+                                   sampling_params=_POOLING_SAMPLING_PARAMS, eos_token_ids=frozenset(), max_tokens=0,
+                                   arrival_time=arrival_time, pooling_params=params, cache_salt=cache_salt)
+        return record, text
 
     def _validate_token_features(self, params: SamplingParams) -> None:
         """Limits that depend on the model and the engine, which SamplingParams cannot know."""
@@ -150,6 +160,14 @@ class InputProcessor:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's "cache_salt" (None when absent), which must be a non-empty string."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _eos_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> set[int]:

@@ -4,21 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
-from pagellm.pooling_params import PoolingParams
-from pagellm.sampling_params import SamplingParams
-
-
-class AddRequest(msgspec.Struct, tag=True):
-    """A validated, tokenized request; the core turns it into a scheduler Request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    max_tokens: int
-    arrival_time: float
-    pooling_params: PoolingParams | None = None
-    """Set for an embedding request (pooling runner)."""
+from pagellm.core.request import EngineCoreRequest
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -29,7 +15,8 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-EngineCoreInput = AddRequest | AbortRequests | Shutdown
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
+"""A new request goes as its record (`EngineCoreRequest`), exactly as the input processor made it."""
 
 
 class Ready(msgspec.Struct, tag=True):

@@ -46,7 +46,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A list of ints is one tokenized prompt."""
+        """Outputs in the order of `prompts`. A list of ints is one tokenized prompt; a prompt dict
+        may carry "cache_salt" (see `PromptType`)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         return self._run(prompt_list, params_list, use_tqdm)
@@ -85,8 +86,13 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+        `cache_salt` (not in vLLM's `LLM.chat`, whose prompts cannot carry one): every conversation's
+        prefix-cache blocks are shared only with requests of the same salt, as a prompt dict's
+        "cache_salt" does in `generate`."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
@@ -95,8 +101,8 @@ class LLM:
             for conv in conversations
         ]
         # The template already carries any BOS token: don't let the tokenizer add a second one.
-        token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False)}
-                         for p in prompts]
+        token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
+                          "cache_salt": cache_salt} for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],

@@ -7,28 +7,27 @@ import numpy as np
 import torch
 
 from pagellm.attention.backend import AttentionMetadata
-from pagellm.core.outputs import SchedulerOutput
+from pagellm.core.outputs import NewRequestData, SchedulerOutput
+from pagellm.core.request import EngineCoreRequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sample.logits_processors import uses_logits_processors
 from pagellm.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class CachedRequestState:
-    """Everything about one request the worker needs across steps."""
+    """Everything about one request the worker needs across steps: its record (what was asked) and
+    where it stands on this worker."""
 
-    req_id: str
+    record: EngineCoreRequest
     token_ids: list[int]
+    """Prompt and output tokens known to this worker."""
     num_prompt_tokens: int
-    sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
-    eos_token_ids: list[int]
     prompt_logprobs_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     """Prompt logprobs of the chunks computed so far, until the prompt finishes; None when not
     wanted or already delivered."""
-    pooling_params: PoolingParams | None = None
-    """Set for a pooling request (see `ModelRunner._pool`)."""
     pooled: torch.Tensor | None = None
     """A pooling request's partial result over the chunks computed so far ([hidden_size] float32):
     the sum of the hidden states (MEAN) or the first token's (CLS)."""
@@ -38,6 +37,36 @@ class CachedRequestState:
     """Its row of the persistent batch (`RequestStates.block_table`...), while it lives."""
     uses_processors: bool = False
     """Whether its sampling needs logits processors (`uses_logits_processors`)."""
+
+    @classmethod
+    def from_new(cls, new: NewRequestData, *, row: int) -> CachedRequestState:
+        """The state of a request the scheduler sent as new, in persistent-batch row `row`."""
+        record = new.record
+        params = record.sampling_params
+        # A request resumed with output already delivered its prompt logprobs with its first token.
+        wants_prompt_logprobs = params.prompt_logprobs is not None and not new.output_token_ids
+        return cls(record=record, token_ids=[*record.prompt_token_ids, *new.output_token_ids],
+                   num_prompt_tokens=len(record.prompt_token_ids), block_ids=list(new.block_ids),
+                   num_computed_tokens=new.num_computed_tokens,
+                   prompt_logprobs_parts=[] if wants_prompt_logprobs else None, row=row,
+                   uses_processors=uses_logits_processors(params))
+
+    @property
+    def req_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.record.sampling_params
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        """Set for a pooling request (see `ModelRunner._pool`)."""
+        return self.record.pooling_params
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.record.eos_token_ids
 
 
 @dataclass(slots=True)
@@ -108,14 +137,7 @@ class RequestStates:
                 self._free_rows.append(state.row)
                 self.num_special -= state.uses_processors
         for new in so.scheduled_new_reqs:
-            # A request resumed with output already delivered its prompt logprobs with its first token.
-            wants_prompt_logprobs = (new.sampling_params.prompt_logprobs is not None
-                                     and len(new.token_ids) == new.num_prompt_tokens)
-            state = self.states[new.req_id] = CachedRequestState(
-                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens, list(new.eos_token_ids),
-                [] if wants_prompt_logprobs else None, new.pooling_params, row=self._take_row(),
-                uses_processors=uses_logits_processors(new.sampling_params))
+            state = self.states[new.req_id] = CachedRequestState.from_new(new, row=self._take_row())
             self.num_special += state.uses_processors
             self.num_blocks[state.row] = 0
             self._write_blocks(state, state.block_ids)

@@ -285,7 +285,7 @@ class ModelRunner:
             if self.ps.pp_size > 1:
                 return []
             return [tensor_parallel_broadcast(torch.empty(len(states), dtype=torch.int64, device=self.device))]
-        params = [s.sampling_params for s in states]
+        params = [s.record.sampling_params for s in states]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs are of the model's raw distribution, before penalties and temperature.
         raw_logprobs = logits[logprob_rows].float().log_softmax(dim=-1) if logprob_rows else None
@@ -316,7 +316,7 @@ class ModelRunner:
         per row, then (ids, logprobs, ranks) of the rows of requests that asked for logprobs."""
         logits = self.model.compute_logits(hidden)
         rows = [s for s, k in zip(states, batch.num_drafts) for _ in range(k + 1)]
-        params = [s.sampling_params for s in rows]
+        params = [s.record.sampling_params for s in rows]
         processors = LogitsProcessors.build(
             params, [s.token_ids for s in rows], [s.num_prompt_tokens for s in rows],
             [s.eos_token_ids for s in rows], self.arch.vocab_size, self.device)
@@ -488,9 +488,10 @@ def _sampled_logprobs(states: list[CachedRequestState], token_ids: list[list[int
     to back; each keeps the rows of the tokens it emits."""
     result, start = {}, 0
     for i, (s, emitted) in enumerate(zip(states, token_ids)):
-        if s.sampling_params.logprobs is None:
+        k = s.record.sampling_params.logprobs
+        if k is None:
             continue
-        result[s.req_id] = _rows(arrays, list(range(start, start + len(emitted))), s.sampling_params.logprobs)
+        result[s.req_id] = _rows(arrays, list(range(start, start + len(emitted))), k)
         start += 1 + (num_drafts[i] if num_drafts is not None else 0)
     return result
 

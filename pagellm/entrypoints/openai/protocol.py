@@ -173,6 +173,9 @@ class GenerationRequest(StrictModel):
     """Top logprobs per prompt token, returned as `prompt_logprobs` (not with stream)."""
     request_id: str | None = Field(default=None, pattern=REQUEST_ID_PATTERN)
     """Used in the response id and as the engine's request id; default: the X-Request-Id."""
+    cache_salt: str | None = Field(default=None, min_length=1)
+    """The prompt's prefix-cache blocks are shared only with requests that send the same salt (so one
+    tenant cannot time another's cached prompts)."""
     return_tokens_as_token_ids: bool = False
     """Name tokens in logprobs as `token_id:{id}` instead of their text (for tokens that are not whole characters)."""
     return_token_ids: bool = False

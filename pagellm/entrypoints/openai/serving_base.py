@@ -248,8 +248,8 @@ class OpenAIServing:
             params = self.sampling_params(request, max_tokens, constraint)
             if tools.parser is not None and tools.parser.needs_special_tokens:
                 params.skip_special_tokens = False  # the parser's marker is one
-            started = await self.start({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
-                                       constraint)
+            prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
+            started = await self.start(prompt, params, request_id, constraint)
         except APIError as e:
             if e.param is not None:
                 e.param = names.get(e.param, e.param)

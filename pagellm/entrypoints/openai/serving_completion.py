@@ -44,9 +44,9 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt in prompts:
             if isinstance(prompt, str):
                 ids = self.tokenizer().encode(prompt, add_special_tokens=request.add_special_tokens)
-                engine_prompts.append({"prompt": prompt, "prompt_token_ids": ids})
+                engine_prompts.append({"prompt": prompt, "prompt_token_ids": ids, "cache_salt": request.cache_salt})
             else:
-                engine_prompts.append({"prompt_token_ids": prompt})
+                engine_prompts.append({"prompt_token_ids": prompt, "cache_salt": request.cache_salt})
             self.check_prompt_ids(engine_prompts[-1]["prompt_token_ids"], "prompt")
         # max_tokens 0 with echo scores the prompt: one token is generated (the engine needs one
         # step past the prompt) and left out of the response.
