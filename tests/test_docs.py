@@ -39,9 +39,11 @@ FENCE_OPEN = re.compile(r"^(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 LANGUAGES = ("bash", "python")
 # A server block's address as written; the test substitutes the address of the server it started.
 DOC_ADDRESSES = ("127.0.0.1:8000", "localhost:8000")
-# The server the blocks get: the embedded model on the CPU with a small KV cache (a default-sized one
-# is a quarter of RAM), and a context that fits in it. A marker's flags come after these.
-SERVER_BASE_FLAGS = ("--device", "cpu", "--kv-cache-memory-bytes", str(256 << 20), "--max-model-len", "2048")
+# The server the blocks get: the embedded model on the CPU in float32 (the C kernels' fast path, as
+# the suite's shared server runs it), a small KV cache (a default-sized one is a quarter of RAM) and a
+# context that fits in it. A marker's flags come after these.
+SERVER_BASE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
+                     "--max-model-len", "2048")
 SERVER_START_TIMEOUT_S = 180.0
 SERVER_STOP_TIMEOUT_S = 30.0
 BLOCK_TIMEOUT_S = 300.0
