@@ -375,7 +375,7 @@ def _gemv_kernel(
     # A decode step's one row: multiply-adds on the CUDA cores, no tile padded to 16 rows. 4-bit
     # codes arrive as int32 words of eight (k = 8i + j in word i's bits 4j..4j+3, as the bytes
     # hold them), so that turning a code into a float costs one integer operation: the kernel is
-    # bound by its instructions more than by memory (the README's quantization section has the
+    # bound by its instructions more than by memory (docs/performance-notes.md has the
     # measured steps, `benchmarks/gemv_sass.py` counts the instructions).
     tl.static_assert(HALF or not THREAD_RUNS, "THREAD_RUNS is a way of the float16 (HALF) products")
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
