@@ -24,7 +24,7 @@ from pagellm.layers.linear import _ParallelLinear
 from pagellm.layers.linear_method import LinearMethod
 from pagellm.loader.gguf_file import GGUFFile
 from pagellm.loader.gguf_loader import hf_tensor_name
-from pagellm.quantization.base import QuantizationConfig
+from pagellm.quantization.base import QuantizableModel, QuantizationConfig
 
 try:  # the GPU's kernel
     from pagellm.ops.triton import matmul as triton_matmul
@@ -154,7 +154,7 @@ class GGUFConfig(QuantizationConfig):
         with GGUFFile(path) as gguf:
             return cls({hf_tensor_name(t.name): t.ggml_type for t in gguf.tensors})
 
-    def apply(self, model: nn.Module) -> set[str]:
+    def apply(self, model: QuantizableModel) -> set[str]:
         on_gpu = next(model.parameters()).is_cuda
         kept: set[str] = set()
         methods: dict[int, nn.Module] = {}  # id(original weight) -> the module that re-created it (tied tables)

@@ -36,7 +36,8 @@ from pagellm.quantization import smoothing
 from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.linear_method import LinearMethod
-from pagellm.quantization.base import Calibration, CalibrationSource, LinearLayersConfig, new_param, replace_param
+from pagellm.quantization.base import (Calibration, CalibrationSource, LinearLayersConfig, QuantizableModel,
+                                       new_param, replace_param)
 
 try:  # the GPU's kernel; the CPU computes the products in PyTorch
     from pagellm.ops.triton import matmul as triton_matmul
@@ -274,7 +275,7 @@ class Int4Config(LinearLayersConfig):
 
     method_cls = Int4LinearMethod
 
-    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
+    def prepare_weights(self, model: QuantizableModel, calibration: CalibrationSource) -> None:
         """rtn: activation-aware scales, then clipping, calibrated on the package's text (AWQ's
         searches: `smoothing.awq`, `smoothing.clip`)."""
         if self.fmt.kind == "rtn":

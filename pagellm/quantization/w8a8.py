@@ -20,8 +20,8 @@ from pagellm.ops.numerics import QMAX
 from pagellm.quantization import smoothing
 from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.layers.linear_method import LinearMethod
-from pagellm.quantization.base import (CalibrationSource, LinearLayersConfig, new_param, per_channel_loader,
-                                      replace_param)
+from pagellm.quantization.base import (CalibrationSource, LinearLayersConfig, QuantizableModel, new_param,
+                                      per_channel_loader, replace_param)
 
 try:  # the GPU's kernels; the CPU computes the products in PyTorch
     from pagellm.ops.triton import matmul as triton_matmul
@@ -155,7 +155,7 @@ class W8A8Config(LinearLayersConfig):
 
     method_cls = W8A8LinearMethod
 
-    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
+    def prepare_weights(self, model: QuantizableModel, calibration: CalibrationSource) -> None:
         """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text."""
         if self.fmt.online and self.fmt.quantize_activations:
             smoothing.calibrate(model, calibration, self.name,

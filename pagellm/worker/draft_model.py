@@ -8,6 +8,7 @@ import torch
 from pagellm import ops
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
+from pagellm.models import CausalLM
 from pagellm.worker.batch import CachedRequestState, attention_layout, padded_block_table
 from pagellm.worker.cuda_graphs import DecodeGraphs
 from pagellm.worker.loading import bind_kv_cache, build_model
@@ -28,7 +29,7 @@ class DraftModelProposer:
         self.config = config
         self.k = config.speculative.num_speculative_tokens
         self.block_size = config.cache.block_size
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLM | None = None
         self.graphs: DecodeGraphs | None = None
 
     def load(self) -> None:

@@ -11,6 +11,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
+from pagellm.models import CausalLM
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
@@ -34,7 +35,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ps = parallel_state()
         self.requests = RequestStates(self.block_size, self.device)
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
