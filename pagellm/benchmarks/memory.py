@@ -23,7 +23,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagellm.config.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
+from pagellm.config.dtype_sizes import kv_cache_element_bytes
+from pagellm.config.quantization import quantized_weight_bytes
 from pagellm.config.arch import ModelArchConfig
 
 SAMPLER_BYTES_PER_LOGIT = 40

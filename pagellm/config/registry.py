@@ -88,6 +88,12 @@ class Registry(Generic[E]):
         load_plugins()
         return tuple(self._entries)
 
+    def describe(self, separator: str = " | ") -> str:
+        """Every name with its entry's description, for `--help`: "a (what a is) | b"."""
+        described = (f"{e.name} ({e.description})" if getattr(e, "description", "") else e.name
+                     for e in self.entries())
+        return separator.join(described)
+
     def entries(self) -> tuple[E, ...]:
         load_plugins()
         return tuple(self._entries.values())

@@ -20,13 +20,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from pagellm.config.quantization import FLAG
 from pagellm.distributed import get_tp_world_size
 from pagellm.layers.linear import RowParallelLinear, _ParallelLinear
 from pagellm.layers.linear_method import LinearMethod
-
-FLAG = "quantization (--quantization)"
-"""How errors name the flag (and LLM(...)'s keyword)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Calibration:

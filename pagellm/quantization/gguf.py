@@ -141,6 +141,11 @@ def _padding_loader(layer: nn.Module):
     return load
 
 
+def build(method: str, model_path: str, hf_config: dict) -> "GGUFConfig":
+    """The registry's builder of gguf (`QuantizationMethod.build`): the file's block types."""
+    return GGUFConfig.from_file(model_path)
+
+
 class GGUFConfig(QuantizationConfig):
     """The block type of every tensor of a GGUF file, by Hugging Face name."""
 

@@ -270,6 +270,13 @@ def quantize_rtn(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
+def build(method: str, model_path: str, hf_config: dict[str, Any]) -> "Int4Config":
+    """The registry's builder of gptq, awq, rtn and 4-bit compressed-tensors (`QuantizationMethod.build`);
+    config.json's torch_dtype is the type of the checkpoint's scales."""
+    return Int4Config.create(method, hf_config.get("quantization_config") or {},
+                             hf_config.get("torch_dtype") or hf_config.get("dtype"))
+
+
 class Int4Config(LinearLayersConfig):
     """Every linear layer int4 (the embedding and LM head stay dense), but the ignored ones."""
 

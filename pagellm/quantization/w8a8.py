@@ -150,6 +150,11 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return ((xq.float() @ weight.float().t()) * x_scale * weight_scale).to(x.dtype)
 
 
+def build(method: str, model_path: str, hf_config: dict[str, Any]) -> "W8A8Config":
+    """The registry's builder of fp8, int8 and 8-bit compressed-tensors (`QuantizationMethod.build`)."""
+    return W8A8Config.create(method, hf_config.get("quantization_config") or {})
+
+
 class W8A8Config(LinearLayersConfig):
     """Every linear layer 8-bit (the embedding and LM head stay dense), but the ignored ones."""
 

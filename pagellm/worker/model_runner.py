@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.attention import ATTENTION_BACKEND_REGISTRY
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -120,7 +121,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
         the torch attention backend, which plans on the host)."""
-        if self.device.type != "cuda" or self.config.model.attention_backend != "triton" or self.ps.pp_size > 1:
+        backend = ATTENTION_BACKEND_REGISTRY.get(self.config.model.attention_backend)
+        if self.device.type != "cuda" or not backend.cuda_graphs or self.ps.pp_size > 1:
             return
         self._compile_eager_steps()
         if self.config.model.enforce_eager:
