@@ -279,7 +279,7 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     """Find the draft model and check that it can propose for the target: the same vocabulary (the
     drafts are the target's token ids) and positions up to max_model_len. With dummy target weights
     the draft is a dummy too (a preset name works), for speed measurements."""
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or speculative.model is None:  # a method without a draft model
         return None
     flag = "speculative_config (--speculative-config) model"
     try:

@@ -19,9 +19,9 @@ from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection import verify
 from pagellm.sample.sampler import in_float32, sample
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode import DeviceProposer, build_device_proposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
 from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs
-from pagellm.worker.draft_model import DraftModelProposer
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -46,8 +46,9 @@ class ModelRunner:
         self._default_generator.manual_seed(config.model.seed)
         self.pooler = config.model.pooler
         """The pooling runner's pooler (embeddings instead of sampling); None: generate."""
-        self.drafter = DraftModelProposer(config) if config.draft is not None else None
-        """Proposes draft tokens after each step (draft_model speculation); None otherwise."""
+        self.drafter: DeviceProposer | None = build_device_proposer(config)
+        """Proposes draft tokens after each step (speculation whose proposer runs in the worker:
+        draft_model); None otherwise."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -64,7 +65,7 @@ class ModelRunner:
         kv_dtype = self.config.cache.kv_cache_dtype
         size = kv_bytes_per_block(self.model, self.block_size, kv_dtype)
         if self.drafter is not None:
-            size += kv_bytes_per_block(self.drafter.model, self.block_size, kv_dtype)
+            size += self.drafter.kv_bytes_per_block(self.block_size, kv_dtype)
         return size
 
     def profile_peak_memory(self) -> int:
