@@ -123,8 +123,12 @@ def describe(entry: Any) -> str:
     """Where an entry's implementation lives, for messages."""
     for field in ("cls", "build", "tags"):
         ref = getattr(entry, field, None)
+        if isinstance(ref, str):
+            return ref
+        if hasattr(ref, "__qualname__"):
+            return f"{ref.__module__}:{ref.__qualname__}"
         if ref is not None:
-            return ref if isinstance(ref, str) else getattr(ref, "__qualname__", repr(ref))
+            return repr(ref)
     return repr(entry)
 
 

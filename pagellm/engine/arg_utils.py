@@ -30,6 +30,7 @@ from pagellm.executor import EXECUTOR_REGISTRY
 from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
 from pagellm.ops.dispatch import triton_available, triton_interpreting
+from pagellm.plugins import load_plugins
 from pagellm.quantization import QUANTIZATION_REGISTRY, resolve_quantization
 from pagellm.reasoning import REASONING_PARSER_REGISTRY
 
@@ -88,6 +89,7 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def validate(self) -> None:
+        load_plugins()  # the API process's registries, before any name is looked up
         if self.quantization is not None:
             QUANTIZATION_REGISTRY.get(self.quantization)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:

@@ -11,6 +11,7 @@ from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
+from pagellm.plugins import load_plugins
 from pagellm.spec_decode import build_host_proposer
 from pagellm.structured_output.manager import GrammarManager
 
@@ -22,6 +23,7 @@ _GRAMMAR_WAIT_S = 0.05
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        load_plugins()  # the engine-core process's registries (its own process for the server)
         self.config = config
         self.executor = create_executor(config)
         try:
