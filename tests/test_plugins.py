@@ -13,7 +13,6 @@ import textwrap
 
 import httpx
 import pytest
-
 from server_utils import RemoteServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,8 +114,8 @@ def plugin_site(tmp_path_factory) -> str:
     for name, files in (("tiny", PLUGIN_FILES), ("broken", BROKEN_PLUGIN_FILES)):
         _write_project(root / name, files)
         # Offline and with this environment's setuptools: nothing is downloaded or installed here.
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
-                               "--quiet", "--target", str(site), str(root / name)],
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+                               "--no-index", "--quiet", "--target", str(site), str(root / name)],
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout + done.stderr
     return str(site)

@@ -214,7 +214,7 @@ def test_register_quantization_method():
     assert resolve_quantization(None, "safetensors", "/m", CPU, hf) == "marlin"
 
 
-# -- attention backends and executors ----------------------------------------------------------------------------------
+# -- attention backends and executors ---------------------------------------------------------------------------------
 
 class PluginAttention(TorchAttentionBackend):
     name = "plugin"
@@ -231,7 +231,8 @@ def test_register_attention_backend(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     args = dict(model=str(tmp_path), load_format="dummy", device="cpu", dtype="float32")
     _refused(lambda: EngineArgs(**args, attention_backend="gpu_only").create_engine_config(),
-             "attention_backend (--attention-backend) gpu_only runs on CUDA GPUs only, and the device is cpu: use torch")
+             "attention_backend (--attention-backend) gpu_only runs on CUDA GPUs only, and the device is cpu: "
+             "use torch")
     register_attention_backend("anywhere", PluginAttention)
     _refused(lambda: EngineArgs(**args, attention_backend="anywhere", kv_cache_dtype="fp8").create_engine_config(),
              "kv_cache_dtype (--kv-cache-dtype) fp8: the anywhere attention backend reads no float8 caches")
@@ -254,7 +255,7 @@ def test_register_executor():
     assert "solo (one rank here)" in EngineArgs.__dataclass_fields__["distributed_executor_backend"].metadata["help"]()
 
 
-# -- speculative proposers ----------------------------------------------------------------------------------------------
+# -- speculative proposers --------------------------------------------------------------------------------------------
 
 class RepeatProposer(HostProposer):
     """Proposes the last token again."""
@@ -304,7 +305,7 @@ def test_one_proposer_interface_and_registry():
     assert build_device_proposer(type("Config", (), {"speculative": None})()) is None
 
 
-# -- parsers ------------------------------------------------------------------------------------------------------------
+# -- parsers ----------------------------------------------------------------------------------------------------------
 
 class EverythingIsContent(ToolParser):
     def parse(self, text, final):
@@ -328,7 +329,7 @@ def test_register_tool_and_reasoning_parsers(capsys):
     _refused(lambda: register_reasoning_parser("bad", ("<a>", "</a>")), "ReasoningTags")
 
 
-# -- plugins ------------------------------------------------------------------------------------------------------------
+# -- plugins ----------------------------------------------------------------------------------------------------------
 
 def test_plugins_that_fail_are_named(tmp_path, monkeypatch):
     (tmp_path / "broken_plugins.py").write_text(
