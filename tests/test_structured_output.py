@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 from pagellm import LLM, LLMEngine, SamplingParams, StructuredOutputsParams
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.reasoning import REASONING_PARSERS
+from pagellm.reasoning import get_reasoning_tags
 from pagellm.structured_output import GrammarError
 from pagellm.structured_output.bitmask import apply_token_bitmask
 from pagellm.structured_output.manager import GrammarManager, RequestGrammar
@@ -227,10 +227,10 @@ def test_the_grammar_waits_for_the_end_of_reasoning() -> None:
     manager = GrammarManager.__new__(GrammarManager)
     manager._reasoning_ids = (5, 4)
     for name in ("deepseek_r1", "qwen3"):
-        manager._reasoning = REASONING_PARSERS[name]
+        manager._reasoning = get_reasoning_tags(name)
         assert manager._reasoning_state([9, 5, 0, 4, 9]) == (None, None)  # closed in the prompt (thinking off)
         assert manager._reasoning_state([9, 4, 9, 5, 0]) == (4, None)  # opened in the prompt: wait for the end
-    manager._reasoning = REASONING_PARSERS["deepseek_r1"]
+    manager._reasoning = get_reasoning_tags("deepseek_r1")
     assert manager._reasoning_state([9, 9]) == (4, None)  # the template's <think> is implied
-    manager._reasoning = REASONING_PARSERS["qwen3"]
+    manager._reasoning = get_reasoning_tags("qwen3")
     assert manager._reasoning_state([9, 9]) == (None, (5, 4))  # the model decides

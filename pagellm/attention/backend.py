@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ class AttentionBackend(ABC):
     """Computes attention for one layer of a flat batch over a paged KV cache."""
 
     name: str
+    fused_cpu_layer: ClassVar[bool] = False
+    """The fused C decoder layer (`pagellm.models.cpu_layer`) computes this backend's attention bit
+    for bit, so the CPU worker may run that layer in place of the backend (the `cpu` backend's)."""
 
     @abstractmethod
     def forward(

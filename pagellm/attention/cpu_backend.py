@@ -16,6 +16,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
     start-up: the kernel reads float32 caches)."""
 
     name = "cpu"
+    fused_cpu_layer = True
 
     def forward(
         self,

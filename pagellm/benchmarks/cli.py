@@ -19,7 +19,7 @@ from pagellm.entrypoints.arg_types import (
     positive_int,
     set_handler,
 )
-from pagellm.quantization import QUANTIZATION_METHODS
+from pagellm.quantization import QUANTIZATION_REGISTRY
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
@@ -181,7 +181,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
                       help="auto: cuda if --gpu-memory-gib is given or a GPU is present, else cpu")
     plan.add_argument("--gpu-memory-gib", type=positive_float, default=None,
                       help="the GPU's total memory in GiB (an H200: 139.8); default: the present GPU's")
-    plan.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+    plan.add_argument("--quantization", choices=QUANTIZATION_REGISTRY.names(), default=None,
                       help="linear-layer weights at fp8/int8 (1 byte) or int4 gptq/awq/rtn (0.5 byte + a scale "
                            "and zero point per group of 128), as the engine's --quantization stores them (for a "
                            "dense model, a what-if: the size its quantized checkpoint would have); "

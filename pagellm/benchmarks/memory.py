@@ -27,7 +27,8 @@ import torch
 
 from pagellm.attention import get_attn_backend
 from pagellm.config.arch import ModelArchConfig
-from pagellm.config.dtype_sizes import kv_cache_element_bytes, quantized_weight_bytes
+from pagellm.config.dtype_sizes import kv_cache_element_bytes
+from pagellm.config.quantization import quantized_weight_bytes
 from pagellm.distributed.parallel_state import init_tensor_parallel, parallel_state
 from pagellm.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pagellm.models import get_model_class

@@ -9,6 +9,7 @@ from pagellm.benchmarks import cli as bench_cli
 from pagellm.cli import generate, serve
 from pagellm.entrypoints.arg_types import Parser
 from pagellm.eval import cli as eval_cli
+from pagellm.plugins import PluginError, load_plugins
 from pagellm.version import __version__
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
@@ -27,7 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run a command: 0 on success; 2, with one line on stderr naming the flag, on a bad flag."""
+    """Run a command: 0 on success; 2, with one line on stderr naming the flag, on a bad flag; 1,
+    with one line naming the plugin, when an installed plugin fails to load."""
+    try:
+        load_plugins()  # before the parser: plugins' names are flag choices (--tool-call-parser)
+    except PluginError as e:
+        print(f"pagellm: error: {e}", file=sys.stderr)
+        return 1
     ns = build_parser().parse_args(argv)
     try:
         return ns.handler(ns)

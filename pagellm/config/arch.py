@@ -8,7 +8,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from pagellm.config.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureEntry:
+    """A model architecture the engine can run (`pagellm.models.register_model` adds one)."""
+
+    name: str
+    """The Hugging Face architecture name a `config.json` lists, e.g. `LlamaForCausalLM`."""
+    cls: Any
+    """The model class (implementing `pagellm.models.interface.CausalLM`), or its
+    "package.module:Class" name, imported when a model of this architecture is built."""
+    gguf_arch: str | None = None
+    """The `general.architecture` of GGUF files holding this architecture (None: not loaded from
+    GGUF). Several architectures may share one (llama.cpp files Mistral as llama): a file's
+    `general.name` containing an entry's `model_type` picks that entry, else the one whose
+    `model_type` is the GGUF name."""
+    model_type: str | None = None
+    """The Hugging Face `model_type` (a GGUF file's config gets it)."""
+
+
+MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", builtins=(
+    ArchitectureEntry("LlamaForCausalLM", "pagellm.models.llama:LlamaForCausalLM", "llama", "llama"),
+    ArchitectureEntry("MistralForCausalLM", "pagellm.models.llama:LlamaForCausalLM", "llama", "mistral"),
+    ArchitectureEntry("Qwen2ForCausalLM", "pagellm.models.qwen2:Qwen2ForCausalLM", "qwen2", "qwen2"),
+    ArchitectureEntry("Qwen3ForCausalLM", "pagellm.models.qwen3:Qwen3ForCausalLM", "qwen3", "qwen3"),
+))
+"""Every architecture the engine runs, by Hugging Face name."""
 
 
 @dataclass(slots=True)
@@ -40,11 +67,11 @@ class ModelArchConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelArchConfig":
         archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in MODEL_REGISTRY), None)
         if arch is None:
             raise ValueError(
                 f"model architecture {archs or d.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(MODEL_REGISTRY.names())} (a plugin may register more: pagellm.plugins)"
             )
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")

@@ -1,23 +1,59 @@
-"""`speculative_config` as vLLM takes it: a dict in `LLM(...)`, JSON with `--speculative-config`."""
+"""`speculative_config` as vLLM takes it: a dict in `LLM(...)`, JSON with `--speculative-config`;
+and the proposers its `method` names (`PROPOSER_REGISTRY`; the interface and `register_proposer`
+are in `pagellm.spec_decode`)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any, Literal
+
+from pagellm.config.registry import Registry
 
 _FLAG = "speculative_config (--speculative-config)"
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 _MODEL_KEYS = ("model", "quantization")
-_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", *_NGRAM_KEYS, *_MODEL_KEYS)
-METHODS = ("ngram", "draft_model")
+METHOD_KEYS = (*_NGRAM_KEYS, *_MODEL_KEYS)
+"""The keys that apply to some methods only (a proposer's entry says which are its own)."""
+_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", *METHOD_KEYS)
 MAX_SPECULATIVE_TOKENS = 16
+
+ProposerPlace = Literal["scheduler", "worker"]
+"""Where a proposer runs: beside the scheduler in the engine core, on the host, proposing from
+token ids (n-gram); or in each worker, on the device, after the step that sampled (a draft model)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProposerEntry:
+    """A speculative decoding method (`speculative_config`'s `method`) and its proposer."""
+
+    name: str
+    cls: Any
+    """A `pagellm.spec_decode.HostProposer` or `DeviceProposer` subclass, or its
+    "package.module:Class" name, imported where it runs."""
+    runs_in: ProposerPlace
+    """Which process builds it: the engine core's scheduler or the workers."""
+    keys: tuple[str, ...] = ()
+    """Which of `METHOD_KEYS` it takes; with "model" the config must name a draft model."""
+    aliases: tuple[str, ...] = ()
+    """Other names `method` may give it (vLLM's older ones)."""
+    description: str = ""
+
+
+PROPOSER_REGISTRY: Registry[ProposerEntry] = Registry("speculative decoding method", f"{_FLAG} method", builtins=(
+    ProposerEntry("ngram", "pagellm.spec_decode.ngram:NgramProposer", "scheduler", _NGRAM_KEYS, ("[ngram]",),
+                  "prompt lookup"),
+    ProposerEntry("draft_model", "pagellm.worker.draft_model:DraftModelProposer", "worker", _MODEL_KEYS, ("draft",),
+                  "a smaller model of the same vocabulary"),
+))
+"""Every `speculative_config` method, by name."""
 
 
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
-    """Where the draft tokens come from: prompt lookup ("ngram": the tokens that followed the
-    latest earlier occurrence of the request's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min`) or a smaller model of the same vocabulary ("draft_model": `model`,
-    decoding greedily with its own KV cache)."""
+    """Where the draft tokens come from (`method`, a `PROPOSER_REGISTRY` name): prompt lookup
+    ("ngram": the tokens that followed the latest earlier occurrence of the request's last n tokens,
+    n from `prompt_lookup_max` down to `prompt_lookup_min`) or a smaller model of the same
+    vocabulary ("draft_model": `model`, decoding greedily with its own KV cache)."""
 
     num_speculative_tokens: int
     prompt_lookup_min: int = 2
@@ -29,6 +65,7 @@ class SpeculativeConfig:
     """No proposals while this many requests or more run: big batches are bound by compute, where
     verifying rejected tokens costs more than it saves."""
     method: str = "ngram"
+    """The proposer: a `PROPOSER_REGISTRY` name."""
     model: str | None = None
     """The draft model (draft_model): a GGUF file or Hugging Face directory, as the target's."""
     quantization: str | None = None
@@ -49,12 +86,9 @@ class SpeculativeConfig:
         unknown = set(value) - set(_KEYS)
         if unknown:
             raise ValueError(f"{_FLAG} has unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(_KEYS)}")
-        method = value.get("method", "draft_model" if "model" in value else "ngram")
-        if isinstance(method, str):
-            method = {"[ngram]": "ngram", "draft": "draft_model"}.get(method, method)
-        if method not in METHODS:
-            raise ValueError(f"{_FLAG} method must be one of {', '.join(METHODS)}, got {method!r}")
-        foreign = [key for key in (_MODEL_KEYS if method == "ngram" else _NGRAM_KEYS) if key in value]
+        entry = PROPOSER_REGISTRY.get(value.get("method", "draft_model" if "model" in value else "ngram"))
+        method = entry.name
+        foreign = [key for key in METHOD_KEYS if key in value and key not in entry.keys]
         if foreign:
             raise ValueError(f"{_FLAG} key(s) {', '.join(foreign)} do not apply to method {method!r}")
         if "num_speculative_tokens" not in value:
@@ -63,21 +97,23 @@ class SpeculativeConfig:
         disable = value.get("disable_by_batch_size")
         if disable is not None:
             disable = _integer(value, "disable_by_batch_size", 1, None)
-        if method == "draft_model":
+        if "model" in entry.keys:
             model = value.get("model")
             if not isinstance(model, str) or not model:
-                raise ValueError(f"{_FLAG} method 'draft_model' needs model: the draft model's path, got {model!r}")
+                raise ValueError(f"{_FLAG} method {method!r} needs model: the draft model's path, got {model!r}")
             quantization = value.get("quantization")
             if quantization is not None and not isinstance(quantization, str):
                 raise ValueError(f"{_FLAG} quantization must be a method name, got {quantization!r}")
             return cls(k, disable_by_batch_size=disable, method=method, model=model, quantization=quantization)
+        if "prompt_lookup_min" not in entry.keys:
+            return cls(k, disable_by_batch_size=disable, method=method)
         given_high = value.get("prompt_lookup_max")
         low = _integer(value, "prompt_lookup_min", 1, None,
                        default=min(2, given_high) if isinstance(given_high, int) and given_high >= 1 else 2)
         high = _integer(value, "prompt_lookup_max", 1, None, default=max(low, 4))
         if high < low:
             raise ValueError(f"{_FLAG} prompt_lookup_max ({high}) must be >= prompt_lookup_min ({low})")
-        return cls(k, low, high, disable)
+        return cls(k, low, high, disable, method=method)
 
 
 def _integer(value: dict, key: str, low: int, high: int | None, default: int | None = None) -> int:

@@ -6,12 +6,12 @@ import argparse
 import logging
 import types
 import typing
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from pagellm.attention import ATTENTION_BACKENDS
+from pagellm.attention import ATTENTION_BACKEND_REGISTRY
 from pagellm.config import (
     CacheConfig,
     DraftModelConfig,
@@ -26,21 +26,27 @@ from pagellm.config import (
 )
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.config.model import RUNNERS
+from pagellm.executor import EXECUTOR_REGISTRY
 from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
 from pagellm.ops.dispatch import triton_available, triton_interpreting
-from pagellm.quantization import QUANTIZATION_METHODS, resolve_quantization
-from pagellm.reasoning import REASONING_PARSERS
+from pagellm.plugins import load_plugins
+from pagellm.quantization import QUANTIZATION_REGISTRY, resolve_quantization
+from pagellm.reasoning import REASONING_PARSER_REGISTRY
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+_FALLBACK_ATTENTION_BACKEND = "torch"
+"""What errors suggest when the chosen attention backend cannot run: pure PyTorch runs on every
+device and cache dtype (the oracle every other backend is tested against)."""
+_DEVICE_NAMES = {"cuda": "CUDA GPUs", "cpu": "CPUs"}
 
 
-def _arg(default, help: str):
-    """A field whose help text the CLI shows (`pagellm serve --help`)."""
+def _arg(default, help: str | Callable[[], str]):
+    """A field whose help text the CLI shows (`pagellm serve --help`); a function of no arguments
+    makes it when the parser is built (from a registry, plugins' names included)."""
     return field(default=default, metadata={"help": help})
 
 
@@ -50,7 +56,7 @@ class EngineArgs:
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
-    quantization: str | None = _arg(None, "How linear layers' weights are stored and multiplied: fp8 (float8 e4m3, a scale per output channel: a dense checkpoint quantized at load, or an fp8 checkpoint; 8-bit activations per token in steps of more than 16 rows) | int8 (the same in int8, quantized at load) | compressed-tensors (llm-compressor float8/int8 checkpoints) | gptq | awq (int4 checkpoints: a scale and zero point per group, GPTQ act-order too) | rtn (int4 groups of 128 rounded to nearest at load after AWQ's activation-aware scales and clipping, GPTQ/AWQ's kernels) | gguf (a GGUF file's blocks kept quantized: Q4_0/Q4_1/Q8_0 on the CPU, those and Q5_0/Q5_1/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K on the GPU, where it decodes faster than dense weights; other types dequantized at load) | none (dense in --dtype). None: the checkpoint's quantization_config; gguf for a GGUF model on a GPU, or on the CPU when the kernels can run there (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
+    quantization: str | None = _arg(None, lambda: f"How linear layers' weights are stored and multiplied: {QUANTIZATION_REGISTRY.describe()}. None: the checkpoint's quantization_config; gguf for a GGUF model on a GPU, or on the CPU when the kernels can run there (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
     kv_cache_dtype: str = _arg("auto", "How KV-cache entries are stored: auto (the model's dtype) | fp8 (float8 e4m3, also fp8_e4m3: one byte an entry, so about twice the KV blocks of 16-bit entries; an entry is stored divided by its layer's per-tensor k/v scale where the checkpoint has calibrated ones (k_scale / v_scale), else as it is, as vLLM does without them; attention computes in the model's dtype). fp8 needs a GPU of compute capability 8.9+ (Ada, Hopper), or on the CPU the torch attention backend.")
     dtype: str = _arg("auto", "auto | float32 | bfloat16 | float16. auto: bfloat16 on CPUs with bf16 instructions (AVX512-BF16, AMX) else float32; the checkpoint's 16-bit type (else bfloat16) on GPU.")
     device: str = _arg("auto", 'auto | cpu | cuda | cuda:N.')
@@ -63,16 +69,16 @@ class EngineArgs:
     enable_prefix_caching: bool = _arg(True, 'Reuse the KV of shared prompt prefixes across requests.')
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
-    attention_backend: str | None = _arg(None, 'Attention implementation: torch | triton | cpu (C kernels, each query attended alone, so results never depend on the batch; float32 on x86-64 CPUs). None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
+    attention_backend: str | None = _arg(None, lambda: f'Attention implementation: {ATTENTION_BACKEND_REGISTRY.describe()}. None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
     async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
     pipeline_parallel_size: int = _arg(1, "Stages the layers are split into (pipeline parallel), each on its own tensor-parallel group of ranks.")
     data_parallel_size: int = _arg(1, "Engine replicas behind one server (pagellm serve), each with its own KV cache and its own tensor x pipeline ranks; requests are routed by prompt prefix and load.")
-    distributed_executor_backend: str | None = _arg(None, "How ranks are run: uni (in the engine's process; one rank only) | mp (one process per rank, this machine) | ray (Ray actors, one machine or several). None: uni for one rank, else mp.")
+    distributed_executor_backend: str | None = _arg(None, lambda: f"How ranks are run: {EXECUTOR_REGISTRY.describe()}. None: uni for one rank, else mp.")
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
     runner: str = _arg("generate", "generate (text generation) | pooling (embeddings: each prompt is run through the model once and its final hidden states pooled into one vector; no prefix caching, no async scheduling).")
-    reasoning_parser: str | None = _arg(None, "How the model marks its reasoning: qwen3 | deepseek_r1 (<think>...</think>). Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
+    reasoning_parser: str | None = _arg(None, lambda: f"How the model marks its reasoning: {REASONING_PARSER_REGISTRY.describe()}. Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
     structured_outputs_compile_timeout: float = _arg(10.0, "Seconds a request's JSON schema, regex or grammar may take to compile (off the step loop, in a thread pool) before the request is refused (HTTP 400).")
     structured_outputs_max_bytes: int = _arg(65536, "Largest JSON schema, regex, grammar or choice list a request may send, in bytes of its JSON text; larger ones are refused (HTTP 400).")
     speculative_config: str | dict | None = _arg(None, 'Speculative decoding, as vLLM: JSON like \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (the defaults of both; prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a smaller model with the same vocabulary proposes greedily, with its own KV cache in the same blocks; optional "quantization" for its weights). The drafts are verified in one step: greedy output is unchanged, sampled output keeps its distribution. Optional "disable_by_batch_size": N (no speculation while N or more requests run). One rank only; steps that propose run without async scheduling. None: off.')
@@ -83,9 +89,9 @@ class EngineArgs:
         return {f.name for f in fields(cls)}
 
     def validate(self) -> None:
-        if self.quantization not in (None, *QUANTIZATION_METHODS):
-            raise ValueError(f"quantization (--quantization) must be one of {', '.join(QUANTIZATION_METHODS)}, "
-                             f"got {self.quantization!r}")
+        load_plugins()  # the API process's registries, before any name is looked up
+        if self.quantization is not None:
+            QUANTIZATION_REGISTRY.get(self.quantization)
         if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype, self.dtype) not in _DTYPES:
             raise ValueError(f"{_flag('dtype')} must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -98,9 +104,8 @@ class EngineArgs:
             raise ValueError(f"{_flag('block_size')} must be one of 8, 16, 32, 64, 128, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"{_flag('gpu_memory_utilization')} must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
-            raise ValueError(f"{_flag('attention_backend')} must be one of {', '.join(ATTENTION_BACKENDS)}, "
-                             f"got {self.attention_backend!r}")
+        if self.attention_backend is not None:
+            ATTENTION_BACKEND_REGISTRY.get(self.attention_backend)
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
@@ -115,26 +120,24 @@ class EngineArgs:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("data_parallel_size", self.data_parallel_size)
-        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
-            raise ValueError(f"{_flag('distributed_executor_backend')} must be one of {', '.join(EXECUTOR_BACKENDS)}, "
-                             f"got {self.distributed_executor_backend!r}")
+        executor = None
+        if self.distributed_executor_backend is not None:
+            executor = EXECUTOR_REGISTRY.get(self.distributed_executor_backend)
         if self.runner not in RUNNERS:
             raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         PoolerConfig.parse(self.pooler_config, self.runner)
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
-            if speculative.quantization not in (None, *QUANTIZATION_METHODS):
+            if speculative.quantization is not None and speculative.quantization not in QUANTIZATION_REGISTRY:
                 raise ValueError(f"speculative_config (--speculative-config) quantization must be one of "
-                                 f"{', '.join(QUANTIZATION_METHODS)}, got {speculative.quantization!r}")
+                                 f"{', '.join(QUANTIZATION_REGISTRY.names())}, got {speculative.quantization!r}")
             if self.runner != "generate":
                 raise ValueError("speculative_config (--speculative-config) applies only to the generate runner")
             if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
                 raise ValueError("speculative_config (--speculative-config) runs on one rank only so far: "
                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
         if self.reasoning_parser is not None:
-            if self.reasoning_parser not in REASONING_PARSERS:
-                raise ValueError(f"reasoning_parser (--reasoning-parser) must be one of "
-                                 f"{', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+            REASONING_PARSER_REGISTRY.get(self.reasoning_parser)
         if isinstance(self.structured_outputs_compile_timeout, bool) or not (
                 isinstance(self.structured_outputs_compile_timeout, (int, float))
                 and self.structured_outputs_compile_timeout > 0):
@@ -142,9 +145,13 @@ class EngineArgs:
                              f"number of seconds > 0, got {self.structured_outputs_compile_timeout!r}")
         _check_positive("structured_outputs_max_bytes", self.structured_outputs_max_bytes)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
-        if self.distributed_executor_backend == "uni" and world_size > 1:
-            raise ValueError(f"{_flag('distributed_executor_backend')} 'uni' runs one rank, but tensor_parallel_size x "
-                             f"pipeline_parallel_size is {world_size}: use 'mp' or 'ray'")
+        if executor is not None and executor.max_world_size is not None and world_size > executor.max_world_size:
+            fits = [repr(e.name) for e in EXECUTOR_REGISTRY.entries()
+                    if e.max_world_size is None or e.max_world_size >= world_size]
+            most = "one rank" if executor.max_world_size == 1 else f"at most {executor.max_world_size} ranks"
+            raise ValueError(f"{_flag('distributed_executor_backend')} {executor.name!r} runs {most}, but "
+                             f"tensor_parallel_size x pipeline_parallel_size is {world_size}: use "
+                             f"{' or '.join(fits)}")
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model, device, dtype and defaults, checked against the model and the machine."""
@@ -161,19 +168,21 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, device, arch.torch_dtype)
         kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
         attention_backend = self.attention_backend or _default_attention_backend(device, dtype, kv_cache_dtype)
+        backend = ATTENTION_BACKEND_REGISTRY.get(attention_backend)
         if kv_cache_dtype != dtype:
             if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
                 raise ValueError(f"{_flag('kv_cache_dtype')} fp8 needs a GPU of compute capability 8.9 or newer "
                                  f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
-            if attention_backend == "cpu":
-                raise ValueError(f"{_flag('kv_cache_dtype')} fp8: the cpu attention backend reads float32 caches; "
-                                 "use --attention-backend torch")
+            if not backend.float8_kv_cache:
+                raise ValueError(f"{_flag('kv_cache_dtype')} fp8: the {attention_backend} attention backend reads "
+                                 f"no float8 caches; use --attention-backend {_FALLBACK_ATTENTION_BACKEND}")
         elif _has_kv_scales(arch.hf_config):
             logger.info("the checkpoint calibrated float8 KV-cache scales; they apply with --kv-cache-dtype fp8")
         # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on a CPU: the tests use it.
-        if attention_backend == "triton" and device.type != "cuda" and not triton_interpreting():
-            raise ValueError(f"{_flag('attention_backend')} triton runs on CUDA GPUs only, and the device is "
-                             f"{device.type}: use torch")
+        if device.type not in backend.devices and not (backend.triton_kernels and triton_interpreting()):
+            devices = " and ".join(_DEVICE_NAMES.get(d, d) for d in backend.devices)
+            raise ValueError(f"{_flag('attention_backend')} {attention_backend} runs on {devices} only, and the "
+                             f"device is {device.type}: use {_FALLBACK_ATTENTION_BACKEND}")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         model = ModelConfig(
             source=source,
@@ -226,11 +235,11 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = _base_type(hints[f.name])
+            text = f.metadata["help"]() if callable(f.metadata["help"]) else f.metadata["help"]
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                                   help=f.metadata["help"])
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
             else:
-                group.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+                group.add_argument(flag, type=kind, default=f.default, help=text)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
@@ -272,7 +281,7 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     """Find the draft model and check that it can propose for the target: the same vocabulary (the
     drafts are the target's token ids) and positions up to max_model_len. With dummy target weights
     the draft is a dummy too (a preset name works), for speed measurements."""
-    if speculative is None or speculative.method != "draft_model":
+    if speculative is None or speculative.model is None:  # a method without a draft model
         return None
     flag = "speculative_config (--speculative-config) model"
     try:

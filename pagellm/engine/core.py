@@ -4,15 +4,15 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from pagellm.config import EngineConfig, SpeculativeConfig
-from pagellm.core.interfaces import DraftProposer
+from pagellm.config import EngineConfig
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
-from pagellm.spec_decode import NgramProposer
+from pagellm.plugins import load_plugins
+from pagellm.spec_decode import build_host_proposer
 from pagellm.structured_output.manager import GrammarManager
 
 logger = logging.getLogger(__name__)
@@ -23,6 +23,7 @@ _GRAMMAR_WAIT_S = 0.05
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        load_plugins()  # the engine-core process's registries (its own process for the server)
         self.config = config
         self.executor = create_executor(config)
         try:
@@ -53,7 +54,7 @@ class EngineCore:
             config.structured_outputs.reasoning_parser)
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
                                    grammars=self.grammars, speculative=config.speculative,
-                                   proposer=_host_proposer(config.speculative))
+                                   proposer=build_host_proposer(config.speculative))
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
@@ -126,13 +127,6 @@ class EngineCore:
         if self.grammars is not None:
             self.grammars.shutdown()
         self.executor.shutdown()
-
-
-def _host_proposer(speculative: SpeculativeConfig | None) -> DraftProposer | None:
-    """The proposer that runs beside the scheduler (n-gram); None where the workers propose."""
-    if speculative is not None and speculative.method == "ngram":
-        return NgramProposer(speculative)
-    return None
 
 
 def _no_kv_block_error(config: EngineConfig) -> str:

@@ -17,7 +17,7 @@ from pagellm.entrypoints.arg_types import existing_file, int_at_least, output_fi
 from pagellm.eval.quality import bind_window_cache, evaluate, windows
 from pagellm.layers.linear import _ParallelLinear
 from pagellm.loader import resolve_model
-from pagellm.quantization import QUANTIZATION_METHODS, checkpoint_quantization
+from pagellm.quantization import QUANTIZATION_REGISTRY, checkpoint_quantization
 from pagellm.tokenizer.tokenizer import load_tokenizer
 from pagellm.worker.loading import build_model
 
@@ -41,9 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "each window through a float8 KV cache.")
     ev.add_argument("model", nargs="?", default=None, help="model path; default: the embedded SmolLM2-135M-Instruct")
     ev.add_argument("--quantization", nargs="+", default=None, metavar="METHOD",
-                    help=f"methods to compare, of {', '.join(QUANTIZATION_METHODS)}; default: none fp8 int8 for a "
-                         "dense model, the checkpoint's own method for a quantized one")
-    ev.add_argument("--reference", default=None, choices=QUANTIZATION_METHODS,
+                    help=f"methods to compare, of {', '.join(QUANTIZATION_REGISTRY.names())}; default: none fp8 int8 "
+                         "for a dense model, the checkpoint's own method for a quantized one")
+    ev.add_argument("--reference", default=None, choices=QUANTIZATION_REGISTRY.names(),
                     help="the method the others are compared with (added to the list if missing); default: none, "
                          "or a quantized checkpoint's own method")
     ev.add_argument("--text", type=_text_source, default=None,
@@ -63,8 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_cli(ns: argparse.Namespace) -> int:
     for method in ns.quantization or ():
-        if method not in QUANTIZATION_METHODS:
-            raise ValueError(f"--quantization: {method!r} is not one of {', '.join(QUANTIZATION_METHODS)}")
+        if method not in QUANTIZATION_REGISTRY:
+            raise ValueError(f"--quantization: {method!r} is not one of {', '.join(QUANTIZATION_REGISTRY.names())}")
     stored = checkpoint_quantization(resolve_model(ns.model, ns.load_format).arch.hf_config)
     reference = ns.reference or stored or "none"
     kv8 = ns.kv_cache_dtype != "auto"

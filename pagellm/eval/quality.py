@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
+from pagellm.models import CausalLM
 from pagellm.worker.loading import bind_kv_cache, prompt_hidden_states
 
 _LOGIT_ROWS = 256
@@ -55,13 +55,13 @@ def windows(token_ids: list[int], context: int) -> list[list[int]]:
     return [p for p in parts if len(p) >= 2]
 
 
-def bind_window_cache(model: nn.Module, context: int, dtype: torch.dtype, device: torch.device) -> None:
+def bind_window_cache(model: CausalLM, context: int, dtype: torch.dtype, device: torch.device) -> None:
     """Give `model` a KV cache of `dtype` that holds one window, which `log_probs` then goes through."""
     bind_kv_cache(model, -(-context // _BLOCK_SIZE), _BLOCK_SIZE, dtype, device)
 
 
 @torch.inference_mode()
-def log_probs(model: nn.Module, ids: list[int]) -> torch.Tensor:
+def log_probs(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """float32 log-softmax of `model`'s next-token logits at every position of `ids` but the last
     ([len(ids) - 1, vocab]): one prompt from position 0, through the model's KV cache if one is
     bound (`bind_window_cache`)."""
@@ -71,7 +71,7 @@ def log_probs(model: nn.Module, ids: list[int]) -> torch.Tensor:
                       for i in range(0, n - 1, _LOGIT_ROWS)])
 
 
-def evaluate(models: dict[str, nn.Module], reference: str, token_ids: list[int], context: int,
+def evaluate(models: dict[str, CausalLM], reference: str, token_ids: list[int], context: int,
              device: torch.device, progress: Callable[[int], None] | None = None) -> dict[str, QualityResult]:
     """Each model's `QualityResult` on `token_ids`, distributions compared with `models[reference]`.
     `progress(n)` is called after each window with its number of predicted tokens."""

@@ -2,12 +2,13 @@
 data. Workers keep their own state; nothing outside a worker touches its runner."""
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pagellm.config import EngineConfig
+from pagellm.config.registry import Registry, check_ref, resolve
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 
@@ -65,14 +66,51 @@ class Executor(ABC):
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
 
-_BACKENDS = {
-    "uni": ("pagellm.executor.uniproc", "UniProcExecutor"),
-    "mp": ("pagellm.executor.multiproc", "MultiprocExecutor"),
-    "ray": ("pagellm.executor.ray_executor", "RayExecutor"),
-}
+@dataclass(frozen=True, slots=True)
+class ExecutorEntry:
+    """A `--distributed-executor-backend`: where a replica's ranks run."""
+
+    name: str
+    cls: Any
+    """An `Executor` subclass (constructed with the `EngineConfig`, its workers loaded and ready when
+    it returns), or its "package.module:Class" name."""
+    description: str = ""
+    """What `--help` says of it."""
+    max_world_size: int | None = None
+    """The most ranks (tensor x pipeline parallel) it runs; None: any number."""
+
+
+EXECUTOR_REGISTRY: Registry[ExecutorEntry] = Registry(
+    "executor", "distributed_executor_backend (--distributed-executor-backend)", builtins=(
+        ExecutorEntry("uni", "pagellm.executor.uniproc:UniProcExecutor", "in the engine's process; one rank only",
+                      max_world_size=1),
+        ExecutorEntry("mp", "pagellm.executor.multiproc:MultiprocExecutor", "one process per rank, this machine"),
+        ExecutorEntry("ray", "pagellm.executor.ray_executor:RayExecutor", "Ray actors, one machine or several"),
+    ))
+"""Every executor, by `--distributed-executor-backend` name."""
+
+
+def register_executor(name: str, executor_cls: type[Executor] | str, *, description: str = "",
+                      max_world_size: int | None = None, override: bool = False) -> None:
+    """Make `name` a `--distributed-executor-backend`: `executor_cls` (an `Executor` subclass, or its
+    "package.module:Class" name, imported when chosen) runs at most `max_world_size` ranks (None:
+    any). A name already registered is refused unless `override`."""
+    check_ref(executor_cls, f"register_executor({name!r})")
+    if not isinstance(executor_cls, str):
+        _check_executor_class(executor_cls, name)
+    if max_world_size is not None and (not isinstance(max_world_size, int) or max_world_size < 1):
+        raise ValueError(f"register_executor({name!r}): max_world_size must be a positive integer or None, "
+                         f"got {max_world_size!r}")
+    EXECUTOR_REGISTRY.register(ExecutorEntry(name, executor_cls, description, max_world_size), override=override)
 
 
 def create_executor(config: EngineConfig) -> Executor:
     """Start the executor of `config.parallel.executor_backend`, its workers loaded and ready."""
-    module, cls = _BACKENDS[config.parallel.executor_backend]
-    return getattr(importlib.import_module(module), cls)(config)
+    name = config.parallel.executor_backend
+    return _check_executor_class(resolve(EXECUTOR_REGISTRY.get(name).cls), name)(config)
+
+
+def _check_executor_class(cls: Any, name: str) -> type[Executor]:
+    if not (isinstance(cls, type) and issubclass(cls, Executor)):
+        raise ValueError(f"executor {name!r} must be a subclass of pagellm.executor.base.Executor, got {cls!r}")
+    return cls

@@ -8,15 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagellm.config.arch import ModelArchConfig
+from pagellm.config.arch import MODEL_REGISTRY, ArchitectureEntry, ModelArchConfig
 from pagellm.loader.gguf_file import GGUFFile, GGUFTensorInfo
 
-# general.architecture -> (HF architecture, HF model_type).
-_GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 # llama.cpp's converter permutes the q/k rows of these architectures for its rotary convention.
 _PERMUTED_QK_ARCHITECTURES = ("llama",)
 
@@ -45,15 +39,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """A Hugging Face `config.json`-style dict built from the file's metadata."""
     md = gguf.metadata
     arch = md.get("general.architecture")
-    name = str(md.get("general.name", ""))
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf.path!r}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
-        )
-    hf_arch, model_type = _GGUF_ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in name.lower():
-        # llama.cpp files Mistral under the llama architecture; only the name tells them apart.
-        hf_arch, model_type = "MistralForCausalLM", "mistral"
+    entry = gguf_architecture(gguf.path, arch, str(md.get("general.name", "")))
+    hf_arch, model_type = entry.name, entry.model_type or arch
     tensor_names = {t.name for t in gguf.tensors}
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(
@@ -100,6 +87,20 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
         if f"tokenizer.ggml.{gguf_key}" in md:
             config[hf_key] = md[f"tokenizer.ggml.{gguf_key}"]
     return config
+
+
+def gguf_architecture(path: str, gguf_arch: object, name: str) -> ArchitectureEntry:
+    """The registered architecture of a GGUF file of `general.architecture` `gguf_arch` and
+    `general.name` `name`. llama.cpp files several Hugging Face architectures under one GGUF name
+    (Mistral as llama), which only the model's name tells apart: an entry whose model_type is in
+    the name wins, else the one whose model_type is the GGUF name."""
+    entries = [e for e in MODEL_REGISTRY.entries() if e.gguf_arch is not None and e.gguf_arch == gguf_arch]
+    if not entries:
+        supported = dict.fromkeys(e.gguf_arch for e in MODEL_REGISTRY.entries() if e.gguf_arch)
+        raise ValueError(f"{path!r}: GGUF architecture {gguf_arch!r} is not supported; supported: "
+                         f"{', '.join(supported)}")
+    named = [e for e in entries if e.model_type and e.model_type != gguf_arch and e.model_type in name.lower()]
+    return next(iter(named), next((e for e in entries if e.model_type in (None, gguf_arch)), entries[0]))
 
 
 def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict[str, Any]]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagellm.config.arch import ModelArchConfig
 from pagellm.config.model import ModelSource
+from pagellm.config.quantization import legacy_settings_method
 from pagellm.loader.gguf_loader import read_gguf_arch
 from pagellm.loader.presets import PRESETS, get_preset
 from pagellm.loader.safetensors_loader import safetensors_files
@@ -106,8 +107,8 @@ def _hf_source(path: str, load_format: str) -> ModelSource:
     if not config.get("quantization_config"):
         for name in QUANT_CONFIG_FILES:
             qc = read_json(os.path.join(path, name), missing_ok=True)
-            if qc:  # AutoAWQ's names its bits w_bit and its kernel version; AutoGPTQ's may name no method
-                method = qc.get("quant_method") or ("awq" if "w_bit" in qc or "version" in qc else "gptq")
+            if qc:  # which method a file without quant_method describes: the quantization registry says
+                method = qc.get("quant_method") or legacy_settings_method(qc)
                 config = {**config, "quantization_config": {**qc, "quant_method": method}}
                 break
     generation_config = read_json(os.path.join(path, "generation_config.json"), missing_ok=True)

@@ -44,8 +44,10 @@ def why_not_fused(layer: nn.Module) -> str | None:
     attn = layer.self_attn
     if parallel_state().tp_size != 1:
         return "tensor parallelism sums the row-parallel projections across ranks"
-    if attn.attn.backend.name != "cpu" or attn.attn.kv_cache is None:
-        return "the attention backend is not 'cpu'"
+    if not attn.attn.backend.fused_cpu_layer:
+        return f"the {attn.attn.backend.name} attention backend is not the one the fused layer computes"
+    if attn.attn.kv_cache is None:
+        return "the KV cache is not bound"
     k_cache = attn.attn.kv_cache[0]
     if k_cache.device.type != "cpu" or k_cache.dtype != torch.float32:
         return "the KV cache is not float32 on the CPU"

@@ -22,6 +22,7 @@ from pagellm.layers import (
     VocabParallelEmbedding,
 )
 from pagellm.models.cpu_layer import FusedDecoderLayer
+from pagellm.models.interface import IntermediateTensors
 
 # (Hugging Face name part, fused parameter name part, shard id for its weight_loader)
 _STACKED_PARAMS = (
@@ -36,10 +37,6 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
                        r"(?:(k_scale|v_scale|kv_scale)|(k_proj\.output_scale|v_proj\.output_scale))$")
 """A float8 KV cache's per-tensor scales as checkpoints store them (llm-compressor's, AutoFP8's older names)."""
-
-IntermediateTensors = tuple[torch.Tensor, torch.Tensor]
-"""(hidden, residual) [T, hidden_size] each: what one pipeline stage hands the next."""
-
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     """The contiguous layers of pipeline stage `pp_rank`; earlier stages take the remainder."""
@@ -199,7 +196,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder stack plus LM head, loading Hugging Face `LlamaForCausalLM`-style weights.
+    """Decoder stack plus LM head, loading Hugging Face `LlamaForCausalLM`-style weights
+    (`interface.CausalLM`).
 
     Subclasses change the attention block through `attention_cls`.
     """

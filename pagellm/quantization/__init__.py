@@ -14,6 +14,9 @@ The 8-bit methods multiply activations quantized per token (W8A8) in steps of mo
 (reading the weights is what small steps cost); int4 always multiplies 16-bit activations.
 Methods that quantize at load first fold per-channel scales calibrated on a short text (`smoothing`):
 SmoothQuant for the 8-bit methods' activations, activation-aware scales and clipping for rtn.
+
+The methods are entries of `QUANTIZATION_REGISTRY` (`pagellm.config.quantization`, where the loader
+and the planner read it too); `register_quantization_method` adds one.
 """
 from __future__ import annotations
 
@@ -22,19 +25,21 @@ from typing import Any
 
 import torch
 
+from pagellm.config.quantization import (
+    QUANTIZATION_REGISTRY,
+    QuantizationMethod,
+    quantized_weight_bytes,
+    register_quantization_method,
+)
+from pagellm.config.registry import resolve
 from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("fp8", "int8", "compressed-tensors", "gptq", "awq", "rtn", "gguf", "none")
-"""What `--quantization` accepts (vLLM's names); None (the default) picks per model and device."""
-
-_FROM_CHECKPOINT_ONLY = ("compressed-tensors", "gptq", "awq")
-"""Methods whose weights a checkpoint must already hold (the others quantize a dense model at load)."""
-
-__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig",
-           "build_quant_config", "checkpoint_quantization", "compressed_tensors_weights", "resolve_quantization"]
+__all__ = ["QUANTIZATION_REGISTRY", "QuantizationConfig", "QuantizationMethod",
+           "build_quant_config", "checkpoint_quantization", "compressed_tensors_weights", "quantized_weight_bytes",
+           "register_quantization_method", "resolve_quantization"]
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
@@ -45,9 +50,10 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     method = method.lower() if isinstance(method, str) else method
-    if method not in ("fp8", "compressed-tensors", "gptq", "awq"):
+    loadable = [e.name for e in QUANTIZATION_REGISTRY.entries() if e.in_checkpoints]
+    if method not in loadable:
         raise ValueError(f"the checkpoint's quantization_config has quant_method {method!r}, which pagellm cannot "
-                         "load; it loads fp8, compressed-tensors, gptq and awq checkpoints")
+                         f"load; it loads {_and(loadable)} checkpoints")
     return method
 
 
@@ -66,17 +72,19 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
     if stored is not None and requested != stored:
         raise ValueError(f"{flag} is {requested!r}, but {model_path!r} holds {stored} weights (its "
                          f"quantization_config): make it {stored!r} or leave it out")
-    if requested == "none":  # (EngineArgs.validate has checked the name)
-        return None
     if requested == "gguf" or (requested is None and load_format == "gguf"):
         return _resolve_gguf(requested, load_format, model_path, device, flag)
     if requested is None:
         return None
-    if requested in _FROM_CHECKPOINT_ONLY and stored is None and load_format != "dummy":
-        online = "rtn" if requested in ("gptq", "awq") else "fp8 or int8"
+    method = QUANTIZATION_REGISTRY.get(requested)
+    if method.build is None:  # none: dense weights
+        return None
+    if method.from_checkpoint_only and stored is None and load_format != "dummy":
+        online = method.dense_alternative
         raise ValueError(f"{flag} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
-                         f"has no such quantization_config; to quantize a dense model at load use {online}")
-    if load_format == "dummy" and (stored is not None or requested in _FROM_CHECKPOINT_ONLY):
+                         f"has no such quantization_config"
+                         + (f"; to quantize a dense model at load use {online}" if online else ""))
+    if load_format == "dummy" and (stored is not None or method.from_checkpoint_only):
         raise ValueError(f"{flag} {requested!r} with --load-format dummy: random weights are dense; use fp8, int8 "
                          "or rtn (quantized at load), on a config.json without quantization_config")
     float8 = requested == "fp8" or requested == "compressed-tensors" and compressed_tensors_weights(
@@ -85,6 +93,10 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
         raise ValueError(f"{flag} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
     return requested
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _resolve_gguf(requested: str | None, load_format: str, model_path: str, device: torch.device,
@@ -114,22 +126,11 @@ def _resolve_gguf(requested: str | None, load_format: str, model_path: str, devi
 
 def build_quant_config(method: str | None, model_path: str,
                        hf_config: dict[str, Any] | None = None) -> QuantizationConfig | None:
-    """The per-layer config of a resolved `method` for the model at `model_path`."""
+    """The per-layer config of a resolved `method` for the model at `model_path` (None: dense)."""
     if method is None:
         return None
-    qc = (hf_config or {}).get("quantization_config") or {}
-    if method == "gguf":
-        from pagellm.quantization.gguf import GGUFConfig  # noqa: PLC0415
-
-        return GGUFConfig.from_file(model_path)
-    if method in ("fp8", "int8") or method == "compressed-tensors" and compressed_tensors_weights(qc)["num_bits"] == 8:
-        from pagellm.quantization.w8a8 import W8A8Config  # noqa: PLC0415
-
-        return W8A8Config.create(method, qc)
-    from pagellm.quantization.int4 import Int4Config  # noqa: PLC0415
-
-    config = hf_config or {}
-    return Int4Config.create(method, qc, config.get("torch_dtype") or config.get("dtype"))
+    build = QUANTIZATION_REGISTRY.get(method).build
+    return None if build is None else resolve(build)(method, model_path, hf_config or {})
 
 
 def compressed_tensors_weights(qc: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -22,9 +23,6 @@ from torch import nn
 from pagellm.distributed import get_tp_world_size
 from pagellm.layers.linear import RowParallelLinear, _ParallelLinear
 from pagellm.layers.linear_method import LinearMethod
-
-FLAG = "quantization (--quantization)"
-"""How errors name the flag (and LLM(...)'s keyword)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,17 +40,44 @@ CalibrationSource = Callable[[str], "Calibration | None"]
 where the model cannot be calibrated: a pipeline stage holds part of it, or it has no tokenizer."""
 
 
+class QuantizableLayer(Protocol):
+    """What quantizing at load (`smoothing`) calls on a model's decoder layer."""
+
+    def smoothable(self) -> list[tuple[nn.Module, nn.Module]]:
+        """(norm, linear layer reading only its output) pairs whose per-channel scales may be moved
+        from the norm's weight into the layer's input columns (SmoothQuant, AWQ); [] for none."""
+
+    def clippable(self) -> list[nn.Module]:
+        """Linear layers whose weights' range may be clipped judging by their own product (AWQ)."""
+
+
+class QuantizableModel(Protocol):
+    """What quantization calls on a model: `pagellm.models.interface.CausalLM` extends it."""
+
+    def checkpoint_names(self, param_name: str) -> list[str]:
+        """The checkpoint tensor names parameter `param_name` is loaded from (several for a fused one)."""
+
+    def decoder_layers(self) -> Sequence[QuantizableLayer]:
+        """This rank's (pipeline stage's) decoder layers, in order."""
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+
+
 class QuantizationConfig(ABC):
     """A checkpoint's (or a flag's) quantization: which method each layer gets."""
 
     name: str
 
     @abstractmethod
-    def apply(self, model: nn.Module) -> set[str]:
+    def apply(self, model: QuantizableModel) -> set[str]:
         """Give the layers this config quantizes their methods (before loading); returns the
         checkpoint tensor names whose weights the loader must hand over as stored."""
 
-    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
+    def prepare_weights(self, model: QuantizableModel, calibration: CalibrationSource) -> None:
         """Work on the loaded model before the methods process their weights (a method that
         quantizes at load calibrates here); nothing by default."""
 
@@ -74,7 +99,7 @@ class LinearLayersConfig(QuantizationConfig):
         """A new method for one layer."""
         return self.method_cls(self.fmt)
 
-    def apply(self, model: nn.Module) -> set[str]:
+    def apply(self, model: QuantizableModel) -> set[str]:
         for prefix, module in model.named_modules():
             if isinstance(module, _ParallelLinear) and not self._is_ignored(model.checkpoint_names(f"{prefix}.weight")):
                 module.set_quant_method(self.method())

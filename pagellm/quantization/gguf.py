@@ -24,7 +24,7 @@ from pagellm.loader.gguf_file import GGUFFile
 from pagellm.loader.gguf_loader import hf_tensor_name
 from pagellm.ops.c import ggml as ggml_cpu
 from pagellm.quantization import gguf_blocks
-from pagellm.quantization.base import QuantizationConfig
+from pagellm.quantization.base import QuantizableModel, QuantizationConfig
 
 try:  # the GPU's kernel
     from pagellm.ops.triton import matmul as triton_matmul
@@ -141,6 +141,11 @@ def _padding_loader(layer: nn.Module):
     return load
 
 
+def build(method: str, model_path: str, hf_config: dict) -> "GGUFConfig":
+    """The registry's builder of gguf (`QuantizationMethod.build`): the file's block types."""
+    return GGUFConfig.from_file(model_path)
+
+
 class GGUFConfig(QuantizationConfig):
     """The block type of every tensor of a GGUF file, by Hugging Face name."""
 
@@ -154,7 +159,7 @@ class GGUFConfig(QuantizationConfig):
         with GGUFFile(path) as gguf:
             return cls({hf_tensor_name(t.name): t.ggml_type for t in gguf.tensors})
 
-    def apply(self, model: nn.Module) -> set[str]:
+    def apply(self, model: QuantizableModel) -> set[str]:
         on_gpu = next(model.parameters()).is_cuda
         kept: set[str] = set()
         methods: dict[int, nn.Module] = {}  # id(original weight) -> the module that re-created it (tied tables)

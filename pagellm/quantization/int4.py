@@ -36,7 +36,14 @@ from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.linear_method import LinearMethod
 from pagellm.quantization import smoothing
 from pagellm.quantization.base import FLAG as _FLAG
-from pagellm.quantization.base import Calibration, CalibrationSource, LinearLayersConfig, new_param, replace_param
+from pagellm.quantization.base import (
+    Calibration,
+    CalibrationSource,
+    LinearLayersConfig,
+    QuantizableModel,
+    new_param,
+    replace_param,
+)
 
 try:  # the GPU's kernel; the CPU computes the products in PyTorch
     from pagellm.ops.triton import matmul as triton_matmul
@@ -269,12 +276,19 @@ def quantize_rtn(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
     return q.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
+def build(method: str, model_path: str, hf_config: dict[str, Any]) -> "Int4Config":
+    """The registry's builder of gptq, awq, rtn and 4-bit compressed-tensors (`QuantizationMethod.build`);
+    config.json's torch_dtype is the type of the checkpoint's scales."""
+    return Int4Config.create(method, hf_config.get("quantization_config") or {},
+                             hf_config.get("torch_dtype") or hf_config.get("dtype"))
+
+
 class Int4Config(LinearLayersConfig):
     """Every linear layer int4 (the embedding and LM head stay dense), but the ignored ones."""
 
     method_cls = Int4LinearMethod
 
-    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
+    def prepare_weights(self, model: QuantizableModel, calibration: CalibrationSource) -> None:
         """rtn: activation-aware scales, then clipping, calibrated on the package's text (AWQ's
         searches: `smoothing.awq`, `smoothing.clip`)."""
         if self.fmt.kind == "rtn":

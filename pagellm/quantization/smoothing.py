@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagellm.layers.linear_method import UnquantizedLinearMethod
-from pagellm.quantization.base import Calibration, CalibrationSource
+from pagellm.quantization.base import Calibration, CalibrationSource, QuantizableModel
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ _MIN = 1e-5
 """Floor of the measured statistics: a channel never active in calibration is not divided by ~0."""
 
 
-def calibrate(model: nn.Module, source: CalibrationSource, method: str,
+def calibrate(model: QuantizableModel, source: CalibrationSource, method: str,
               search: Callable[[nn.Module, Calibration], str]) -> None:
     """Run `search(model, calibration)` (`smooth`; `awq` and `clip` with the method's rounding) on
     the package's calibration text (at most `CALIBRATION_TOKENS` of it) where the model can be
@@ -63,7 +63,7 @@ def calibrate(model: nn.Module, source: CalibrationSource, method: str,
     logger.info("%s: %s, calibrated in %.2f s", method, summary, time.perf_counter() - start)
 
 
-def smooth(model: nn.Module, calibration: Calibration, alpha: float = ALPHA) -> int:
+def smooth(model: QuantizableModel, calibration: Calibration, alpha: float = ALPHA) -> int:
     """SmoothQuant: measure the inputs of the smoothable layers on the calibration prompt and fold their scales;
     returns how many layers were smoothed (0: none, when a statistic or scale is not finite).
     Every tensor-parallel rank runs this alike (the forward's collectives keep them in step). A
@@ -75,7 +75,7 @@ def smooth(model: nn.Module, calibration: Calibration, alpha: float = ALPHA) -> 
                              for _, linear in pairs])
 
 
-def awq(model: nn.Module, calibration: Calibration, fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+def awq(model: QuantizableModel, calibration: Calibration, fake_quantize: Callable[[torch.Tensor], torch.Tensor],
         grid: tuple[float, ...] = AWQ_GRID) -> int:
     """Activation-aware scaling for weights that `fake_quantize` ([N, K] float32 -> its quantized
     values) will round: per smoothable layer, the exponent of `grid` whose scales give the smallest
@@ -99,7 +99,7 @@ def awq(model: nn.Module, calibration: Calibration, fake_quantize: Callable[[tor
     return _fold_all(pairs, scales)
 
 
-def clip(model: nn.Module, calibration: Calibration, fake_quantize: Callable[[torch.Tensor], torch.Tensor],
+def clip(model: QuantizableModel, calibration: Calibration, fake_quantize: Callable[[torch.Tensor], torch.Tensor],
          group_of: Callable[[int], int], grid: tuple[float, ...] = CLIP_GRID) -> int:
     """AWQ's clipping search for weights that `fake_quantize` rounds in groups of `group_of(K)`
     inputs (the same groups), each to its own range [min, max]: per row and group of each
@@ -137,7 +137,8 @@ def clip(model: nn.Module, calibration: Calibration, fake_quantize: Callable[[to
     return len(layers)
 
 
-def layer_inputs(model: nn.Module, layers: list[nn.Module], calibration: Calibration) -> dict[nn.Module, torch.Tensor]:
+def layer_inputs(model: QuantizableModel, layers: list[nn.Module],
+                 calibration: Calibration) -> dict[nn.Module, torch.Tensor]:
     """Each of `layers`' inputs [tokens, K] (float32) over the calibration prompt, every layer whose
     weight is still dense multiplying it as such (the quantized methods have not processed the
     weights yet)."""
@@ -173,7 +174,7 @@ def fold(norm: nn.Module, linear: nn.Module, s: torch.Tensor) -> None:
     linear.weight.data = (linear.weight.data.float() * s).to(linear.weight.dtype)
 
 
-def _pairs(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+def _pairs(model: QuantizableModel) -> list[tuple[nn.Module, nn.Module]]:
     return [pair for layer in model.decoder_layers() for pair in layer.smoothable()]
 
 

@@ -23,6 +23,7 @@ from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import (
     CalibrationSource,
     LinearLayersConfig,
+    QuantizableModel,
     new_param,
     per_channel_loader,
     replace_param,
@@ -155,12 +156,17 @@ def w8a8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return ((xq.float() @ weight.float().t()) * x_scale * weight_scale).to(x.dtype)
 
 
+def build(method: str, model_path: str, hf_config: dict[str, Any]) -> "W8A8Config":
+    """The registry's builder of fp8, int8 and 8-bit compressed-tensors (`QuantizationMethod.build`)."""
+    return W8A8Config.create(method, hf_config.get("quantization_config") or {})
+
+
 class W8A8Config(LinearLayersConfig):
     """Every linear layer 8-bit (the embedding and LM head stay dense), but the ignored ones."""
 
     method_cls = W8A8LinearMethod
 
-    def prepare_weights(self, model: nn.Module, calibration: CalibrationSource) -> None:
+    def prepare_weights(self, model: QuantizableModel, calibration: CalibrationSource) -> None:
         """Quantized at load with 8-bit activations: SmoothQuant, calibrated on the package's text."""
         if self.fmt.online and self.fmt.quantize_activations:
             smoothing.calibrate(model, calibration, self.name,

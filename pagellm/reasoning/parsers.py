@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagellm.reasoning import REASONING_PARSERS, ReasoningTags
+from pagellm.reasoning import ReasoningTags, get_reasoning_tags
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +25,7 @@ class ReasoningParser:
 
     @classmethod
     def named(cls, name: str) -> "ReasoningParser":
-        return cls(REASONING_PARSERS[name])
+        return cls(get_reasoning_tags(name))
 
     def split(self, text: str, final: bool) -> ReasoningSplit:
         """`text`'s reasoning and content; `final`: the text is complete, hold nothing back. A

@@ -4,14 +4,16 @@ from __future__ import annotations
 import numpy as np
 
 from pagellm.config.speculative import SpeculativeConfig
+from pagellm.spec_decode.proposer import HostProposer
 
 
-class NgramProposer:
+class NgramProposer(HostProposer):
     """Vectorized: one comparison of the history with its last token finds the candidate ends, then
     at most prompt_lookup_max - 1 comparisons over those candidates measure each match's length
     (tens of microseconds per request for thousands of tokens, every decode step)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
         self.k = config.num_speculative_tokens
         self.low, self.high = config.prompt_lookup_min, config.prompt_lookup_max
         self._arrays: dict[str, tuple[np.ndarray, int]] = {}

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagellm.reasoning import REASONING_PARSERS
+from pagellm.reasoning import get_reasoning_tags
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.errors import GrammarError
 from pagellm.structured_output.source import GrammarSource
@@ -134,7 +134,7 @@ class GrammarManager:
         self._source = source
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
-        self._reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self._reasoning = get_reasoning_tags(reasoning_parser) if reasoning_parser else None
         self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         """Guards `_pending` (the step loop and the pool's callbacks)."""

@@ -8,12 +8,14 @@ import torch
 from pagellm import ops
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
+from pagellm.models import CausalLM
+from pagellm.spec_decode.proposer import DeviceProposer
 from pagellm.worker.batch import CachedRequestState, attention_layout, padded_block_table
 from pagellm.worker.cuda_graphs import DecodeGraphs
-from pagellm.worker.loading import bind_kv_cache, build_model
+from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 
-class DraftModelProposer:
+class DraftModelProposer(DeviceProposer):
     """Once a step's tokens are known, the draft model catches up on each sampling request's new
     tokens (its whole prompt the first time; then the accepted drafts and the token after them) and
     decodes k - 1 more greedily, all requests in one batch per pass: k forwards a step.
@@ -25,10 +27,10 @@ class DraftModelProposer:
     over by the next catch-up, which starts at the first token the draft has not seen."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.k = config.speculative.num_speculative_tokens
         self.block_size = config.cache.block_size
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLM | None = None
         self.graphs: DecodeGraphs | None = None
 
     def load(self) -> None:
@@ -39,6 +41,9 @@ class DraftModelProposer:
         except ValueError as e:  # the checkpoint's, its quantization's: say they are the draft's
             raise ValueError(f"speculative_config (--speculative-config) model {config.draft.source.path!r}: "
                              f"{e}") from None
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return kv_bytes_per_block(self.model, block_size, dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         bind_kv_cache(self.model, num_blocks, self.block_size, self.config.cache.kv_cache_dtype, self.config.device)

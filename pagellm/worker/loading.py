@@ -14,7 +14,7 @@ from pagellm.attention import get_attn_backend
 from pagellm.distributed import parallel_state
 from pagellm.layers.linear_method import process_weights_after_loading
 from pagellm.loader import ModelSource, initialize_dummy_weights, iter_weights
-from pagellm.models import get_model_class
+from pagellm.models import CausalLM, get_model_class
 from pagellm.models.cpu_layer import fuse_decoder_layers
 from pagellm.quantization import build_quant_config
 from pagellm.quantization.base import Calibration, CalibrationSource
@@ -28,7 +28,7 @@ _PROMPT_BLOCK_SIZE = 16
 
 
 def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtype, device: torch.device,
-                attention_backend: str, seed: int) -> torch.nn.Module:
+                attention_backend: str, seed: int) -> CausalLM:
     """The model of `source` in eval mode, its weights loaded (random ones for load_format dummy,
     from `seed`) and kept in the `quantization` method's form where it applies."""
     start = time.perf_counter()
@@ -63,7 +63,7 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
 
 
 @torch.inference_mode()
-def prompt_hidden_states(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+def prompt_hidden_states(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """`model`'s last hidden states [len(ids), hidden] for one prompt from position 0 (through its KV
     cache if one is bound; without one the backends attend within the batch and ignore the slots)."""
     device = next(model.parameters()).device
@@ -97,13 +97,13 @@ def _calibration_source(source: ModelSource, method: str) -> CalibrationSource:
     return calibration
 
 
-def kv_bytes_per_block(model: torch.nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block of `model`'s KV cache on this rank: its layers, its share of the KV heads."""
     layers = model.attention_layers()
     return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
 
 
-def bind_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
+def bind_kv_cache(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                   device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Allocate `model`'s KV cache (keys and values per layer) and hand each layer its own; on the
     CPU, fuse the decoder layers that can run as one C call each."""

@@ -7,19 +7,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm.attention import ATTENTION_BACKEND_REGISTRY
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
+from pagellm.models import CausalLM
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection import verify
 from pagellm.sample.sampler import in_float32, sample
 from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode import DeviceProposer, build_device_proposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
 from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs
-from pagellm.worker.draft_model import DraftModelProposer
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ps = parallel_state()
         self.requests = RequestStates(self.block_size, self.device)
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)
@@ -44,8 +46,9 @@ class ModelRunner:
         self._default_generator.manual_seed(config.model.seed)
         self.pooler = config.model.pooler
         """The pooling runner's pooler (embeddings instead of sampling); None: generate."""
-        self.drafter = DraftModelProposer(config) if config.draft is not None else None
-        """Proposes draft tokens after each step (draft_model speculation); None otherwise."""
+        self.drafter: DeviceProposer | None = build_device_proposer(config)
+        """Proposes draft tokens after each step (speculation whose proposer runs in the worker:
+        draft_model); None otherwise."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -62,7 +65,7 @@ class ModelRunner:
         kv_dtype = self.config.cache.kv_cache_dtype
         size = kv_bytes_per_block(self.model, self.block_size, kv_dtype)
         if self.drafter is not None:
-            size += kv_bytes_per_block(self.drafter.model, self.block_size, kv_dtype)
+            size += self.drafter.kv_bytes_per_block(self.block_size, kv_dtype)
         return size
 
     def profile_peak_memory(self) -> int:
@@ -119,7 +122,8 @@ class ModelRunner:
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
         the torch attention backend, which plans on the host)."""
-        if self.device.type != "cuda" or self.config.model.attention_backend != "triton" or self.ps.pp_size > 1:
+        backend = ATTENTION_BACKEND_REGISTRY.get(self.config.model.attention_backend)
+        if self.device.type != "cuda" or not backend.cuda_graphs or self.ps.pp_size > 1:
             return
         self._compile_eager_steps()
         if self.config.model.enforce_eager:

@@ -11,6 +11,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_distributed, parallel_state
+from pagellm.plugins import load_plugins
 from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class Worker:
         `distributed_init_method` is where the ranks meet (`file://...` or `tcp://host:port`).
         On CUDA, rank r takes the r-th GPU from the configured one, unless `gpu_index` names its
         GPU (a Ray actor sees only its own, as index 0)."""
+        load_plugins()  # this rank's process's registries (an mp process or Ray actor of its own)
         parallel = config.parallel
         if config.device.type == "cuda":
             index = config.device.index + rank if gpu_index is None else gpu_index

@@ -50,6 +50,7 @@ from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, Traff
 from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
+from pagellm.plugins import load_plugins
 from pagellm.tokenizer.chat_template import compile_chat_template
 from pagellm.version import __version__
 
@@ -67,7 +68,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
 
     `traffic` bounds requests in flight (default: TrafficLimits.for_engine) and may carry a request
     timeout; with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`.
-    `auto_tool_parser` (a TOOL_PARSERS name) enables tool_choice "auto" on chat completions."""
+    `auto_tool_parser` (a TOOL_PARSER_REGISTRY name) enables tool_choice "auto" on chat completions."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
@@ -199,6 +200,7 @@ def run_server(ns: argparse.Namespace) -> int:
     """Start the engine process and serve until SIGINT/SIGTERM (exit status 0), or until the engine
     core dies, freezes or stalls (ENGINE_DEAD_EXIT_CODE); `ns` holds `pagellm serve`'s flags."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    load_plugins()  # the API process's registries (the CLI has loaded them; run_server may be called alone)
     # Bind before the model loads, so a busy port fails in a moment rather than after start-up.
     sock = _bind(ns.host, ns.port)
     for sig in (signal.SIGINT, signal.SIGTERM):

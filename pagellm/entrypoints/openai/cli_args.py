@@ -10,7 +10,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.entrypoints.arg_types import non_negative_float, non_negative_int, port, positive_float
 from pagellm.entrypoints.openai.limits import add_limit_args
-from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSER_REGISTRY
 
 API_KEY_ENV = "PAGELLM_API_KEY"
 """`pagellm serve` reads its API key from here when --api-key is not given."""
@@ -39,9 +39,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let requests use tool_choice "auto" (the default with tools): the model decides, '
                             "and --tool-call-parser reads its calls out of the text")
-    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, "
-                            "Qwen2.5, Qwen3), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS][...])")
+    tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_REGISTRY.names()),
+                       help="how the model writes tool calls: " + TOOL_PARSER_REGISTRY.describe(", "))
     add_limit_args(serve)
     _add_reliability_args(serve)
     EngineArgs.add_cli_args(serve)

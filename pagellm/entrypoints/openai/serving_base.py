@@ -27,7 +27,7 @@ from pagellm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagellm.entrypoints.openai.serving_tools import plan_tools
-from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser
+from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning.parsers import ReasoningParser
@@ -69,7 +69,7 @@ class OpenAIServing:
         self.chat_template = chat_template
         """Replaces the model's own template when set (`--chat-template`)."""
         self.limits = limits or ServerLimits()
-        self.auto_tool_parser: ToolParser | None = TOOL_PARSERS[auto_tool_parser]() if auto_tool_parser else None
+        self.auto_tool_parser: ToolParser | None = get_tool_parser(auto_tool_parser)() if auto_tool_parser else None
         """Reads tool calls out of the text for tool_choice auto (--enable-auto-tool-choice --tool-call-parser)."""
         reasoning = engine.config.structured_outputs.reasoning_parser
         self.reasoning_parser = ReasoningParser.named(reasoning) if reasoning else None
