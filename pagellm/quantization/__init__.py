@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagellm.config.quantization import FLAG as _FLAG
 from pagellm.config.quantization import (
     QUANTIZATION_REGISTRY,
     QuantizationMethod,
@@ -32,7 +33,6 @@ from pagellm.config.quantization import (
     register_quantization_method,
 )
 from pagellm.config.registry import resolve
-from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.config.quantization import FLAG as _FLAG
 from pagellm.distributed import get_tp_world_size
 from pagellm.layers.linear import RowParallelLinear
 from pagellm.layers.linear_method import LinearMethod
 from pagellm.quantization import smoothing
-from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import (
     Calibration,
     CalibrationSource,

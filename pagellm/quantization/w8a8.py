@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagellm.config.quantization import FLAG as _FLAG
 from pagellm.layers.linear_method import LinearMethod
 from pagellm.ops.numerics import QMAX
 from pagellm.quantization import smoothing
-from pagellm.quantization.base import FLAG as _FLAG
 from pagellm.quantization.base import (
     CalibrationSource,
     LinearLayersConfig,
