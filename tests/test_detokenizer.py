@@ -16,7 +16,7 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path) -> Tokenizer:
-    return load_tokenizer(EngineArgs(smollm2_path, device="cpu").create_engine_config().source)
+    return load_tokenizer(EngineArgs(smollm2_path, device="cpu").create_engine_config().model.source)
 
 
 @pytest.fixture(scope="module")
