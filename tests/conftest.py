@@ -1,4 +1,6 @@
-"""Session fixtures shared across the test suite: the bundled SmolLM2 GGUF and its HF reference."""
+"""Session fixtures shared across the test suite: the bundled SmolLM2 GGUF and its HF reference; and the
+test tiers' guard (tests/tiers.py): a test that uses one of these fixtures, opens the real model or
+starts a server must be marked `slow`, so that `pytest -m "not slow"` stays quick."""
 from __future__ import annotations
 
 import os
@@ -12,11 +14,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagellm.loader import default_model_path  # noqa: E402
+import tiers  # noqa: E402
+
+# pytester: tests/test_tiers.py runs the guard on a suite of its own.
+pytest_plugins = ("pytester",)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The tiers' hooks: the slow fixtures below (tiers.SLOW_FIXTURES) and the runtime guard.
+    if not config.pluginmanager.is_registered(tiers):
+        config.pluginmanager.register(tiers, "tiers")
 
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF file."""
+    """Path of the bundled SmolLM2-135M-Instruct Q4_1 GGUF file (a test that requests it, directly or
+    through another fixture, must be marked slow: tiers.SLOW_FIXTURES)."""
     return default_model_path()
 
 

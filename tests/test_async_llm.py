@@ -12,6 +12,8 @@ from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from engine_utils import wait_for
 
+pytestmark = pytest.mark.slow  # AsyncLLM engines on the real model
+
 KV_BYTES = 64 << 20
 MAX_LEN = 1024
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(6)]

@@ -12,6 +12,8 @@ import pytest
 from pagellm import LLM, SamplingParams
 from engine_utils import assert_no_leak
 
+pytestmark = pytest.mark.slow  # engines on the real model
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about autumn leaves.",

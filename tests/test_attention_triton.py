@@ -72,7 +72,7 @@ boundary, a one-token prompt."""
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1), (6, 2)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, pytest.param(128, marks=pytest.mark.slow)])  # interpreted: seconds a case
 def test_mixed_batch_matches_torch_backend(dtype, block_size, num_heads, num_kv_heads, head_dim) -> None:
     md, query, key, value, cache = random_paged_batch(
         MIXED, block_size, num_heads, num_kv_heads, head_dim, dtype, seed=block_size + num_heads * 7 + head_dim)
@@ -86,7 +86,7 @@ def test_mixed_batch_matches_torch_backend(dtype, block_size, num_heads, num_kv_
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("num_splits", [2, 4, pytest.param(16, marks=pytest.mark.slow)])  # interpreted: seconds
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (4, 4)])
 def test_split_decode_matches_unsplit(dtype, num_splits: int, num_heads: int, num_kv_heads: int) -> None:
     # Contexts shorter than one split, exactly a tile, and spanning many tiles.
@@ -204,8 +204,9 @@ def test_fp8_cache_matches_torch_backend(num_heads, num_kv_heads, f16_dots, monk
     check(out, ref, torch.float16 if f16_dots else dtype)
 
 
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 3)])
+# Interpreted, each case takes seconds: one runs in the quick tier, the others are slow.
+@pytest.mark.parametrize("cache_dtype", [None, pytest.param(torch.float8_e4m3fn, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), pytest.param(6, 3, marks=pytest.mark.slow)])
 def test_rotary_fused_with_the_kv_write_matches_both_kernels_and_the_torch_backend(cache_dtype, num_heads: int,
                                                                                   num_kv_heads: int,
                                                                                   monkeypatch) -> None:

@@ -16,6 +16,7 @@ def llm(smollm2_path) -> LLM:
     return LLM(smollm2_path, device="cpu", dtype="float32", quantization="none", kv_cache_memory_bytes=128 << 20, max_model_len=1024)
 
 
+@pytest.mark.slow
 def test_beam_search_matches_hf(llm, hf_smollm2_model):
     tok = llm.get_tokenizer()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
@@ -38,6 +39,7 @@ def test_beam_search_matches_hf(llm, hf_smollm2_model):
     assert llm.llm_engine.get_stats().prefix_cache_hits > 0
 
 
+@pytest.mark.slow
 def test_beam_width_one_is_greedy(llm):
     prompt = llm.get_tokenizer().encode("The three primary colors are")
     from pagellm import SamplingParams

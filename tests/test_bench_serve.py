@@ -46,6 +46,7 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return after[name] - before[name]
 
 
+@pytest.mark.slow
 def test_counts_equal_the_servers_own_metrics(server, tmp_path, capsys):
     before = metric_samples(server.url)
     result = _bench(["--base-url", server.url + "/v1", *SMALL_LOAD, "--goodput", "ttft:600000", "e2el:600000"],
@@ -66,6 +67,7 @@ def test_counts_equal_the_servers_own_metrics(server, tmp_path, capsys):
     assert result["git"]["commit"] and result["hardware"]["logical_cores"] >= 1
 
 
+@pytest.mark.slow
 def test_chat_on_shared_prefixes_one_at_a_time(server, tmp_path, capsys):
     before = metric_samples(server.url)
     result = _bench(["--base-url", server.url, "--endpoint", "/v1/chat/completions", "--dataset", "prefix",
@@ -103,6 +105,7 @@ def test_bad_input_is_one_line_naming_the_flag(args, flag, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_sweep_writes_plots_and_a_recommendation(server, tmp_path, capsys):
     out = tmp_path / "sweep"
     assert cli_main(["bench", "sweep", "--base-url", server.url, "--sweep", "max-concurrency", "--values", "1", "3",
@@ -148,6 +151,7 @@ def test_knee_and_slo_limit():
         parse_slo(["ttft_p42:100"])
 
 
+@pytest.mark.slow
 def test_plan_predicts_the_servers_kv_blocks(server, smollm2_path, capsys):
     blocks = int(re.search(r"engine core ready \(pid \d+\): (\d+) KV blocks", server.log_tail(1_000_000)).group(1))
     assert cli_main(["plan", smollm2_path, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes",
@@ -155,6 +159,7 @@ def test_plan_predicts_the_servers_kv_blocks(server, smollm2_path, capsys):
     assert json.loads(capsys.readouterr().out)["num_kv_blocks"] == blocks
 
 
+@pytest.mark.slow
 def test_monitoring_names_only_metrics_the_server_exports(server):
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as response:
         exported = set(re.findall(r"^(pagellm:[a-z_:]+)", response.read().decode(), re.MULTILINE))
@@ -168,6 +173,7 @@ def test_monitoring_names_only_metrics_the_server_exports(server):
                   "preemptions", "prefix-cache", "turned away", "errors"):
         assert topic in panels
 
+@pytest.mark.slow
 def test_kubernetes_probes_answer_on_the_server(server):
     deployment = yaml.safe_load((DEPLOY / "k8s" / "deployment.yaml").read_text())
     container = deployment["spec"]["template"]["spec"]["containers"][0]

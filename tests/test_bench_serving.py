@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.bench_serving import main
+
+pytestmark = pytest.mark.slow  # a `pagellm serve` (of a tiny model) and the benchmark client
 
 REQUESTS = str(Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "sharegpt_1000_seed0.json.gz")
 TINY_LLAMA = {

@@ -162,6 +162,7 @@ def test_real_sharegpt_file_is_salvaged(real_sharegpt):
     assert len(load_sharegpt_pairs(real_sharegpt)) > 17_000
 
 
+@pytest.mark.slow
 def test_real_sharegpt_requests_obey_filters(real_sharegpt, smollm2_path):
     from pagellm.loader import resolve_model
     from pagellm.tokenizer import load_tokenizer
@@ -173,6 +174,7 @@ def test_real_sharegpt_requests_obey_filters(real_sharegpt, smollm2_path):
     assert sharegpt_requests(50, tokenizer, seed=0) == requests
 
 
+@pytest.mark.slow
 def test_dataset_requests_for_a_dummy_preset(real_sharegpt, smollm2_path, tmp_path):
     """A preset has no tokenizer: SmolLM2's measures the ShareGPT lengths and the info says so."""
     from pagellm.tokenizer import load_tokenizer

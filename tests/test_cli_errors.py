@@ -28,6 +28,14 @@ TINY_LLAMA = {
     "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
 CPU = ("--device", "cpu")
+
+
+def reads_the_model(argv: list[str], flag: str):
+    """A case whose check reads the default model (the real SmolLM2 GGUF) first, cheap as it is:
+    slow, as every test that opens the real model (tests/tiers.py)."""
+    return pytest.param(argv, flag, marks=pytest.mark.slow)
+
+
 SMALL_DATASET = ("--num-prompts", "1", "--input-len", "8", "--output-len", "2")
 """So that a bench throughput case whose error comes with the engine's config makes few prompts first."""
 
@@ -69,18 +77,23 @@ ENGINE_CASES = [
 ]
 """Engine flags every command that runs the engine takes; checked before the model is even resolved."""
 
-CONFIG_CASES = [
+MODEL_CASES = [
     ([*CPU, "--attention-backend", "triton"], "--attention-backend"),
     ([*CPU, "--tensor-parallel-size", "2"], "--tensor-parallel-size"),  # SmolLM2 has 9 heads
     ([*CPU, "--pipeline-parallel-size", "1000"], "--pipeline-parallel-size"),
     ([*CPU, "--max-model-len", "100000"], "--max-model-len"),
     ([*CPU, "--speculative-config", '{"model": "/no/such/draft.gguf", "num_speculative_tokens": 3}'],
      "--speculative-config"),
+]
+DEVICE_CASES = [
     (["--device", "tpu"], "--device"),
     (["--device", "cuda:x"], "--device"),
     *([] if torch.cuda.is_available() else [(["--device", "cuda"], "--device")]),
 ]
-"""Engine flags checked against the model's shape and the machine: still before any weight loads."""
+CONFIG_CASES = MODEL_CASES + DEVICE_CASES
+"""Engine flags checked against the model's shape and the machine: still before any weight loads. The
+model's shape is read from the default model, the real SmolLM2 GGUF: MODEL_CASES are slow (tests/tiers.py),
+and so are DEVICE_CASES for bench throughput (its prompts come from the model's tokenizer first)."""
 
 ENGINE_COMMANDS = {
     "generate": ["generate", "--prompt", "hi"],
@@ -140,8 +153,8 @@ COMMAND_CASES = [
     (["bench", "throughput", "--num-prefixes", "0"], "--num-prefixes"),
     (["bench", "throughput", "--dataset", "alpaca"], "--dataset"),
     (["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", "/nope.json"], "--dataset-path"),
-    (["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", "BAD_JSON"], "--dataset-path"),
-    (["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", "EMPTY_ARRAY"], "--num-prompts"),
+    reads_the_model(["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", "BAD_JSON"], "--dataset-path"),
+    reads_the_model(["bench", "throughput", "--dataset", "sharegpt", "--dataset-path", "EMPTY_ARRAY"], "--num-prompts"),
     (["bench", "throughput", *SMALL_DATASET, "--model", "/no/such/model"], "model"),
     (["bench", "throughput", "--bogus-flag"], "--bogus-flag"),
     (["bench", "throughput", "--output-json", "UNDER_A_FILE"], "--output-json"),
@@ -185,10 +198,10 @@ COMMAND_CASES = [
     (["plan", "--device", "tpu"], "--device"),
     (["plan", "--quantization", "int2"], "--quantization"),
     (["plan", "--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
-    (["plan", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-    (["plan", "--block-size", "7"], "--block-size"),
-    (["plan", "--max-num-seqs", "0"], "--max-num-seqs"),
-    *([] if torch.cuda.is_available() else [(["plan", "--device", "cuda"], "--gpu-memory-gib")]),
+    reads_the_model(["plan", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    reads_the_model(["plan", "--block-size", "7"], "--block-size"),
+    reads_the_model(["plan", "--max-num-seqs", "0"], "--max-num-seqs"),
+    *([] if torch.cuda.is_available() else [reads_the_model(["plan", "--device", "cuda"], "--gpu-memory-gib")]),
     # (--tensor-parallel-size not dividing the heads: tests/test_plan.py, as it builds the model on the meta device)
     (["plan", "/no/such/model.gguf"], "model"),
     (["plan", "--bogus-flag"], "--bogus-flag"),
@@ -200,10 +213,10 @@ COMMAND_CASES = [
     (["eval", "--context", "1"], "--context"),  # a window of one token predicts nothing
     (["eval", "--text", "/no/such/file.txt"], "--text"),
     (["eval", "--text", "FOLDER"], "--text"),
-    (["eval", *CPU, "--text", "NOT_UTF8"], "--text"),
+    reads_the_model(["eval", *CPU, "--text", "NOT_UTF8"], "--text"),
     (["eval", "--output-json", "UNDER_A_FILE"], "--output-json"),
     (["eval", "TINY_CONFIG_DIR", "--load-format", "dummy", "--reference", "gguf"], "--reference"),
-    (["eval", "--dtype", "float64"], "--dtype"),
+    reads_the_model(["eval", "--dtype", "float64"], "--dtype"),
 ]
 
 
@@ -286,12 +299,24 @@ def test_command_refuses_bad_input(argv, flag, files, capsys):
     assert_refused([files.get(a, a) for a in argv], flag, capsys)
 
 
-@pytest.mark.parametrize("args, flag", ENGINE_CASES + CONFIG_CASES, ids=_case_id)
-@pytest.mark.parametrize("command", ENGINE_COMMANDS)
+def _engine_flag_cases() -> list:
+    """(command, args, flag) for every command of ENGINE_COMMANDS and every case (ids as two stacked
+    parametrizes give them); slow where the check reads the real model first (CONFIG_CASES' docstring)."""
+    cases = []
+    for command in ENGINE_COMMANDS:
+        for args, flag in ENGINE_CASES + CONFIG_CASES:
+            reads_model = (args, flag) in MODEL_CASES or ((args, flag) in DEVICE_CASES and command == "bench throughput")
+            cases.append(pytest.param(command, args, flag, id=f"{command}-{_case_id(args)}-{flag}",
+                                      marks=[pytest.mark.slow] if reads_model else []))
+    return cases
+
+
+@pytest.mark.parametrize("command, args, flag", _engine_flag_cases())
 def test_engine_flags_are_checked_by_every_command_that_runs_the_engine(command, args, flag, capsys):
     assert_refused([*ENGINE_COMMANDS[command], *args], flag, capsys)
 
 
+@pytest.mark.slow  # its second check reads the default (real) model
 def test_generate_reads_the_prompt_from_stdin(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
     assert "stdin is empty" in assert_refused(["generate"], "--prompt", capsys)
@@ -323,6 +348,7 @@ def test_kv_cache_too_small_for_one_block_names_the_flag(tiny_model_dir, monkeyp
     assert "no block of 16 tokens" in line
 
 
+@pytest.mark.slow  # the process reads the default (real) model; starting it takes seconds
 def test_the_console_script_exits_2_with_one_line():
     """The installed `pagellm` (whose `sys.exit(main())` turns the status into the exit status), for
     the error that used to end a traceback of 104 lines."""

@@ -30,6 +30,8 @@ import pytest  # noqa: E402
 
 from server_utils import RemoteServer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real clients against a `pagellm serve` of the real model
+
 MODEL_NAME = "smollm2"
 ENGINE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(96 << 20),
                 "--max-model-len", "1024", "--served-model-name", MODEL_NAME)

@@ -9,7 +9,8 @@ from pagellm.models import cpu_layer
 from pagellm.ops.c import build as native
 from pagellm.worker import loading
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None, reason=str(native.unavailable_reason()))
+pytestmark = [pytest.mark.slow,  # engines on the real model
+              pytest.mark.skipif(native.unavailable_reason() is not None, reason=str(native.unavailable_reason()))]
 
 # A 48-token budget splits the long prompt into chunks that share steps with the others' decodes.
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=32 << 20, max_model_len=512,

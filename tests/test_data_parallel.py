@@ -51,6 +51,7 @@ def reference_texts() -> list[str]:
     return [o.outputs[0].text for o in llm.generate(_prompts(64), GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.slow  # replicas of the default (real) model
 def test_two_replicas_serve_64_concurrent_requests_by_prefix_with_the_outputs_of_one(reference_texts):
     llm = AsyncLLM.from_engine_args(EngineArgs(**CPU, data_parallel_size=2))
     routed: dict[tuple[int, ...], int] = {}  # the prompt's first tokens (its prefix) -> replica
@@ -85,6 +86,7 @@ def test_two_replicas_serve_64_concurrent_requests_by_prefix_with_the_outputs_of
         llm.shutdown()
 
 
+@pytest.mark.slow  # replicas of the default (real) model
 def test_a_dead_replica_fails_its_requests_while_the_other_finishes_its_own():
     llm = AsyncLLM.from_engine_args(EngineArgs(**CPU, data_parallel_size=2))
     long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -119,6 +121,7 @@ def test_a_dead_replica_fails_its_requests_while_the_other_finishes_its_own():
 
 # -- through the server ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_server_with_two_replicas_labels_metrics_by_engine(smollm2_path, reference_texts):
     server = RemoteServer(smollm2_path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
                           "--kv-cache-memory-bytes", str(64 << 20), "--data-parallel-size", "2",

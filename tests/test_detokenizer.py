@@ -9,6 +9,8 @@ from pagellm.sampling_params import RequestOutputKind
 from pagellm.tokenizer import Tokenizer, load_tokenizer
 from engine_utils import assert_no_leak
 
+pytestmark = pytest.mark.slow  # the real model's tokenizer and engine
+
 SMALL_KV = 64 << 20
 DELTA = RequestOutputKind.DELTA
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY

@@ -78,6 +78,7 @@ def _run_split(smollm2_path: str, prompts, **kwargs) -> tuple[list[list[int]], i
 
 # Tensor parallel alone runs on Ray (ray-tp3); in processes, and with pipeline stages, on the tiny
 # model below.
+@pytest.mark.slow
 @pytest.mark.parametrize("split", [
     {"pipeline_parallel_size": 2},
     # Small steps and a small cache: prefills are chunked across micro-batches and requests
@@ -96,6 +97,7 @@ def test_split_model_gives_the_single_rank_greedy_tokens(smollm2_path, chat_prom
         assert num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_pipeline_stages_reuse_the_prefix_cache(smollm2_path, chat_prompts, single_rank_tokens):
     # The same prompts twice in one batch: the second copies hit blocks the first ones wrote.
     llm = LLM(smollm2_path, **EXACT, pipeline_parallel_size=2)
@@ -151,6 +153,7 @@ def tiny_one_rank(tiny_llama) -> tuple[list[list[int]], torch.Tensor]:
     return _logprobs(tiny_llama)
 
 
+@pytest.mark.slow  # ranks in processes of their own (each starts Python and imports torch): tens of seconds
 @pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 4},
                                    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
                          ids=["tp2", "tp4", "tp2xpp2"])
@@ -163,6 +166,7 @@ def test_tensor_parallel_logprobs_match_one_rank(tiny_llama, tiny_one_rank, spli
 
 # -- failures -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # ranks in processes of their own (each starts Python and imports torch); Ray a cluster
 @pytest.mark.parametrize("backend", ["mp", "ray"])
 def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(tiny_llama, backend):
     # Rank 1 is not the driver: the engine waits on rank 0, which waits on rank 1 in an all-reduce.
@@ -185,6 +189,7 @@ def test_killed_rank_fails_the_engine_within_seconds_and_no_rank_is_left(tiny_ll
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # ranks in processes of their own (each starts Python and imports torch): tens of seconds
 def test_rank_dead_before_a_step_is_sent_fails_that_step(tiny_llama):
     """A rank that died between steps has no input pipe left: sending it the next step must fail
     the engine, not block the engine core forever while its heartbeats say it is fine."""
@@ -218,6 +223,7 @@ def test_rank_dead_before_a_step_is_sent_fails_that_step(tiny_llama):
     assert "rank 0" in str(failure[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"tensor_parallel_size": 2},
      "tensor_parallel_size \\(--tensor-parallel-size\\) 2 must divide the model's num_attention_heads \\(9\\)"),
@@ -256,6 +262,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mid_stream", [True, False], ids=["mid-stream", "idle"])
 def test_server_with_a_killed_rank_fails_requests_and_exits_1_leaving_no_process(smollm2_path, mid_stream):
     server = RemoteServer(smollm2_path, "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
@@ -284,6 +291,7 @@ def test_server_with_a_killed_rank_fails_requests_and_exits_1_leaving_no_process
         server.stop()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_keeps_gguf_blocks_quantized(smollm2_path, chat_prompts):
     """Row-parallel layers take whole 32-value blocks of their input features: three ranks score the
     prompts as one rank does (the ranks' partial sums add in another order: float32 rounding)."""
@@ -303,6 +311,7 @@ def test_tensor_parallel_keeps_gguf_blocks_quantized(smollm2_path, chat_prompts)
         assert max(abs(a - b) for a, b in zip(one, two)) < 1e-3
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_smooth_int8_activations_consistently(smollm2_path, chat_prompts):
     """Online int8 calibrates SmoothQuant on every rank; each rank's scales follow its own weight
     rows, folded into its own copy of the norm. Three ranks stay as close to the dense model as one

@@ -108,6 +108,7 @@ def _vectors(outputs) -> list[list[float]]:
     return [o.outputs.embedding for o in outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pooling_type", "normalize"), [("LAST", True), ("LAST", False), ("MEAN", True),
                                                        ("MEAN", False), ("CLS", False)])
 def test_embeddings_match_hf(engines, prompt_ids, hf_hidden, pooling_type, normalize):
@@ -123,12 +124,14 @@ def test_embeddings_match_hf(engines, prompt_ids, hf_hidden, pooling_type, norma
             assert abs(np.linalg.norm(out.outputs.embedding) - 1.0) < 1e-5
 
 
+@pytest.mark.slow
 def test_default_pooler_is_last_normalized(engines, prompt_ids, hf_hidden):
     assert PoolerConfig.parse(None, "pooling") == PoolerConfig("LAST", True)
     out = engines("LAST").embed(prompt_ids[0], use_tqdm=False)[0]  # no params: the engine's default
     _assert_close(out.outputs.embedding, _pool(hf_hidden[0], "LAST", True), HF_TOLERANCE)
 
 
+@pytest.mark.slow
 def test_concurrent_prompts_equal_one_at_a_time(engines, prompt_ids):
     """Prompts of different lengths in one batch (chunks of several requests in one step, requests
     finishing at different steps) give the vectors each gets alone; MEAN, the pooling that keeps
@@ -142,6 +145,7 @@ def test_concurrent_prompts_equal_one_at_a_time(engines, prompt_ids):
     assert llm.llm_engine.engine_core.scheduler.kv.usage == 0.0, "every finished request freed its blocks"
 
 
+@pytest.mark.slow
 def test_pipeline_stages_pool_on_the_last_stage(engines, smollm2_path, prompt_ids, hf_hidden):
     """Two pipeline stages in their own processes (only the last has final hidden states; two steps
     in flight), chunked prompts: the same MEAN vectors as HF's."""
@@ -187,6 +191,7 @@ def test_scheduler_runs_a_pooling_request_as_a_prefill_only():
     assert scheduler.schedule().freed_req_ids == {"r"}
 
 
+@pytest.mark.slow
 def test_wrong_runner_and_bad_params_are_value_errors(engines, smollm2_path):
     llm = engines("LAST")
     with pytest.raises(ValueError, match="runner='generate'"):
@@ -209,6 +214,7 @@ def test_wrong_runner_and_bad_params_are_value_errors(engines, smollm2_path):
             EngineArgs(model=smollm2_path, device="cpu", **kwargs).validate()
 
 
+@pytest.mark.slow
 def test_embed_needs_the_pooling_runner(smollm2_path):
     """Checked before any weights load: a generate engine's `embed` and a generate server's
     /v1/embeddings refuse with the way out."""
@@ -241,6 +247,7 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow
 def test_http_embeddings(client, prompt_ids, hf_hidden):
     """A list of texts is embedded concurrently and returned in order; base64 decodes to the float
     vectors; usage counts the prompt tokens."""
@@ -275,6 +282,7 @@ def test_http_embeddings(client, prompt_ids, hf_hidden):
     assert len(single.data) == 1 and single.usage.prompt_tokens == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param", [
     ({"input": "Hello", "dimensions": 64}, "dimensions"),
     ({"input": []}, "input"),
@@ -289,6 +297,7 @@ def test_http_bad_requests(server, body, param):
         assert response.json()["error"]["param"] == param
 
 
+@pytest.mark.slow
 def test_http_generation_on_a_pooling_server_is_refused(client):
     with pytest.raises(openai.BadRequestError, match="--runner generate"):
         client.completions.create(model="smollm2", prompt="Hello", max_tokens=2)
@@ -298,6 +307,7 @@ def test_http_generation_on_a_pooling_server_is_refused(client):
     assert len(client.embeddings.create(model="smollm2", input="still here").data[0].embedding) == 576
 
 
+@pytest.mark.slow
 def test_litellm_embedding(server, client, monkeypatch):
     """litellm's embedding call (its default float path) against the pooling server."""
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the remote cost map

@@ -33,7 +33,8 @@ def prompt_ids(llm: LLM, text: str) -> list[int]:
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    # Checked against the default model's heads: reads the real GGUF.
+    pytest.param(dict(tensor_parallel_size=2), "tensor_parallel_size", marks=pytest.mark.slow),
     (dict(device="tpu"), "device"),
     (dict(max_num_seq=4), "max_num_seq"),
 ])
@@ -42,11 +43,13 @@ def test_invalid_engine_arguments_name_the_field(kwargs, field):
         LLM(device=kwargs.pop("device", "cpu"), **kwargs)
 
 
+@pytest.mark.slow
 def test_max_model_len_that_cannot_fit_fails_at_start_with_numbers(smollm2_path):
     with pytest.raises(ValueError, match=r"4 blocks x 16 tokens = 64 tokens.*max_model_len \(1024\)"):
         LLM(smollm2_path, device="cpu", num_gpu_blocks_override=4, max_model_len=1024)
 
 
+@pytest.mark.slow
 def test_bad_prompts_raise_and_leave_the_engine_clean(llm):
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     with pytest.raises(ValueError, match="empty"):
@@ -61,11 +64,13 @@ def test_bad_prompts_raise_and_leave_the_engine_clean(llm):
     assert len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.slow
 def test_sampling_params_count_must_match_prompts(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_stop_conditions_and_finish_reasons(llm):
     ids = prompt_ids(llm, "Count: one, two, three,")
     free = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
@@ -81,6 +86,7 @@ def test_stop_conditions_and_finish_reasons(llm):
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.slow
 def test_eos_ends_generation_unless_ignored(llm):
     chat = [{"role": "user", "content": "Say hi."}]
     out = llm.chat(chat, SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)[0]
@@ -93,6 +99,7 @@ def test_eos_ends_generation_unless_ignored(llm):
     assert longer.outputs[0].token_ids[:n] == out.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_streaming_engine_with_abort(llm):
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -116,6 +123,7 @@ def test_streaming_engine_with_abort(llm):
     assert_no_leak(engine)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_alone_and_batched(llm):
     ids = prompt_ids(llm, "My favourite animal is")
     seeded = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
@@ -128,6 +136,7 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(llm):
     assert llm.generate([ids], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
+@pytest.mark.slow
 def test_seeded_sampling_survives_preemption(smollm2_path, llm):
     ids = [prompt_ids(llm, f"Story number {i}: once upon a time") for i in range(6)]
     params = [SamplingParams(temperature=0.8, max_tokens=24, seed=i, ignore_eos=True) for i in range(6)]
@@ -140,6 +149,7 @@ def test_seeded_sampling_survives_preemption(smollm2_path, llm):
     assert_no_leak(tight.llm_engine)
 
 
+@pytest.mark.slow
 def test_engine_seed_makes_unseeded_sampling_repeat(smollm2_path):
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     runs = []
@@ -149,6 +159,7 @@ def test_engine_seed_makes_unseeded_sampling_repeat(smollm2_path):
     assert runs[0] == runs[1]
 
 
+@pytest.mark.slow
 def test_largest_step_runs_before_the_cache_exists(smollm2_path):
     # The GPU memory-profiling pass, exercised on the CPU: a full token budget of fresh prompts.
     config = EngineArgs(smollm2_path, device="cpu", dtype="float32", max_num_batched_tokens=256,
@@ -177,6 +188,7 @@ def test_dummy_weights_from_a_config_directory(tmp_path):
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.slow  # the default (real) model
 def test_cli_generate(capsys):
     code = cli_main(["generate", "--prompt", "What is 2+2?", "--max-tokens", "8", "--device", "cpu",
                      "--dtype", "float32", "--kv-cache-memory-bytes", str(SMALL_KV), "--max-model-len", "1024"])
@@ -187,6 +199,7 @@ def test_cli_generate(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_engine_is_frozen_out_of_the_garbage_collector_and_still_freed(smollm2_path):
     """gc.freeze() after start-up (full collections skip the engine's objects), and an engine
     dropped without shutdown is still freed by reference counting alone, weights included (a
@@ -207,6 +220,7 @@ def test_the_engine_is_frozen_out_of_the_garbage_collector_and_still_freed(smoll
             gc.enable()
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): seconds
 def test_frozen_objects_are_released_at_exit(tmp_path):
     """Start-up objects are unfrozen at exit, so the interpreter's last collection sees them:
     Triton's native bindings (nanobind) report leaked objects at exit otherwise."""

@@ -14,10 +14,11 @@ from pagellm.eval.quality import windows
 from pagellm.loader import resolve_model
 from pagellm.tokenizer.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # the real model (and the Hugging Face reference)
+
 MAX_TOKENS, CONTEXT = 160, 64
 
 
-@pytest.mark.slow
 def test_eval_reports_perplexity_and_drift(tmp_path, capsys, smollm2_path, hf_smollm2_model) -> None:
     out = tmp_path / "eval.json"
     code = main(["eval", "--quantization", "fp8", "int8", "rtn", "gguf", "--dtype", "float32", "--device", "cpu",

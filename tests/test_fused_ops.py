@@ -234,6 +234,7 @@ def test_triton_ops_reject_shapes_they_would_read_out_of_bounds() -> None:
         ops.rotary_embedding(torch.zeros(3, dtype=torch.int64, device=DEVICE), q, k, torch.zeros(4, 8), impl="triton")
 
 
+@pytest.mark.slow  # a Python process of its own (imports torch): seconds
 def test_pagellm_runs_without_triton() -> None:
     """triton is optional: with it unimportable, pagellm imports and a model layer runs on the CPU."""
     script = (

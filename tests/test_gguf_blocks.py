@@ -57,7 +57,9 @@ def test_dequantize_kernel_gives_the_grouped_layouts_values(qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 5, 17, 300])
+# Interpreted: one row and 300 rows run in the quick tier, the others are slow.
+@pytest.mark.parametrize("rows", [1, pytest.param(5, marks=pytest.mark.slow), pytest.param(17, marks=pytest.mark.slow),
+                                  300])
 def test_kernel_multiplies_with_the_grouped_layouts(qtype, rows, monkeypatch):
     pytest.importorskip("triton")
     from pagellm.ops.triton.matmul import DEQUANTIZE_ROWS, dequant_matmul

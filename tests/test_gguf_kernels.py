@@ -61,6 +61,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(rows):
         assert torch.equal(batch[row:row + 1], method.apply(layer, x[row:row + 1], None))
 
 
+@pytest.mark.slow
 def test_smollm2_keeps_its_blocks_and_ties_the_head(smollm2_path):
     from pagellm.models import get_model_class
     from pagellm.attention import get_attn_backend
@@ -78,6 +79,7 @@ def test_smollm2_keeps_its_blocks_and_ties_the_head(smollm2_path):
     assert not any("norm" in name for name in kept)
 
 
+@pytest.mark.slow
 def test_quantization_flag_errors_name_the_flag(smollm2_path, tmp_path, monkeypatch):
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match=r"--quantization\) must be one of .*gguf, none"):

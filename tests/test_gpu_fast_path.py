@@ -53,6 +53,7 @@ def test_phase_runner_records_each_outcome_and_goes_on():
     assert spent.run("late", lambda deadline: {}) is None and spent.records["late"]["status"] == "skipped"
 
 
+@pytest.mark.slow  # the real model and the Hugging Face reference
 def test_smoke_run_on_the_cpu(tmp_path, capsys):
     model = tmp_path / "tiny"
     model.mkdir()

@@ -8,6 +8,8 @@ import torch
 from pagellm import LLM, SamplingParams
 from engine_utils import assert_no_leak
 
+pytestmark = pytest.mark.slow  # the real model against the Hugging Face reference
+
 NUM_NEW_TOKENS = 48
 TIE_GAP = 1e-4
 LONG_SYSTEM = (

@@ -34,6 +34,7 @@ def test_glibc_malloc_trim_is_found_and_runs():
     assert trimmer.maybe_trim()
 
 
+@pytest.mark.slow
 def test_engine_steps_trim_the_heap(smollm2_path, monkeypatch):
     trims: list[int] = []
 

@@ -19,6 +19,7 @@ from pagellm.loader import (
 from pagellm.loader.gguf_loader import unpermute_rotary_rows
 
 
+@pytest.mark.slow
 def test_default_model_path(smollm2_path: str) -> None:
     assert smollm2_path == default_model_path()
     assert os.path.basename(smollm2_path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,6 +29,7 @@ def test_default_model_path(smollm2_path: str) -> None:
     assert resolve_model(os.path.dirname(smollm2_path)).path == smollm2_path
 
 
+@pytest.mark.slow
 def test_gguf_config_matches_hf(smollm2_path: str, hf_smollm2_model) -> None:
     arch = resolve_model(smollm2_path).arch
     hf = hf_smollm2_model.config
@@ -49,6 +51,7 @@ def test_gguf_config_matches_hf(smollm2_path: str, hf_smollm2_model) -> None:
     assert resolve_model(smollm2_path).generation_config["eos_token_id"] == hf_smollm2_model.generation_config.eos_token_id
 
 
+@pytest.mark.slow
 def test_gguf_weights_match_hf_exactly(smollm2_path: str, hf_smollm2_model) -> None:
     expected = hf_smollm2_model.state_dict()
     seen = set()
@@ -84,6 +87,7 @@ def _tiny_config(kind: str):
     return Qwen2Config(**common, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_safetensors_sharded_roundtrip(kind: str, tmp_path, smollm2_path: str) -> None:
     from transformers import AutoModelForCausalLM
@@ -118,6 +122,7 @@ def test_safetensors_sharded_roundtrip(kind: str, tmp_path, smollm2_path: str) -
     assert set(dict(iter_weights(resolve_model(str(tmp_path))))) == stored
 
 
+@pytest.mark.slow
 def test_explicit_formats(tmp_path, smollm2_path: str) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -43,6 +43,7 @@ def check_position(entry: dict[int, Logprob], token: int, ref: torch.Tensor, k: 
         assert {entry[t].rank for t in others} <= set(range(1, k + 1))
 
 
+@pytest.mark.slow
 def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_smollm2_model):
     prompt_ids = llm.get_tokenizer().encode(PROMPT)
     assert len(prompt_ids) > 32
@@ -69,6 +70,7 @@ def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_smollm2_model):
                                                      for j, t in enumerate(generated))) < 8 * TOL
 
 
+@pytest.mark.slow
 def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling(llm, hf_smollm2_model):
     prompt_ids = llm.get_tokenizer().encode("The capital of France is")
     params = SamplingParams(temperature=0.7, seed=3, max_tokens=6, logprobs=0, repetition_penalty=1.5,
@@ -80,6 +82,7 @@ def test_logprobs_are_of_the_raw_distribution_whatever_the_sampling(llm, hf_smol
         check_position(completion.logprobs[j], token, ref[len(prompt_ids) - 1 + j], 0)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_skip_prefix_cache_hits(llm):
     prompt_ids = llm.get_tokenizer().encode(PROMPT)
     warm = llm.generate({"prompt_token_ids": prompt_ids}, SamplingParams(max_tokens=1), use_tqdm=False)[0]
@@ -93,11 +96,13 @@ def test_prompt_logprobs_skip_prefix_cache_hits(llm):
     assert scored.outputs[0].logprobs is None and scored.outputs[0].cumulative_logprob is None
 
 
+@pytest.mark.slow
 def test_a_one_token_prompt_has_only_none(llm):
     out = llm.generate({"prompt_token_ids": [1]}, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.prompt_logprobs == [None]
 
 
+@pytest.mark.slow
 def test_max_logprobs_is_enforced(llm):
     with pytest.raises(ValueError, match="prompt_logprobs must be at most 20"):
         llm.generate("Hi", SamplingParams(prompt_logprobs=21), use_tqdm=False)

@@ -11,6 +11,8 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.sampling_params import RequestOutputKind
 from engine_utils import assert_no_leak, wait_for
 
+pytestmark = pytest.mark.slow  # engines on the real model
+
 SMALL_KV = 64 << 20
 BLOCK_SIZE = 16
 

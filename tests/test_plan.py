@@ -61,6 +61,7 @@ def test_every_h200_measurement_within_2_percent():
         assert ledger.activation_peak_bytes == pytest.approx(run["activation_peak_bytes"], rel=0.02), run
 
 
+@pytest.mark.slow
 def test_cpu_plan_matches_the_engines_own_sizing(smollm2_path, capsys):
     """The engine's Worker sizes the cache for SmolLM2 on this CPU (model built on the meta device:
     the sizing reads only its shape) and plan predicts the same number of blocks."""

@@ -527,6 +527,7 @@ def test_smoothing_scales_fold_into_norms_and_columns_without_changing_the_model
     torch.testing.assert_close(log_probs(model, ids), before, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # ~15-30 s on 2 CPU cores: too dear for the quick tier
 def test_clipping_keeps_per_group_the_range_whose_rounding_errs_least(tmp_path, monkeypatch) -> None:
     """AWQ's clipping search, on layers of several groups searched a few rows at a time: each group
     of each row of the clippable layers becomes one of the grid's clamps of it, the one whose
@@ -573,6 +574,7 @@ def test_clipping_keeps_per_group_the_range_whose_rounding_errs_least(tmp_path, 
     assert all(torch.equal(layer.self_attn.qkv_proj.weight, w) for layer, w in zip(model.decoder_layers(), qkv))
 
 
+@pytest.mark.slow
 def test_rtn_clips_at_load_and_comes_closer_to_the_dense_model(smollm2_path, monkeypatch) -> None:
     """rtn's load runs the clipping search after the activation-aware scales: SmolLM2's next-token
     distributions move less from the dense model's than without it (on text not calibrated on)."""
@@ -595,6 +597,7 @@ def test_rtn_clips_at_load_and_comes_closer_to_the_dense_model(smollm2_path, mon
     assert clipped < 0.9 * kl()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("method", "config", "ratio"), [("int8", "W8A8Config", 0.7), ("rtn", "Int4Config", 0.85)])
 def test_calibrated_scales_bring_the_quantized_model_closer_to_the_dense_one(smollm2_path, monkeypatch, method,
                                                                              config, ratio) -> None:
@@ -623,6 +626,7 @@ def test_calibrated_scales_bring_the_quantized_model_closer_to_the_dense_one(smo
     assert calibrated < ratio * plain, (calibrated, plain)
 
 
+@pytest.mark.slow
 def test_calibration_stays_within_the_models_positions(smollm2_path) -> None:
     """A model with fewer positions than the calibration text's tokens is calibrated on as many as
     it has (beyond them the rotary table has no row: NaN weights, or an IndexError)."""
@@ -983,6 +987,7 @@ def test_gptq_row_parallel_rank_loads_and_dequantizes_its_slice() -> None:
 # --- FP8 KV cache ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_holds_more_blocks_and_keeps_the_greedy_start(smollm2_path) -> None:
     from pagellm import LLM, SamplingParams
 
@@ -1049,6 +1054,7 @@ def test_checkpoint_kv_scales_reach_the_layers(tmp_path) -> None:
             compressed_tensors_weights(qc | {"kv_cache_scheme": scheme | bad})
 
 
+@pytest.mark.slow
 def test_kv_cache_dtype_errors_name_the_flag(smollm2_path) -> None:
     with pytest.raises(ValueError, match=r"--kv-cache-dtype\) must be one of auto, fp8, fp8_e4m3"):
         EngineArgs(kv_cache_dtype="int4").validate()
@@ -1119,6 +1125,7 @@ def test_eval_through_a_bound_cache_matches_attention_within_the_window(tmp_path
     assert not torch.allclose(log_probs(model, ids), within, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # a Python process of its own that compiles the kernel for sm_90: seconds
 @pytest.mark.parametrize("half", [False, True])
 def test_one_row_4bit_kernel_spends_an_and_and_a_multiply_add_a_code(half: bool) -> None:
     """At one row the 4-bit kernel is bound by its instructions: its loop over K (compiled for

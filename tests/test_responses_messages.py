@@ -57,6 +57,7 @@ def chat(oai):
 # -- /v1/responses -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_responses_string_input_matches_chat(oai, chat):
     text, finish_reason, prompt_tokens = chat((("user", QUESTION),))
     r = oai.responses.create(model=MODEL_NAME, input=QUESTION, temperature=0, max_output_tokens=MAX_TOKENS)
@@ -68,6 +69,7 @@ def test_responses_string_input_matches_chat(oai, chat):
     assert r.status == ("incomplete" if finish_reason == "length" else "completed")
 
 
+@pytest.mark.slow
 def test_responses_instructions_limit_and_continuation(oai, chat):
     first = oai.responses.create(model=MODEL_NAME, instructions=SYSTEM, temperature=0, max_output_tokens=4,
                                  input=[{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
@@ -92,6 +94,7 @@ def test_responses_instructions_limit_and_continuation(oai, chat):
         assert e.value.body["param"] == "previous_response_id"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("prompt", "status"), [(SHORT, "completed"), (QUESTION, "incomplete")])
 def test_responses_stream_matches_non_streamed(oai, chat, prompt, status):
     text, _, _ = chat((("user", prompt),))
@@ -115,6 +118,7 @@ def test_responses_stream_matches_non_streamed(oai, chat, prompt, status):
     assert events[-1].response.usage.output_tokens == final.usage.output_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
@@ -132,6 +136,7 @@ class City(pydantic.BaseModel):
     city: str
 
 
+@pytest.mark.slow
 def test_responses_parse_into_a_pydantic_model(oai):
     """text.format json_schema (what `responses.parse` sends) constrains the output as chat's response_format."""
     response = oai.responses.parse(model=MODEL_NAME, input=SHORT, text_format=City, temperature=0,
@@ -142,6 +147,7 @@ def test_responses_parse_into_a_pydantic_model(oai):
 # -- /v1/messages --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_messages_match_chat_and_stop_reasons(claude, chat):
     messages = [{"role": "user", "content": QUESTION}]
     m = claude.messages.create(model=MODEL_NAME, system=SYSTEM, messages=messages, max_tokens=MAX_TOKENS,
@@ -167,6 +173,7 @@ def test_messages_match_chat_and_stop_reasons(claude, chat):
     assert stopped.content[0].text == text[:text.index(word)]
 
 
+@pytest.mark.slow
 def test_messages_stream_matches_non_streamed(claude):
     kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
               **GREEDY}
@@ -178,6 +185,7 @@ def test_messages_stream_matches_non_streamed(claude):
     assert final.stop_reason == m.stop_reason and final.usage.output_tokens == m.usage.output_tokens
 
 
+@pytest.mark.slow
 def test_messages_errors_in_anthropics_shape(claude, server):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
     with pytest.raises(anthropic.BadRequestError) as e:

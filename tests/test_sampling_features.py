@@ -104,6 +104,7 @@ def tokens_of(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_repetition_penalty_matches_hf_generate(llm, hf_smollm2_model):
     tok = llm.get_tokenizer()
     ours = tokens_of(llm, PROMPTS, greedy(repetition_penalty=1.3, ignore_eos=True))
@@ -114,6 +115,7 @@ def test_repetition_penalty_matches_hf_generate(llm, hf_smollm2_model):
         assert got == ref[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.slow
 def test_bad_words_are_never_generated(llm):
     tok = llm.get_tokenizer()
     plain = llm.generate(PROMPTS[0], greedy(), use_tqdm=False)[0].outputs[0]
@@ -123,6 +125,7 @@ def test_bad_words_are_never_generated(llm):
     assert not set(tok.encode(" Paris") + tok.encode("Paris")) & set(banned.token_ids)
 
 
+@pytest.mark.slow
 def test_min_tokens_keeps_an_early_ending_going(llm):
     chat = [{"role": "user", "content": "Say hi."}]
     eos = llm.get_tokenizer().eos_token_id
@@ -135,6 +138,7 @@ def test_min_tokens_keeps_an_early_ending_going(llm):
     assert longer.token_ids[:n - 1] == short.token_ids[:n - 1]
 
 
+@pytest.mark.slow
 def test_unfeatured_rows_are_unchanged_by_featured_neighbours(llm):
     plain = [greedy(), greedy(temperature=0.8, seed=7)]
     alone = tokens_of(llm, PROMPTS, plain)

@@ -14,6 +14,8 @@ import pytest
 from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 
+pytestmark = pytest.mark.slow  # a `pagellm serve` of the real model
+
 MODEL = "smollm2"
 # A short context and few sequences keep the requests that do generate cheap on a CPU.
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(32 << 20), "--max-model-len", "40",

@@ -67,12 +67,14 @@ def wait_until_aborted_and_freed(server: RemoteServer, before: dict[str, float])
     wait_until(done, "the request aborted and its KV blocks freed")
 
 
+@pytest.mark.slow
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].model_extra["max_model_len"] == MAX_LEN
 
 
+@pytest.mark.slow
 def test_chat_matches_offline_and_reports_usage(client, offline):
     ref = offline.chat(chat_messages(QUESTIONS[0]), greedy(), use_tqdm=False)[0]
     response = client.chat.completions.create(model=MODEL_NAME, messages=chat_messages(QUESTIONS[0]),
@@ -87,6 +89,7 @@ def test_chat_matches_offline_and_reports_usage(client, offline):
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
+@pytest.mark.slow
 def test_completion_matches_offline_with_echo(client, offline):
     prompt = "The three primary colors are"
     ref = offline.generate(prompt, greedy(), use_tqdm=False)[0]
@@ -99,6 +102,7 @@ def test_completion_matches_offline_with_echo(client, offline):
     assert echoed.choices[0].text == prompt + ref.outputs[0].text
 
 
+@pytest.mark.slow
 def test_chat_stream_shape(client, offline):
     ref = offline.chat(chat_messages(QUESTIONS[1]), greedy(), use_tqdm=False)[0]
     chunks = list(client.chat.completions.create(
@@ -114,6 +118,7 @@ def test_chat_stream_shape(client, offline):
     assert usage_chunk.usage.completion_tokens == len(ref.outputs[0].token_ids)
 
 
+@pytest.mark.slow
 def test_completion_stream_deltas(client, offline):
     prompt = "Once upon a time"
     ref = offline.generate(prompt, greedy(), use_tqdm=False)[0]
@@ -131,6 +136,7 @@ CONCURRENT_PROMPTS = ["The first law of motion says", "A good breakfast has", "T
                       "Once upon a time"]
 
 
+@pytest.mark.slow
 def test_concurrent_streams_match_offline(server, offline):
     """16 greedy requests streamed at once (chat and completions) give the offline engine's text."""
     async def stream_chat(client: openai.AsyncOpenAI, question: str) -> str:
@@ -156,6 +162,7 @@ def test_concurrent_streams_match_offline(server, offline):
     assert completions == [out.outputs[0].text for out in expected_completions]
 
 
+@pytest.mark.slow
 def test_stop_token_ids(client, offline):
     prompt = "Count: one, two, three,"
     ref = offline.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0]
@@ -170,6 +177,7 @@ def test_stop_token_ids(client, offline):
     assert ref.text.startswith(choice.text)
 
 
+@pytest.mark.slow
 def test_repeated_prompt_reports_cached_tokens(client):
     messages = chat_messages("Summarize the plot of a long novel about " + "ships and storms and sailors, " * 8)
     first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0.0)
@@ -178,6 +186,7 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= 32
 
 
+@pytest.mark.slow
 def test_tokenize_detokenize(server, client, offline):
     text = "Hello, paged attention!"
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()
@@ -189,6 +198,7 @@ def test_tokenize_detokenize(server, client, offline):
     assert chat["count"] == usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_metrics_parse_and_count_tokens(server, client):
     before = metric_samples(server.url)
     client.completions.create(model=MODEL_NAME, prompt="Metrics are", max_tokens=4, temperature=0.0)
@@ -199,6 +209,7 @@ def test_metrics_parse_and_count_tokens(server, client):
     assert after["pagellm:request_success_total{length}"] == before["pagellm:request_success_total{length}"] + 1
 
 
+@pytest.mark.slow
 def test_client_disconnect_aborts_the_request(server):
     before = metric_samples(server.url)
     body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True,
@@ -215,6 +226,7 @@ def test_client_disconnect_aborts_the_request(server):
     wait_until_aborted_and_freed(server, before)
 
 
+@pytest.mark.slow
 def test_client_timeout_aborts_a_non_streamed_request(server):
     before = metric_samples(server.url)
     body = {"model": MODEL_NAME, "prompt": "Tell me a very long story.", "max_tokens": 900, "ignore_eos": True}
@@ -231,6 +243,7 @@ def test_client_timeout_aborts_a_non_streamed_request(server):
 SCORED_PROMPTS = ["The capital of France is", "Water boils at"]
 
 
+@pytest.mark.slow
 def test_several_prompts_in_one_completion_request(client, offline):
     refs = offline.generate(SCORED_PROMPTS, SamplingParams(temperature=0.0, max_tokens=6, n=2), use_tqdm=False)
     kwargs = dict(model=MODEL_NAME, prompt=SCORED_PROMPTS, temperature=0.0, max_tokens=6, n=2)
@@ -251,6 +264,7 @@ def test_several_prompts_in_one_completion_request(client, offline):
     assert [c.text for c in by_ids.choices] == [ref.outputs[0].text for ref in refs]
 
 
+@pytest.mark.slow
 def test_echo_with_max_tokens_zero_scores_the_prompt(client, offline):
     """The scoring idiom of lm-eval and others: the prompt's logprobs, nothing generated."""
     refs = offline.generate(SCORED_PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
@@ -264,6 +278,7 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, offline):
     assert client.completions.create(**kwargs).usage.completion_tokens == 0
 
 
+@pytest.mark.slow
 def test_spec_nulls_ignored_fields_and_vllm_extras(server, client, offline):
     ref = offline.chat(chat_messages(QUESTIONS[4]), greedy(4), use_tqdm=False)[0]
     # What the openai SDK and others send: nulls for optional fields, and fields that change nothing here.
@@ -289,6 +304,7 @@ def test_spec_nulls_ignored_fields_and_vllm_extras(server, client, offline):
     assert counts == sorted(counts) and counts[-1] == len(ref.outputs[0].token_ids) and counts[0] == 0
 
 
+@pytest.mark.slow
 def test_retrieve_model_and_tokenizer_info(server, client, offline):
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     with pytest.raises(openai.NotFoundError):
@@ -302,6 +318,7 @@ def test_retrieve_model_and_tokenizer_info(server, client, offline):
 LONG_PROMPT = "word " * (MAX_LEN + 50)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "body", "status", "message"), [
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
@@ -334,6 +351,7 @@ def test_bad_request_gets_openai_error_and_server_keeps_serving(server, client, 
     assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).choices[0].text is not None
 
 
+@pytest.mark.slow
 def test_stop_string(client, offline):
     prompt = "Count: one, two, three,"
     ref = offline.generate(prompt, greedy(), use_tqdm=False)[0].outputs[0].text
@@ -345,6 +363,7 @@ def test_stop_string(client, offline):
     assert choice.model_extra["stop_reason"] == stop
 
 
+@pytest.mark.slow
 def test_n_seeded_sampling_is_reproducible(client):
     def sample() -> tuple[list[str], int]:
         response = client.completions.create(model=MODEL_NAME, prompt="My favourite animal is", n=3, seed=7,
@@ -358,6 +377,7 @@ def test_n_seeded_sampling_is_reproducible(client):
     assert sample() == (texts, completion_tokens)
 
 
+@pytest.mark.slow
 def test_streamed_n_matches_non_streamed(client):
     kwargs = dict(model=MODEL_NAME, messages=chat_messages(QUESTIONS[2]), n=2, seed=3, temperature=1.0,
                   max_tokens=8)
@@ -374,6 +394,7 @@ def test_streamed_n_matches_non_streamed(client):
     assert chunks[-1].usage.completion_tokens == expected.usage.completion_tokens
 
 
+@pytest.mark.slow
 def test_chat_logprobs_match_offline(client, offline):
     ref = offline.chat(chat_messages(QUESTIONS[3]), SamplingParams(temperature=0.0, max_tokens=8, logprobs=3),
                        use_tqdm=False)[0].outputs[0]
@@ -393,6 +414,7 @@ def test_chat_logprobs_match_offline(client, offline):
         assert [t.logprob for t in item.top_logprobs] == pytest.approx([lp.logprob for lp in top], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_completion_logprobs_with_echo(client, offline):
     prompt = "The capital of France is"
     ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, prompt_logprobs=2),
@@ -413,6 +435,7 @@ def test_completion_logprobs_with_echo(client, offline):
     assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_and_truncation(client):
     response = client.completions.create(model=MODEL_NAME, prompt="one two three four five six seven", max_tokens=1,
                                          extra_body={"truncate_prompt_tokens": 4, "prompt_logprobs": 1})
@@ -434,6 +457,7 @@ def test_vllm_extras_reach_sampling_params():
     assert (chat.logprobs, chat.output_kind) == (3, RequestOutputKind.DELTA)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
@@ -448,6 +472,7 @@ def test_too_many_logprobs_is_a_400_naming_the_field(server, path, body, param):
     assert f"{param} must be at most 20" in error["message"]
 
 
+@pytest.mark.slow
 def test_openai_client_raises_typed_errors(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model=MODEL_NAME, messages=chat_messages("hi"), temperature=-1)
@@ -455,6 +480,7 @@ def test_openai_client_raises_typed_errors(client):
         client.completions.create(model="nope", prompt="hi")
 
 
+@pytest.mark.slow
 def test_api_key(smollm2_path):
     remote = RemoteServer(smollm2_path, *ENGINE_FLAGS, "--api-key", "s3cret")
     try:

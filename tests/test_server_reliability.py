@@ -204,6 +204,7 @@ def limited(smollm2_path):
     assert remote.stop() == 0, "the server did not shut down cleanly"
 
 
+@pytest.mark.slow
 def test_burst_of_10x_capacity_is_bounded_and_every_accepted_request_completes(limited):
     max_tokens = 8
 
@@ -244,6 +245,7 @@ def test_burst_of_10x_capacity_is_bounded_and_every_accepted_request_completes(l
     assert samples["pagellm:http_requests_turned_away_total{draining}"] == 0
 
 
+@pytest.mark.slow
 def test_api_key_guards_every_model_path_and_is_never_logged(limited):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{limited.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -261,6 +263,7 @@ def test_api_key_guards_every_model_path_and_is_never_logged(limited):
     assert API_KEY not in limited.log_tail(1_000_000)
 
 
+@pytest.mark.slow
 def test_request_timeout_header_from_the_openai_client(limited):
     client = openai.OpenAI(base_url=f"{limited.url}/v1", api_key=API_KEY, max_retries=0)
     with pytest.raises(openai.APIStatusError) as timed_out:
@@ -272,6 +275,7 @@ def test_request_timeout_header_from_the_openai_client(limited):
     assert metric_samples(limited.url, AUTH)["pagellm:http_requests_turned_away_total{timed_out}"] == 1
 
 
+@pytest.mark.slow
 def test_request_timeout_answers_504_and_frees_the_kv_cache(smollm2_path):
     server = RemoteServer(smollm2_path, *SERVER_FLAGS, "--request-timeout", "10")
     try:
@@ -326,6 +330,7 @@ def _assert_gone(pid: int) -> None:
         os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_killed_engine_fails_liveness_and_the_server_exits_1(smollm2_path):
     server = RemoteServer(smollm2_path, *SERVER_FLAGS)
     try:
@@ -337,6 +342,7 @@ def test_killed_engine_fails_liveness_and_the_server_exits_1(smollm2_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_frozen_engine_fails_the_stream_in_flight_and_the_server_exits_1(smollm2_path):
     server = RemoteServer(smollm2_path, *SERVER_FLAGS)
     core = server.engine_pid()
@@ -359,6 +365,7 @@ def test_frozen_engine_fails_the_stream_in_flight_and_the_server_exits_1(smollm2
         server.stop()
 
 
+@pytest.mark.slow
 def test_stalled_step_is_noticed_while_heartbeats_go_on(smollm2_path):
     # One prefill step of 2,000 tokens runs for seconds on a CPU, longer than the 1 s stall limit;
     # the report says stalled, not silent: the heartbeat thread kept going through the step.
@@ -380,6 +387,7 @@ def test_stalled_step_is_noticed_while_heartbeats_go_on(smollm2_path):
 
 # -- graceful shutdown ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_lets_the_stream_in_flight_finish_and_refuses_new_requests(smollm2_path, sig):
     # A generous --shutdown-timeout: the stream must end by itself, even on a loaded machine.

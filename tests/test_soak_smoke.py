@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a server of the real model (benchmarks/soak.py starts it)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_CUTS = 6
 RUN_TIMEOUT_S = 300

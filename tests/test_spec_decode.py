@@ -109,7 +109,10 @@ def metadata(params: list[SamplingParams], vocab: int) -> SamplingMetadata:
                                   torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("draft", [1, 4, 3], ids=["likely draft", "less likely draft", "draft cut by top_k"])
+# 50,000 rows take seconds a case: the first runs in the quick tier, the others are slow.
+@pytest.mark.parametrize("draft", [pytest.param(1, id="likely draft"),
+                                   pytest.param(4, id="less likely draft", marks=pytest.mark.slow),
+                                   pytest.param(3, id="draft cut by top_k", marks=pytest.mark.slow)])
 def test_verification_emits_exactly_the_target_distribution(draft):
     """50,000 rows verify the same draft: the first token emitted (the draft if accepted, else the
     replacement) must follow p, and the draft must be accepted with probability p(draft)."""
@@ -171,6 +174,7 @@ def plain(smollm2_path: str, prompts):
     return run(llm, prompts, SamplingParams(temperature=0, max_tokens=40, logprobs=2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_greedy_output_is_token_identical(smollm2_path, prompts, plain, k):
     """Chunked prefill (a 24-token budget) and preemption (a cache of 14 blocks for 4 requests)."""
@@ -193,6 +197,7 @@ def test_greedy_output_is_token_identical(smollm2_path, prompts, plain, k):
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_steps_overlap_while_speculation_is_paused_by_batch_size(smollm2_path, prompts, plain, method):
     """disable_by_batch_size 3 with async scheduling: the four requests overlap their steps (no
@@ -215,6 +220,7 @@ def test_steps_overlap_while_speculation_is_paused_by_batch_size(smollm2_path, p
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.slow
 def test_max_tokens_and_stops_are_never_overshot(smollm2_path, prompts):
     llm = LLM(smollm2_path, **ENGINE, kv_cache_memory_bytes=32 << 20,
               speculative_config={"method": "ngram", "num_speculative_tokens": 5})
@@ -236,6 +242,7 @@ def test_max_tokens_and_stops_are_never_overshot(smollm2_path, prompts):
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.slow
 def test_sampled_tokens_keep_their_distribution(smollm2_path, tokenizer):
     """Seeded requests at temperature 1 continuing a repeated phrase, so that drafts are proposed
     from the second token on (about half accepted): the distribution of the 2nd to 4th tokens with
@@ -301,6 +308,7 @@ def test_verification_graphs_pad_each_query_to_the_captured_length():
     assert decode_only.fits(md([1, 1])) and not decode_only.fits(md([2, 1]))
 
 
+@pytest.mark.slow
 def test_engine_core_process_streams_several_tokens_a_step(smollm2_path, prompts):
     """Through AsyncLLM (the server's engine, core in its own process): the same greedy text as
     offline speculation, streamed in deltas, and the speculation counters in its stats."""
@@ -354,6 +362,7 @@ def noisy_draft(hf_smollm2_model, tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_draft_model_greedy_output_is_token_identical(smollm2_path, noisy_draft, prompts, plain, k):
     """As with prompt lookup: chunked prefill (a 24-token budget, which also splits the draft's
@@ -375,6 +384,7 @@ def test_draft_model_greedy_output_is_token_identical(smollm2_path, noisy_draft,
     assert_no_leak(llm.llm_engine)
 
 
+@pytest.mark.slow
 def test_draft_model_proposing_for_itself_is_always_accepted(smollm2_path, prompts, plain):
     """SmolLM2 drafting for itself (the same GGUF): its drafts are exactly the target's greedy
     tokens (the CPU kernels give the same results whatever the batch), so every draft is accepted,

@@ -13,6 +13,8 @@ import pytest
 from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 
+pytestmark = pytest.mark.slow  # a `pagellm serve` of the real model
+
 MODEL_NAME = "smollm2"
 NUM_BLOCKS = 48
 BLOCK_SIZE = 8

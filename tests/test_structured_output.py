@@ -48,6 +48,7 @@ def test_bitmask_masks_exactly_the_disallowed_tokens_of_the_grammar_rows() -> No
     assert allowed.any() and not allowed.all()
 
 
+@pytest.mark.slow
 def test_every_schema_of_the_suite_gives_valid_json(llm: LLM) -> None:
     """32 schemas (nested objects, bounded arrays, enums, $ref/$defs, patterns, ranges, optional
     fields, anyOf/oneOf, tuples) in one batch: every output parses and validates."""
@@ -62,6 +63,7 @@ def test_every_schema_of_the_suite_gives_valid_json(llm: LLM) -> None:
         jsonschema.validate(json.loads(completion.text), case["schema"])
 
 
+@pytest.mark.slow
 def test_regex_choice_grammar_and_json_object_hold_when_sampling(llm: LLM) -> None:
     specs = {
         "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
@@ -88,6 +90,7 @@ def test_regex_choice_grammar_and_json_object_hold_when_sampling(llm: LLM) -> No
         assert any(c.finish_reason == "stop" for c in out.outputs) or kind == "json_object"
 
 
+@pytest.mark.slow
 def test_grammar_requests_survive_preemption_and_async_scheduling(smollm2_path: str, llm: LLM) -> None:
     """Greedy grammar requests next to plain ones give the same outputs when a tiny KV cache
     preempts them mid-output and steps overlap: the matcher follows the tokens kept, not the steps."""
@@ -106,6 +109,7 @@ def test_grammar_requests_survive_preemption_and_async_scheduling(smollm2_path: 
     assert got == expected
 
 
+@pytest.mark.slow
 def test_a_slow_compile_delays_no_other_request_and_times_out(smollm2_path: str, monkeypatch) -> None:
     """A compile that does not finish (held here by an event) keeps its request waiting while the
     others run to the end; past the compile time limit the request ends, refused, alone."""
@@ -148,6 +152,7 @@ def test_a_slow_compile_delays_no_other_request_and_times_out(smollm2_path: str,
         engine.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec, message", [
     (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
      "structured_outputs.json: is not supported"),
@@ -164,6 +169,7 @@ def test_bad_specs_are_refused_before_the_engine(llm: LLM, spec: StructuredOutpu
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_a_grammar_left_with_nothing_to_sample_aborts_the_request(llm: LLM) -> None:
     """allowed_token_ids leaving none of the tokens the grammar allows: the request ends as aborted,
     never as a 'stop' whose text breaks the grammar, and the engine goes on."""

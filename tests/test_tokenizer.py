@@ -40,6 +40,7 @@ def tokenizer(smollm2_path: str) -> Tokenizer:
     return tok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", CORPUS)
 def test_encode_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer, text: str) -> None:
     expected = hf_smollm2_tokenizer(text)["input_ids"]
@@ -47,6 +48,7 @@ def test_encode_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer, text: str
     assert tokenizer.encode(text, add_special_tokens=False) == hf_smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("skip", [True, False])
 def test_decode_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer, skip: bool) -> None:
     for text in CORPUS:
@@ -56,6 +58,7 @@ def test_decode_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer, skip: boo
     assert "<|im_start|>" not in tokenizer.decode(tokenizer.encode(CORPUS[10]))
 
 
+@pytest.mark.slow
 def test_special_tokens(tokenizer: Tokenizer, hf_smollm2_tokenizer) -> None:
     assert tokenizer.bos_token_id == hf_smollm2_tokenizer.bos_token_id == 1
     assert tokenizer.eos_token_id == hf_smollm2_tokenizer.eos_token_id == 2
@@ -65,6 +68,7 @@ def test_special_tokens(tokenizer: Tokenizer, hf_smollm2_tokenizer) -> None:
     assert tokenizer.encode("<|im_start|>") == [1]
 
 
+@pytest.mark.slow
 def test_decode_stream_matches_full_decode(tokenizer: Tokenizer) -> None:
     for text in CORPUS[7:12]:
         ids = tokenizer.encode(text)
@@ -90,6 +94,7 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_chat_template_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer, conversation, add_generation_prompt) -> None:
@@ -110,6 +115,7 @@ CUSTOM_TEMPLATE = """{{ bos_token }}
 {% if add_generation_prompt %}<go>{{ eos_token }}{{ greeting }}{% endif %}"""
 
 
+@pytest.mark.slow
 def test_custom_template_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer) -> None:
     conversation = [{"role": "user", "content": "héllo \"q\" 中"}, {"role": "skip", "content": "x"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": "é"}}}]
@@ -121,6 +127,7 @@ def test_custom_template_matches_hf(tokenizer: Tokenizer, hf_smollm2_tokenizer) 
     assert '"héllo \\"q\\" 中"' in ours and "[skip]" not in ours
 
 
+@pytest.mark.slow
 def test_template_helpers_and_errors(tokenizer: Tokenizer) -> None:
     date = tokenizer.apply_chat_template([], chat_template="{{ strftime_now('%Y-%m-%d') }}")
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date)
@@ -141,6 +148,7 @@ def test_unsupported_gguf_tokenizer_model() -> None:
         build_gguf_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]}, "x.gguf")
 
 
+@pytest.mark.slow
 def test_gguf_add_bos_eos_flags(smollm2_path: str) -> None:
     from pagellm.loader.gguf_file import GGUFFile
 
@@ -161,6 +169,7 @@ def _hf_dir_source(path) -> ModelSource:
     return ModelSource(str(path), "safetensors", arch, {"eos_token_id": [2, 0]})
 
 
+@pytest.mark.slow
 def test_hf_directory_tokenizer(tokenizer: Tokenizer, tmp_path) -> None:
     tokenizer.backend.save(str(tmp_path / "tokenizer.json"))
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -187,6 +196,7 @@ def test_hf_directory_tokenizer(tokenizer: Tokenizer, tmp_path) -> None:
     assert load_tokenizer(_hf_dir_source(tmp_path)).apply_chat_template([{"role": "user", "content": ""}]) == "J1"
 
 
+@pytest.mark.slow
 def test_hf_directory_post_processor_adds_bos(tokenizer: Tokenizer, tmp_path) -> None:
     backend = load_tokenizer(resolve_model(None)).backend  # a fresh copy we may modify
     backend.post_processor = processors.TemplateProcessing(
@@ -208,6 +218,7 @@ def test_missing_tokenizer_json(tmp_path) -> None:
     assert load_tokenizer(resolve_model("qwen3-8b", load_format="dummy")) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("pre", "pieces"),
     [

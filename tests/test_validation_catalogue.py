@@ -316,6 +316,7 @@ def stream_text(server: RemoteServer, started: threading.Event | None = None) ->
     return text
 
 
+@pytest.mark.slow
 def test_catalogue_of_bad_requests_gets_4xx_and_harms_nothing(server):
     assert len(CATALOGUE) >= 40 and len({c.name for c in CATALOGUE}) == len(CATALOGUE)
     alone = stream_text(server)
@@ -342,6 +343,7 @@ def test_catalogue_of_bad_requests_gets_4xx_and_harms_nothing(server):
     assert not unlogged, f"no log line names these failed requests: {unlogged}"
 
 
+@pytest.mark.slow
 def test_request_id_is_echoed_or_generated(server):
     mine = httpx.post(f"{server.url}{CMPL}", json=cmpl(max_tokens=1), headers={"X-Request-Id": "client-id-7"},
                       timeout=TIMEOUT_S)
@@ -358,6 +360,7 @@ def test_request_id_is_echoed_or_generated(server):
     assert f"(request id: {refused.headers['X-Request-Id']})" in refused.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_reasoning_parser_separates_the_reasoning(server):
     """deepseek_r1's template opens the reasoning in the prompt, so everything before `</think>` is
     reasoning: SmolLM2 never writes one, so all its text is reasoning_content and there is no answer
@@ -375,6 +378,7 @@ def test_reasoning_parser_separates_the_reasoning(server):
     assert not "".join(d.get("content") or "" for d in deltas), "no answer text was streamed"
 
 
+@pytest.mark.slow
 def test_declared_oversized_body_is_refused_before_it_is_sent(server):
     """Content-Length over the limit: 413 at once, without waiting for (or buffering) the body."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as sock:
