@@ -26,16 +26,21 @@ def free_port() -> int:
 
 class RemoteServer:
     """`pagellm serve MODEL *args` on 127.0.0.1 until `stop()`; its output goes to a log file that
-    failures quote."""
+    failures quote. `model` None serves the embedded model; `program` runs another command than this
+    interpreter's `-m pagellm.cli` (the installed console script, as a reader would)."""
 
-    def __init__(self, model: str, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str | None, *args: str, env: dict[str, str] | None = None,
+                 program: list[str] | None = None, cwd: str | None = None,
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.address = f"127.0.0.1:{self.port}"
+        self.url = f"http://{self.address}"
         self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-serve-", suffix=".log", delete=False)
-        command = [sys.executable, "-m", "pagellm.cli", "serve", model, "--host", "127.0.0.1",
-                   "--port", str(self.port), *args]
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+        command = [*(program or [sys.executable, "-m", "pagellm.cli"]), "serve", *([model] if model else []),
+                   "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd,
                                         env={**os.environ, **(env or {})})
+        self._startup_timeout_s = startup_timeout_s
         try:
             self._wait_healthy()
         except BaseException:
@@ -43,7 +48,7 @@ class RemoteServer:
             raise
 
     def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self._startup_timeout_s
         # One client for the whole wait: httpx.get would build an SSL context per poll (~20 ms of CPU
         # taken from the model load).
         with httpx.Client(timeout=1.0) as http:
@@ -56,7 +61,7 @@ class RemoteServer:
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
-        raise TimeoutError(f"server not healthy within {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"server not healthy within {self._startup_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def engine_pid(self) -> int:
         """The engine-core process's pid, from the server's start-up log line."""

@@ -15,19 +15,14 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from server_utils import RemoteServer
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"
@@ -45,7 +40,6 @@ DOC_ADDRESSES = ("127.0.0.1:8000", "localhost:8000")
 SERVER_BASE_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
                      "--max-model-len", "2048")
 SERVER_START_TIMEOUT_S = 180.0
-SERVER_STOP_TIMEOUT_S = 30.0
 BLOCK_TIMEOUT_S = 300.0
 # As in tests/test_clients.py: no client library reaches for the network.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -209,73 +203,23 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DocServer:
-    """`pagellm serve` of the embedded model, as a reader would start it, on a free port."""
-
-    def __init__(self, flags: tuple[str, ...]) -> None:
-        self.flags = flags
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-docs-serve-", suffix=".log", delete=False)
-        command = [str(VENV_BIN / "pagellm"), "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                   *SERVER_BASE_FLAGS, *flags]
-        self.process = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=self._log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"pagellm serve {' '.join(self.flags)} exited with {self.process.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.address}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"pagellm serve not healthy within {SERVER_START_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, num_chars: int = 4000) -> str:
-        with open(self._log.name, encoding="utf-8", errors="replace") as f:
-            return f.read()[-num_chars:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=SERVER_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        os.unlink(self._log.name)
-
-
 class Servers:
     """At most one server at a time: a block asking for other flags stops the one running, and a server
     that has exited is started afresh."""
 
     def __init__(self) -> None:
-        self.current: DocServer | None = None
+        self.current: RemoteServer | None = None
+        self.flags: tuple[str, ...] = ()
 
-    def get(self, flags: tuple[str, ...]) -> DocServer:
-        if self.current is not None and (self.current.flags != flags or self.current.process.poll() is not None):
-            self.current.stop()
-            self.current = None
+    def get(self, flags: tuple[str, ...]) -> RemoteServer:
+        """`pagellm serve` of the embedded model with `flags`, as a reader would start it (the venv's
+        console script), on a free port."""
+        if self.current is not None and (self.flags != flags or self.current.process.poll() is not None):
+            self.stop()
         if self.current is None:
-            self.current = DocServer(flags)
+            self.current = RemoteServer(None, *SERVER_BASE_FLAGS, *flags, program=[str(VENV_BIN / "pagellm")],
+                                        cwd=str(REPO), env=_env(), startup_timeout_s=SERVER_START_TIMEOUT_S)
+            self.flags = flags
         return self.current
 
     def stop(self) -> None:

@@ -70,7 +70,7 @@ def test_states_derived_from_the_record_see_its_fields():
     resumed = CachedRequestState.from_new(
         NewRequestData(record=record, output_token_ids=[20, 21], block_ids=[1, 2], num_computed_tokens=4), row=3)
     assert resumed.record is record
-    assert (resumed.req_id, resumed.sampling_params, resumed.eos_token_ids, resumed.pooling_params) == (
+    assert (resumed.request_id, resumed.sampling_params, resumed.eos_token_ids, resumed.pooling_params) == (
         "r", record.sampling_params, {2, 3}, None)
     assert (resumed.token_ids, resumed.num_prompt_tokens, resumed.block_ids, resumed.num_computed_tokens,
             resumed.row) == ([5, 6, 7, 8, 9, 20, 21], 5, [1, 2], 4, 3)
@@ -82,7 +82,7 @@ def test_states_derived_from_the_record_see_its_fields():
 
     state = _RequestState.from_request(record, prompt="text", tokenizer=None)
     assert state.record is record
-    assert (state.request_id, state.prompt, state.prompt_token_ids, state.params, state.arrival_time) == (
+    assert (state.request_id, state.prompt, state.prompt_token_ids, state.sampling_params, state.arrival_time) == (
         "r", "text", [5, 6, 7, 8, 9], record.sampling_params, 123.5)
     assert state.detokenizer is None and state.logprobs is not None  # no tokenizer; logprobs asked for
 

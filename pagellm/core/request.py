@@ -52,6 +52,42 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     with the same salt share them (vLLM's `cache_salt`)."""
 
 
+class RecordFields:
+    """The record's fields, read through `record`, for whatever holds one (the scheduler's, the
+    workers' and the output processor's state of a request): no holder declares them again."""
+
+    __slots__ = ()
+    record: EngineCoreRequest
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.record.prompt_token_ids
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.record.sampling_params
+
+    @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.record.pooling_params
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.record.eos_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        return self.record.max_tokens
+
+    @property
+    def arrival_time(self) -> float:
+        return self.record.arrival_time
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -78,7 +114,7 @@ _FINISH_REASONS = {
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
-class Request:
+class Request(RecordFields):
     """The scheduler's state of one request: tokens so far, how many of them have KV in the cache,
     and why it stopped. What was asked is its `record`, read through the properties below."""
 
@@ -123,30 +159,6 @@ class Request:
         self.num_prompt_tokens = len(record.prompt_token_ids)
         sp = record.sampling_params
         self._stop_ids = frozenset(sp.stop_token_ids or ()) | frozenset(() if sp.ignore_eos else record.eos_token_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.record.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.record.prompt_token_ids
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return self.record.sampling_params
-
-    @property
-    def pooling_params(self) -> PoolingParams | None:
-        return self.record.pooling_params
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.record.eos_token_ids
-
-    @property
-    def max_tokens(self) -> int:
-        return self.record.max_tokens
 
     @property
     def num_tokens(self) -> int:

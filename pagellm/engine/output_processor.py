@@ -7,18 +7,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagellm.core.outputs import EngineCoreOutput
-from pagellm.core.request import EngineCoreRequest
+from pagellm.core.request import EngineCoreRequest, RecordFields
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.logprobs import LogprobsState
 from pagellm.engine.parallel_sampling import ParentRequest, needs_fan_out
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
 from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.sampling_params import RequestOutputKind
 from pagellm.tokenizer import Tokenizer
 
 
 @dataclass(slots=True, kw_only=True)
-class _RequestState:
+class _RequestState(RecordFields):
     """One sequence the engine core runs: a plain request or one child of a ParentRequest, as its
     record says, and what has come back of it so far."""
 
@@ -46,22 +46,6 @@ class _RequestState:
                    detokenizer=IncrementalDetokenizer(tokenizer, params) if tokenizer and params.detokenize else None,
                    parent=parent, index=index,
                    logprobs=LogprobsState(params, tokenizer) if LogprobsState.wanted(params) else None)
-
-    @property
-    def request_id(self) -> str:
-        return self.record.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.record.prompt_token_ids
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.record.sampling_params
-
-    @property
-    def arrival_time(self) -> float:
-        return self.record.arrival_time
 
 
 @dataclass(slots=True)
@@ -165,7 +149,7 @@ class OutputProcessor:
                 state.logprobs.update(out, len(new_token_ids))
             if finish_reason is not None:
                 del self.states[out.req_id]
-            elif state.record.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+            elif state.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue  # nothing to report before the end (to the caller or to a parent)
             self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
         results.extend(self._parent_outputs(parents))
@@ -216,7 +200,7 @@ class OutputProcessor:
         """The sequence as its output kind reports it now (`process` never asks an unfinished
         FINAL_ONLY sequence)."""
         finished = finish_reason is not None
-        delta = state.record.sampling_params.output_kind == RequestOutputKind.DELTA
+        delta = state.sampling_params.output_kind == RequestOutputKind.DELTA
         text = state.detokenizer.next_text(finished, delta) if state.detokenizer is not None else ""
         start = state.num_sent_tokens if delta else 0
         token_ids = state.token_ids[start:]

@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from pagellm.core.request import EngineCoreRequest
+from pagellm.core.request import EngineCoreRequest, RecordFields
 from pagellm.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -20,7 +20,7 @@ def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
 
-class ParentRequest:
+class ParentRequest(RecordFields):
     """Gathers the children's completions into the parent's RequestOutputs (`outputs[i].index == i`)."""
 
     __slots__ = ("record", "prompt", "n", "output_kind", "child_ids", "_latest", "_new", "_unfinished",
@@ -41,14 +41,6 @@ class ParentRequest:
         self._num_cached_tokens = 0
         self._prompt_logprobs: PromptLogprobs | None = None
         self._logprobs_wanted = params.logprobs is not None
-
-    @property
-    def request_id(self) -> str:
-        return self.record.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.record.prompt_token_ids
 
     def make_children(self) -> list[EngineCoreRequest]:
         """The children's records: the parent's, each with its own id and params (resolved params

@@ -8,14 +8,12 @@ import torch
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.outputs import NewRequestData, SchedulerOutput
-from pagellm.core.request import EngineCoreRequest
-from pagellm.pooling_params import PoolingParams
+from pagellm.core.request import EngineCoreRequest, RecordFields
 from pagellm.sample.logits_processors import uses_logits_processors
-from pagellm.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, kw_only=True)
-class CachedRequestState:
+class CachedRequestState(RecordFields):
     """Everything about one request the worker needs across steps: its record (what was asked) and
     where it stands on this worker."""
 
@@ -50,23 +48,6 @@ class CachedRequestState:
                    num_computed_tokens=new.num_computed_tokens,
                    prompt_logprobs_parts=[] if wants_prompt_logprobs else None, row=row,
                    uses_processors=uses_logits_processors(params))
-
-    @property
-    def req_id(self) -> str:
-        return self.record.request_id
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return self.record.sampling_params
-
-    @property
-    def pooling_params(self) -> PoolingParams | None:
-        """Set for a pooling request (see `ModelRunner._pool`)."""
-        return self.record.pooling_params
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return self.record.eos_token_ids
 
 
 @dataclass(slots=True)
@@ -259,7 +240,7 @@ class RequestStates:
                 continue
             indices.append(np.arange(start, end) - start + query_start_loc[i])
             targets.append(s.token_ids[start + 1:end + 1])
-            counts.append((s.req_id, end - start))
+            counts.append((s.request_id, end - start))
             max_logprobs = max(max_logprobs, s.sampling_params.prompt_logprobs)
         if not counts:
             return None

@@ -82,7 +82,7 @@ class DraftModelProposer(DeviceProposer):
             hidden = self._forward(drafts[index, j - 1], grid.positions, grid.attn_metadata)
             drafts[index, j] = ops.argmax(self.model.compute_logits(hidden))
         host = drafts.cpu().numpy()
-        return {s.req_id: host[i, :n].tolist() for i, (s, n) in enumerate(todo)}
+        return {s.request_id: host[i, :n].tolist() for i, (s, n) in enumerate(todo)}
 
     def _num_proposals(self, s: CachedRequestState) -> int:
         """How many drafts the request's next step can use (0: none, or it just ended) and its

@@ -255,7 +255,7 @@ class ModelRunner:
         normalize = torch.tensor([s.pooling_params.normalize for s in finished], dtype=torch.bool)
         vectors = torch.where(normalize.to(self.device)[:, None],
                               torch.nn.functional.normalize(vectors, dim=-1), vectors)
-        return StepInFlight(self, _HostCopy([vectors]), None, [s.req_id for s in finished], [], pooled=True)
+        return StepInFlight(self, _HostCopy([vectors]), None, [s.request_id for s in finished], [], pooled=True)
 
     def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
                    md: AttentionMetadata) -> "torch.Tensor | _StageSend":
@@ -299,7 +299,7 @@ class ModelRunner:
         md = SamplingMetadata.build(params, num_generated, self.arch.vocab_size,
                                     self.device, self._default_generator, processors)
         if grammar is not None:
-            row_of = {s.req_id: i for i, s in enumerate(states)}
+            row_of = {s.request_id: i for i, s in enumerate(states)}
             md.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], dtype=torch.int64).to(
                 self.device, non_blocking=True)
             md.grammar_bitmask = torch.from_numpy(grammar.bits).to(self.device, non_blocking=True)
@@ -328,7 +328,7 @@ class ModelRunner:
                                     self.device, self._default_generator, processors)
         if grammar is not None:  # requests under a grammar have no drafts: one row each
             first_row = np.cumsum([0, *[k + 1 for k in batch.num_drafts[:-1]]])
-            row_of = {s.req_id: int(r) for s, r in zip(states, first_row)}
+            row_of = {s.request_id: int(r) for s, r in zip(states, first_row)}
             md.grammar_rows = torch.tensor([row_of[r] for r in grammar.req_ids], dtype=torch.int64).to(
                 self.device, non_blocking=True)
             md.grammar_bitmask = torch.from_numpy(grammar.bits).to(self.device, non_blocking=True)
@@ -463,7 +463,7 @@ class StepInFlight:
         drafts = None
         if runner.drafter is not None and self._propose:
             live = runner.requests.states  # (a request freed since the launch gave its blocks back)
-            drafts = runner.drafter.propose([s for s in self._states if live.get(s.req_id) is s])
+            drafts = runner.drafter.propose([s for s in self._states if live.get(s.request_id) is s])
         return ModelRunnerOutput(self._req_ids, token_ids, logprobs or None,
                                  _finished_prompt_logprobs(self._states) or None, draft_token_ids=drafts or None)
 
@@ -495,7 +495,7 @@ def _sampled_logprobs(states: list[CachedRequestState], token_ids: list[list[int
         k = s.record.sampling_params.logprobs
         if k is None:
             continue
-        result[s.req_id] = _rows(arrays, list(range(start, start + len(emitted))), k)
+        result[s.request_id] = _rows(arrays, list(range(start, start + len(emitted))), k)
         start += 1 + (num_drafts[i] if num_drafts is not None else 0)
     return result
 
@@ -508,8 +508,8 @@ def _finished_prompt_logprobs(states: list[CachedRequestState]) -> dict[str, Tok
             parts = s.prompt_logprobs_parts
             k = s.sampling_params.prompt_logprobs
             if parts:
-                done[s.req_id] = _rows([np.concatenate(column) for column in zip(*parts)], slice(None), k)
+                done[s.request_id] = _rows([np.concatenate(column) for column in zip(*parts)], slice(None), k)
             else:  # a one-token prompt has no position to score
-                done[s.req_id] = TokenLogprobs([], [], [])
+                done[s.request_id] = TokenLogprobs([], [], [])
             s.prompt_logprobs_parts = None
     return done
