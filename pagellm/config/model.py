@@ -2,13 +2,13 @@
 (`ModelConfig`), the pooling runner's pooler, and a draft model."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pagellm.config.arch import ModelArchConfig
+from pagellm.config.json_flags import json_object
 
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -46,17 +46,7 @@ class PoolerConfig:
             return None
         if value is None or isinstance(value, cls):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config (--pooler-config) is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config (--pooler-config) must be a JSON object, got {value!r}")
-        unknown = set(value) - {"pooling_type", "normalize"}
-        if unknown:
-            raise ValueError(f"pooler_config (--pooler-config) has unknown key(s) {', '.join(sorted(unknown))}; "
-                             "known: pooling_type, normalize")
+        value = json_object(value, "pooler_config (--pooler-config)", ("pooling_type", "normalize"))
         pooling_type = value.get("pooling_type", "LAST")
         if not isinstance(pooling_type, str) or pooling_type.upper() not in POOLING_TYPES:
             raise ValueError(f"pooler_config (--pooler-config) pooling_type must be one of "

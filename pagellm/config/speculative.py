@@ -3,10 +3,10 @@ and the proposers its `method` names (`PROPOSER_REGISTRY`; the interface and `re
 are in `pagellm.spec_decode`)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pagellm.config.json_flags import json_object
 from pagellm.config.registry import Registry
 
 _FLAG = "speculative_config (--speculative-config)"
@@ -76,16 +76,7 @@ class SpeculativeConfig:
         """JSON text, a dict or a config -> the config (None: no speculation). Fails naming the flag."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{_FLAG} is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{_FLAG} must be a JSON object, got {value!r}")
-        unknown = set(value) - set(_KEYS)
-        if unknown:
-            raise ValueError(f"{_FLAG} has unknown key(s) {', '.join(sorted(unknown))}; known: {', '.join(_KEYS)}")
+        value = json_object(value, _FLAG, _KEYS)
         entry = PROPOSER_REGISTRY.get(value.get("method", "draft_model" if "model" in value else "ngram"))
         method = entry.name
         foreign = [key for key in METHOD_KEYS if key in value and key not in entry.keys]
