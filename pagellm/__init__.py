@@ -21,6 +21,7 @@ _EXPORTS = {
     "PoolingParams": "pagellm.pooling_params",
     "EmbeddingRequestOutput": "pagellm.outputs",
     "EmbeddingOutput": "pagellm.outputs",
+    "LoRARequest": "pagellm.lora_request",
 }
 __all__ = ["__version__", *_EXPORTS]
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.entrypoints.beam_search import BeamSearchParams
     from pagellm.entrypoints.llm import LLM
+    from pagellm.lora_request import LoRARequest
     from pagellm.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
     from pagellm.pooling_params import PoolingParams
     from pagellm.sampling_params import SamplingParams, StructuredOutputsParams

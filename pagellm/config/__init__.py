@@ -4,10 +4,11 @@
 """
 from pagellm.config.arch import ModelArchConfig
 from pagellm.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig
+from pagellm.config.lora import LoRAConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig, ModelSource, PoolerConfig
 from pagellm.config.speculative import SpeculativeConfig
 
 __all__ = [
-    "CacheConfig", "DraftModelConfig", "EngineConfig", "ModelArchConfig", "ModelConfig", "ModelSource",
+    "CacheConfig", "DraftModelConfig", "EngineConfig", "LoRAConfig", "ModelArchConfig", "ModelConfig", "ModelSource",
     "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.config.lora import LoRAConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig
 from pagellm.config.speculative import SpeculativeConfig
 
@@ -86,6 +87,8 @@ class EngineConfig:
     """Speculative decoding (None: off)."""
     draft: DraftModelConfig | None = None
     """The draft model of draft_model speculation."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters (None: off, `--enable-lora`)."""
 
     @property
     def is_pooling(self) -> bool:

@@ -9,6 +9,7 @@ import msgspec
 
 from pagellm.core.hashing import BlockHash, extend_block_hashes
 from pagellm.core.interfaces import Grammar
+from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
@@ -50,6 +51,9 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     cache_salt: str | None = None
     """Isolates its prefix-cache entries: its blocks' hashes chain the salt in, so only requests
     with the same salt share them (vLLM's `cache_salt`)."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with (None: the base model). Its blocks' hashes chain the adapter's id
+    in: KV computed under one adapter is never reused under another."""
 
 
 class RecordFields:
@@ -86,6 +90,12 @@ class RecordFields:
     @property
     def arrival_time(self) -> float:
         return self.record.arrival_time
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id, 0 for the base model."""
+        lora = self.record.lora_request
+        return 0 if lora is None else lora.lora_int_id
 
 
 class RequestStatus(enum.Enum):
@@ -190,9 +200,10 @@ class Request(RecordFields):
 
     @property
     def extra_keys(self) -> tuple:
-        """What its blocks' hashes chain in besides the tokens: the cache salt, if any."""
-        salt = self.record.cache_salt
-        return (salt,) if salt is not None else ()
+        """What its blocks' hashes chain in besides the tokens: the adapter and the cache salt, if any."""
+        record = self.record
+        keys = () if record.lora_request is None else (("lora", record.lora_request.lora_int_id),)
+        return keys if record.cache_salt is None else (*keys, record.cache_salt)
 
     def update_block_hashes(self, block_size: int) -> None:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys)

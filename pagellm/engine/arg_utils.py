@@ -16,6 +16,7 @@ from pagellm.config import (
     CacheConfig,
     DraftModelConfig,
     EngineConfig,
+    LoRAConfig,
     ModelArchConfig,
     ModelConfig,
     ParallelConfig,
@@ -82,6 +83,11 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = _arg(10.0, "Seconds a request's JSON schema, regex or grammar may take to compile (off the step loop, in a thread pool) before the request is refused (HTTP 400).")
     structured_outputs_max_bytes: int = _arg(65536, "Largest JSON schema, regex, grammar or choice list a request may send, in bytes of its JSON text; larger ones are refused (HTTP 400).")
     speculative_config: str | dict | None = _arg(None, 'Speculative decoding, as vLLM: JSON like \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (the defaults of both; prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a smaller model with the same vocabulary proposes greedily, with its own KV cache in the same blocks; optional "quantization" for its weights). The drafts are verified in one step: greedy output is unchanged, sampled output keeps its distribution. Optional "disable_by_batch_size": N (no speculation while N or more requests run). One rank only; steps that propose run without async scheduling. None: off.')
+    enable_lora: bool = _arg(False, "Serve LoRA adapters (PEFT's format) on the base model: requests name one (LLM.generate(..., lora_request=LoRARequest(name, id, path)); on the server the request's model field, with --lora-modules); one step mixes requests of different adapters and of the base model. One tensor-parallel rank (pipeline stages may be several).")
+    max_loras: int = _arg(1, "With enable_lora: most distinct adapters in one step (each adapted layer holds this many device slots); requests of further adapters wait.")
+    max_lora_rank: int = _arg(16, "With enable_lora: largest adapter rank accepted (every slot is this wide); a larger adapter is refused.")
+    max_cpu_loras: int | None = _arg(None, "With enable_lora: adapters kept loaded in host memory, least recently used ones dropped (>= max_loras). None: max_loras.")
+    lora_dtype: str = _arg("auto", "With enable_lora: auto (the model's dtype) | float32 | bfloat16 | float16: how adapter weights are stored and multiplied.")
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
@@ -138,6 +144,7 @@ class EngineArgs:
                                  "tensor_parallel_size and pipeline_parallel_size must be 1")
         if self.reasoning_parser is not None:
             REASONING_PARSER_REGISTRY.get(self.reasoning_parser)
+        self._validate_lora()
         if isinstance(self.structured_outputs_compile_timeout, bool) or not (
                 isinstance(self.structured_outputs_compile_timeout, (int, float))
                 and self.structured_outputs_compile_timeout > 0):
@@ -152,6 +159,26 @@ class EngineArgs:
             raise ValueError(f"{_flag('distributed_executor_backend')} {executor.name!r} runs {most}, but "
                              f"tensor_parallel_size x pipeline_parallel_size is {world_size}: use "
                              f"{' or '.join(fits)}")
+
+    def _validate_lora(self) -> None:
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        _check_positive("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"{_flag('max_cpu_loras')} {self.max_cpu_loras} must be >= {_flag('max_loras')} "
+                             f"{self.max_loras}: an adapter on the device is also kept in host memory")
+        if self.lora_dtype != "auto" and _DTYPE_ALIASES.get(self.lora_dtype, self.lora_dtype) not in _DTYPES:
+            raise ValueError(f"{_flag('lora_dtype')} must be auto, float32, bfloat16 or float16, got {self.lora_dtype!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"{_flag('enable_lora')} runs on one tensor-parallel rank so far: "
+                             f"{_flag('tensor_parallel_size')} must be 1")
+
+    def _lora_config(self, dtype: torch.dtype) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        lora_dtype = dtype if self.lora_dtype == "auto" else _DTYPES[_DTYPE_ALIASES.get(self.lora_dtype, self.lora_dtype)]
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras or self.max_loras, dtype=lora_dtype)
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model, device, dtype and defaults, checked against the model and the machine."""
@@ -222,6 +249,7 @@ class EngineArgs:
             ),
             speculative=speculative,
             draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device),
+            lora=self._lora_config(dtype),
         )
 
     @classmethod

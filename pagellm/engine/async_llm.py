@@ -29,6 +29,7 @@ from pagellm.engine.mailbox import OutputMailbox
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.engine.wire import AbortRequests, CoreOutputs, encoder, heartbeat_decoder, output_decoder
+from pagellm.lora_request import LoRARequest
 from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -97,16 +98,17 @@ class AsyncLLM:
     # -- requests -------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
+                       request_id: str, lora_request: LoRARequest | None = None,
+                       ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Outputs of one request, as its output_kind says (n > 1: all sequences in one output);
-        stopping the iteration aborts it in the engine."""
+        stopping the iteration aborts it in the engine. `lora_request`: the adapter it runs with."""
         self._raise_if_dead()
         self._ensure_output_task()
         if request_id in self._mailboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             await asyncio.to_thread(self.processor.check_structured_outputs, sampling_params)
-        record, text = self.processor.process(request_id, prompt, sampling_params)
+        record, text = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request)
         core_records = self.output_processor.add_request(record, text)
         cost = sum(len(r.prompt_token_ids) + r.max_tokens for r in core_records)
         core = self._cores[self.router.route(record.prompt_token_ids, cost, [c.load for c in self._cores],
@@ -134,11 +136,11 @@ class AsyncLLM:
                 self._abort_now([request_id])
             self._core_of.pop(request_id, None)
 
-    def encode(self, prompt: PromptType, pooling_params: PoolingParams,
-               request_id: str) -> AsyncIterator[EmbeddingRequestOutput]:
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+               lora_request: LoRARequest | None = None) -> AsyncIterator[EmbeddingRequestOutput]:
         """One embedding request (pooling runner): a single output, its vector, when its prompt has
         run through the model; as `generate` otherwise (closing the iterator early aborts it)."""
-        return self.generate(prompt, pooling_params, request_id)
+        return self.generate(prompt, pooling_params, request_id, lora_request)
 
     async def abort(self, request_id: str) -> None:
         mailbox = self._mailboxes.pop(request_id, None)

@@ -11,6 +11,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -38,12 +39,13 @@ class LLMEngine:
         return str(next(self._request_counter))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         """Queue a request (n > 1: its children); raises ValueError (naming the field) on invalid input.
-        PoolingParams (None: the defaults, on a pooling engine) make an embedding request."""
+        PoolingParams (None: the defaults, on a pooling engine) make an embedding request.
+        `lora_request`: the adapter it runs with (None: the base model)."""
         if params is None:
             params = PoolingParams() if self.config.is_pooling else SamplingParams()
-        record, text = self.processor.process(request_id, prompt, params, arrival_time)
+        record, text = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
         for core_record in self.output_processor.add_request(record, text):
             self.engine_core.add_request(core_record)
 

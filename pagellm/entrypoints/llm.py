@@ -11,6 +11,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -45,12 +46,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType] | Sequence[int],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A list of ints is one tokenized prompt; a prompt dict
-        may carry "cache_salt" (see `PromptType`)."""
+        may carry "cache_salt" (see `PromptType`). `lora_request`: the adapter of every prompt, or
+        one per prompt (None: the base model); needs `LLM(..., enable_lora=True)`."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, use_tqdm, lora_request)
 
     def embed(
         self,
@@ -59,6 +62,7 @@ class LLM:
         *,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in the order of `prompts` (needs `LLM(..., runner="pooling")`):
         `.outputs.embedding` is the pooled final hidden state (pooler_config), as vLLM's `LLM.embed`.
@@ -76,7 +80,7 @@ class LLM:
             params_list = [p if not isinstance(p, PoolingParams) or p.truncate_prompt_tokens is not None
                            else dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
                            for p in params_list]
-        return self._run(prompt_list, params_list, use_tqdm)
+        return self._run(prompt_list, params_list, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -88,11 +92,12 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         *,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
         `cache_salt` (not in vLLM's `LLM.chat`, whose prompts cannot carry one): every conversation's
         prefix-cache blocks are shared only with requests of the same salt, as a prompt dict's
-        "cache_salt" does in `generate`."""
+        "cache_salt" does in `generate`. `lora_request` as in `generate`."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
@@ -103,7 +108,7 @@ class LLM:
         # The template already carries any BOS token: don't let the tokenizer add a second one.
         token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
                           "cache_salt": cache_salt} for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -112,14 +117,16 @@ class LLM:
         token_prompts = [engine.processor.tokenize(p)[1] for p in _as_prompt_list(prompts)]
         return beam_search(engine, token_prompts, params, engine.processor.eos_token_ids)
 
-    def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams],
-             use_tqdm: bool) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
+    def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+             ) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
         engine = self.llm_engine
+        loras = _as_lora_list(lora_request, len(prompts))
         ids = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, _final_only(sp))
+                engine.add_request(request_id, prompt, _final_only(sp), lora_request=lora)
                 ids.append(request_id)
         except ValueError:
             engine.abort_request(ids)  # a bad prompt in the batch must not leave the rest queued
@@ -155,6 +162,17 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         return [{"prompt_token_ids": list(p)} if isinstance(p, Sequence) and not isinstance(p, str) else p
                 for p in prompts]
     raise ValueError(f"prompts must be a string, a prompt dict, token ids, or a list of these, got {type(prompts).__name__}")
+
+
+def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, Sequence):
+        raise ValueError(f"lora_request must be a LoRARequest, None, or one of these per prompt, "
+                         f"got {type(lora_request).__name__}")
+    if len(lora_request) != n:
+        raise ValueError(f"lora_request has {len(lora_request)} entries but there are {n} prompts")
+    return list(lora_request)
 
 
 def _as_params_list(params: Any, n: int) -> list[SamplingParams]:
