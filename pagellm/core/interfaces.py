@@ -1,12 +1,14 @@
 """What the scheduler needs of the parts it drives but does not own: a request's grammar, the
-grammar compiler, and a proposer of draft tokens that runs beside it. Their implementations live in
-higher layers (`pagellm.structured_output`, `pagellm.spec_decode`) and are handed to the scheduler
-by the engine, so that `core` stays pure Python and imports none of them."""
+grammar compiler, a proposer of draft tokens that runs beside it, and the store of LoRA adapters.
+Their implementations live in higher layers (`pagellm.structured_output`, `pagellm.spec_decode`,
+`pagellm.lora`) and are handed to the scheduler by the engine, so that `core` stays pure Python and
+imports none of them."""
 from __future__ import annotations
 
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Protocol
 
+from pagellm.lora_request import LoRARequest
 from pagellm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -53,3 +55,22 @@ class DraftProposer(Protocol):
 
     def forget(self, req_id: str) -> None:
         """Drop what was kept for a finished request."""
+
+
+class AdapterStore(Protocol):
+    """LoRA adapters in host memory and on the workers: loaded off the step loop when a request
+    first needs one, and dropped (least recently used first) only when no running request uses them."""
+
+    max_loras: int
+    """Distinct adapters one step may hold."""
+    num_loads: int
+    """Adapters loaded so far (reloads after eviction included)."""
+    num_evictions: int
+
+    def ready(self, lora: LoRARequest, in_use: Collection[int]) -> bool:
+        """Whether the adapter is loaded and on the workers; starts its load if not. `in_use`: the ids
+        of adapters running requests use, which must not be dropped to make room. Raises a
+        ValueError if its load failed."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a load finishes or `timeout_s` passes."""

@@ -166,6 +166,20 @@ class SchedulerStats:
     num_generation_tokens: int = 0
     spec: "SpecDecodeStats | None" = None
     """Speculative decoding's counters (totals), when it is on."""
+    lora: "LoRAStats | None" = None
+    """LoRA adapters in use, when they are enabled."""
+
+
+@dataclass(slots=True)
+class LoRAStats:
+    """Adapters of the running and waiting requests (names), as vLLM's `lora_requests_info` reports
+    them, and the host store's running totals."""
+
+    running: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    max_loras: int = 0
+    num_loads: int = 0
+    num_evictions: int = 0
 
 
 @dataclass(slots=True)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagellm.core.interfaces import DraftProposer, GrammarCompiler
+from pagellm.core.interfaces import AdapterStore, DraftProposer, GrammarCompiler
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.outputs import (
     CachedRequestData,
@@ -23,6 +23,7 @@ from pagellm.core.outputs import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    LoRAStats,
     SchedulerStats,
     SpecDecodeStats,
 )
@@ -59,13 +60,14 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
                  grammars: GrammarCompiler | None = None, speculative: SpeculativeConfig | None = None,
-                 proposer: DraftProposer | None = None) -> None:
+                 proposer: DraftProposer | None = None, adapters: AdapterStore | None = None) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
         token before it is scheduled again (no placeholders), and the scheduler output carries it.
         `grammars`: compiles and matches structured-output requests (None: they are refused).
         `speculative`: propose draft tokens for decoding requests (None: no speculation), with
-        `proposer` beside the scheduler, or (None) from the workers' proposals (`propose_drafts`)."""
+        `proposer` beside the scheduler, or (None) from the workers' proposals (`propose_drafts`).
+        `adapters`: the LoRA adapters (None: requests that name one are refused)."""
         self.limits = limits
         self.grammars = grammars
         self.rejected: list[tuple[str, str]] = []
@@ -91,6 +93,11 @@ class Scheduler:
         self.lookahead = speculative.num_speculative_tokens if speculative is not None and proposer is None else 0
         """Slots kept free after a request's scheduled tokens for the draft model's own guesses
         (`DraftModelProposer`): it runs k - 1 positions past the tokens it proposes from."""
+        self.adapters = adapters
+        self._running_loras: Counter[int] = Counter()
+        """Adapter id -> running requests that use it: at most `adapters.max_loras` ids."""
+        self._waiting_loras: Counter[int] = Counter()
+        self._lora_names: dict[int, str] = {}
         self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
                            if speculative is not None else None)
 
@@ -101,6 +108,8 @@ class Scheduler:
         if record.request_id in self.requests:
             raise ValueError(f"request_id {record.request_id!r} is already in use")
         check_prompt_fits(len(record.prompt_token_ids), self.limits.max_model_len)
+        if record.lora_request is not None and self.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora, --enable-lora)")
         request = Request.from_record(record)
         structured = request.sampling_params.structured_outputs
         if structured is not None:
@@ -109,7 +118,7 @@ class Scheduler:
             request.grammar = self.grammars.start(structured, request.prompt_token_ids, request.eos_token_ids)
         self._num_grammar_requests += request.grammar is not None
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         self._num_history_requests += request.sampling_params.reads_output_history
         return request
 
@@ -121,9 +130,10 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
+                self._stop_running(request)
             else:
                 self.waiting.remove(request)
+                self._count_lora(self._waiting_loras, request, -1)
             request.status = status
             self._release(request)
             ended.append(request)
@@ -223,13 +233,18 @@ class Scheduler:
 
         # Admitting new work right after a preemption would only thrash.
         compiling: list[Request] = []
+        lora_full = False
+        """Whether a waiting request's adapter found no free slot: later requests of running
+        adapters then wait too, so those adapters drain and it gets its turn (no starvation)."""
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.limits.max_num_seqs):
             request = self.waiting[0]
-            if request.grammar is not None and not self._grammar_ready(request):
+            if ((request.grammar is not None and not self._grammar_ready(request))
+                    or (request.record.lora_request is not None and not self._adapter_admits(request, lora_full))):
                 self.waiting.popleft()
                 if not request.status.is_finished:
                     compiling.append(request)  # others go ahead meanwhile
+                    lora_full = lora_full or self._lora_blocked(request)
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -240,6 +255,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
+            self._count_lora(self._waiting_loras, request, -1)
+            self._count_lora(self._running_loras, request, 1)
             if not request.skips_prefix_cache:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
@@ -313,10 +330,36 @@ class Scheduler:
         try:
             return request.grammar.ready()
         except ValueError as e:  # GrammarError
-            request.status = RequestStatus.FINISHED_ABORTED
-            self._release(request)
-            self.rejected.append((request.request_id, str(e)))
+            self._reject_waiting(request, str(e))
             return False
+
+    def _reject_waiting(self, request: Request, why: str) -> None:
+        """End a request at the head of the waiting queue that can never run (the caller pops it)."""
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._count_lora(self._waiting_loras, request, -1)
+        self._release(request)
+        self.rejected.append((request.request_id, why))
+
+    def _adapter_admits(self, request: Request, lora_full: bool) -> bool:
+        """Whether a waiting request's adapter lets it run now: loaded, and a slot of the step's
+        `max_loras` free (or its adapter already running, unless another adapter waits for a slot:
+        `lora_full`). A failed load rejects it."""
+        lora_id = request.record.lora_request.lora_int_id
+        if lora_id in self._running_loras:
+            return not lora_full
+        if len(self._running_loras) >= self.adapters.max_loras:
+            return False
+        try:
+            return self.adapters.ready(request.record.lora_request, self._running_loras.keys())
+        except ValueError as e:
+            self._reject_waiting(request, str(e))
+            return False
+
+    def _lora_blocked(self, request: Request) -> bool:
+        """Whether a request left waiting is kept out by the adapter slots being full."""
+        lora = request.record.lora_request
+        return (lora is not None and lora.lora_int_id not in self._running_loras
+                and len(self._running_loras) >= self.adapters.max_loras)
 
     def _grammar_bitmask(self, num_scheduled: dict[str, int]) -> GrammarBitmask | None:
         """The allowed tokens of this step's rows that sample under an active grammar (before the
@@ -330,10 +373,30 @@ class Scheduler:
             return None
         return GrammarBitmask(rows, self.grammars.bitmask([self.requests[r].grammar for r in rows]))
 
-    def wait_for_grammars(self, timeout_s: float) -> None:
-        """Nothing could be scheduled: wait a little for a compile to finish instead of spinning."""
+    def wait_for_pending(self, timeout_s: float) -> None:
+        """Nothing could be scheduled: wait a little for a compile or an adapter load to finish
+        instead of spinning."""
         if self.grammars is not None:
             self.grammars.wait(timeout_s)
+        if self.adapters is not None:
+            self.adapters.wait(timeout_s)
+
+    def _enqueue(self, request: Request) -> None:
+        self.waiting.append(request)
+        self._count_lora(self._waiting_loras, request, 1)
+
+    def _stop_running(self, request: Request) -> None:
+        self.running.remove(request)
+        self._count_lora(self._running_loras, request, -1)
+
+    def _count_lora(self, counter: Counter[int], request: Request, delta: int) -> None:
+        lora = request.record.lora_request
+        if lora is None:
+            return
+        self._lora_names[lora.lora_int_id] = lora.lora_name
+        counter[lora.lora_int_id] += delta
+        if counter[lora.lora_int_id] <= 0:
+            del counter[lora.lora_int_id]
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -346,6 +409,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._count_lora(self._running_loras, request, -1)
+        self._count_lora(self._waiting_loras, request, 1)
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
@@ -382,7 +447,7 @@ class Scheduler:
                 request.status.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
                 request.first_scheduled_time, logprobs.get(req_id), prompt_logprobs.get(req_id)))
             if finished:
-                self.running.remove(request)
+                self._stop_running(request)
                 self._release(request)
         return results
 
@@ -426,7 +491,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_STOPPED
             results.append(EngineCoreOutput(req_id, [], "stop", None, max(request.num_cached_tokens, 0),
                                             request.first_scheduled_time, pooled=vector))
-            self.running.remove(request)
+            self._stop_running(request)
             self._release(request)
         return results
 
@@ -443,4 +508,9 @@ class Scheduler:
             spec=None if self.spec_stats is None else SpecDecodeStats(
                 self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens,
                 list(self.spec_stats.accepted_per_position)),
+            lora=None if self.adapters is None else LoRAStats(
+                running=sorted(self._lora_names[i] for i in self._running_loras),
+                waiting=sorted(self._lora_names[i] for i in self._waiting_loras),
+                max_loras=self.adapters.max_loras, num_loads=self.adapters.num_loads,
+                num_evictions=self.adapters.num_evictions),
         )

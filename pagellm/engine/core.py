@@ -11,6 +11,7 @@ from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
+from pagellm.lora.store import HostAdapterStore
 from pagellm.plugins import load_plugins
 from pagellm.spec_decode import build_host_proposer
 from pagellm.structured_output.manager import GrammarManager
@@ -52,9 +53,11 @@ class EngineCore:
         self.grammars = None if config.is_pooling else GrammarManager(
             config.model.source, config.model.source.arch.vocab_size, config.structured_outputs.compile_timeout_s,
             config.structured_outputs.reasoning_parser)
+        self.adapters = None if config.lora is None else HostAdapterStore(
+            config.model.source.arch, config.lora, self.executor.add_lora, self.executor.remove_lora)
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
                                    grammars=self.grammars, speculative=config.speculative,
-                                   proposer=build_host_proposer(config.speculative))
+                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters)
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
@@ -98,8 +101,8 @@ class EngineCore:
             self._in_flight.append(self.executor.execute_model(so))
         if self._in_flight and (len(self._in_flight) >= depth or not launched):
             outputs += self._collect()
-        elif not launched:  # only requests whose grammar still compiles: don't spin
-            self.scheduler.wait_for_grammars(_GRAMMAR_WAIT_S)
+        elif not launched:  # only requests whose grammar compiles or adapter loads: don't spin
+            self.scheduler.wait_for_pending(_GRAMMAR_WAIT_S)
         self._heap.maybe_trim()
         return outputs
 
@@ -126,6 +129,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self.grammars is not None:
             self.grammars.shutdown()
+        if self.adapters is not None:
+            self.adapters.shutdown()
         self.executor.shutdown()
 
 

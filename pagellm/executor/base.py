@@ -65,6 +65,14 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
+    def add_lora(self, adapter: Any) -> None:
+        """Hand every rank a LoRA adapter the engine core loaded (`pagellm.lora.adapter.LoRAAdapter`)."""
+        self.collective_rpc("add_lora", (adapter,))
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Every rank forgets an adapter no live request uses."""
+        self.collective_rpc("remove_lora", (lora_id,))
+
 
 @dataclass(frozen=True, slots=True)
 class ExecutorEntry:

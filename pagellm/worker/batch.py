@@ -9,6 +9,7 @@ import torch
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.core.outputs import NewRequestData, SchedulerOutput
 from pagellm.core.request import EngineCoreRequest, RecordFields
+from pagellm.lora.manager import LoRAManager
 from pagellm.sample.logits_processors import uses_logits_processors
 
 
@@ -76,6 +77,8 @@ class FlatBatch:
     row for row where that token is in the step's tensor of sampled ids (both int64, on the device)."""
     sampling_rows: np.ndarray | None = None
     """The persistent-batch rows of `sampling_req_ids`."""
+    lora_slots: np.ndarray | None = None
+    """[num_tokens] int64: each token's adapter slot, -1 for the base model (None: LoRA is off)."""
 
 
 @dataclass(slots=True)
@@ -98,9 +101,11 @@ class RequestStates:
     block table and of per-row counters, written when its blocks change (a new request, a request
     crossing a block boundary), so a step gathers its rows with numpy instead of walking requests."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, lora: LoRAManager | None = None) -> None:
+        """`lora`: the adapters' slots, which the requests that use one hold while they live."""
         self.block_size = block_size
         self.device = device
+        self.lora = lora
         self.states: dict[str, CachedRequestState] = {}
         self._free_rows: list[int] = []
         self.block_table = np.zeros((0, 1), dtype=np.int32)
@@ -108,6 +113,8 @@ class RequestStates:
         self.num_blocks = np.zeros(0, dtype=np.int64)
         self.sampled_row = np.zeros(0, dtype=np.int64)
         """Per row: its request's row in the latest launched step's tensor of sampled ids."""
+        self.lora_slot = np.zeros(0, dtype=np.int64)
+        """Per row: its request's adapter slot, -1 for the base model."""
         self.num_special = 0
         """Live requests whose sampling needs more than temperature and filters (logits processors)."""
 
@@ -117,10 +124,14 @@ class RequestStates:
             if state is not None:
                 self._free_rows.append(state.row)
                 self.num_special -= state.uses_processors
+                if self.lora_slot[state.row] >= 0:
+                    self.lora.release(int(self.lora_slot[state.row]))
         for new in so.scheduled_new_reqs:
             state = self.states[new.req_id] = CachedRequestState.from_new(new, row=self._take_row())
             self.num_special += state.uses_processors
             self.num_blocks[state.row] = 0
+            lora = state.record.lora_request
+            self.lora_slot[state.row] = -1 if lora is None else self.lora.acquire(lora.lora_int_id)
             self._write_blocks(state, state.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
@@ -138,6 +149,7 @@ class RequestStates:
             self.block_table = _grown(self.block_table, (size, self.block_table.shape[1]))
             self.num_blocks = _grown(self.num_blocks, (size,))
             self.sampled_row = _grown(self.sampled_row, (size,))
+            self.lora_slot = _grown(self.lora_slot, (size,))
             self._free_rows = list(range(size - 1, old - 1, -1))
         return self._free_rows.pop()
 
@@ -219,6 +231,7 @@ class RequestStates:
             prompt_logprobs=self._plan_prompt_logprobs(states, query_start_loc, query_lens),
             placeholders=(placeholder_dev, source_dev) if len(placeholders) else None,
             sampling_rows=rows[sampling_rows],
+            lora_slots=None if self.lora is None else np.repeat(self.lora_slot[rows], query_lens),
         )
         # The workers advance each request by its scheduled tokens; the scheduler says otherwise
         # (`CachedRequestData`) only when it moved some other way.

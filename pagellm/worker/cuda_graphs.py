@@ -50,10 +50,14 @@ class DecodeGraphs:
     """Captured decode graphs of `forward(input_ids, positions, metadata) -> hidden`, one per size."""
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-                 max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, verify_len: int = 1) -> None:
+                 max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, verify_len: int = 1,
+                 before_capture: Callable[[int], None] | None = None) -> None:
         """`verify_len`: 1 + the drafts of a verification step (speculative decoding), also captured
-        for the sizes whose steps stay within MAX_CAPTURE_TOKENS; 1: decode only."""
+        for the sizes whose steps stay within MAX_CAPTURE_TOKENS; 1: decode only. `before_capture`:
+        called with the padded row count before each graph's forward is captured (what the forward
+        reads besides these buffers, set up for that size: LoRA's tile plan)."""
         self.forward = forward
+        self.before_capture = before_capture
         self.sizes = capture_sizes(max_num_seqs)
         self.verify_len = verify_len
         self.verify_sizes = [s for s in self.sizes if s * verify_len <= MAX_CAPTURE_TOKENS] if verify_len > 1 else []
@@ -86,6 +90,12 @@ class DecodeGraphs:
         """The captured graph of `size` sequences of `q` tokens (benchmarks time its replay)."""
         return self._graphs[size, q][0]
 
+    def padded_rows(self, md: AttentionMetadata) -> int:
+        """The rows the graph that takes this step runs (see `fits`)."""
+        if md.max_query_len == 1:
+            return next(s for s in self.sizes if s >= md.num_seqs)
+        return next(s for s in self.verify_sizes if s >= md.num_seqs) * self.verify_len
+
     def fits(self, md: AttentionMetadata) -> bool:
         """Whether a captured graph takes this step."""
         if md.block_table is not None and md.block_table.shape[1] > self.block_table.shape[1]:
@@ -107,6 +117,8 @@ class DecodeGraphs:
             self.seq_lens[:size].fill_(q)
             md = self._metadata(size, q)
             args = (self.input_ids[:size * q], self.positions[:size * q], md)
+            if self.before_capture is not None:
+                self.before_capture(size * q)
             self.forward(*args)  # compiles the kernels and settles the allocator before capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -12,6 +12,7 @@ from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
+from pagellm.lora.manager import LoRAManager
 from pagellm.models import CausalLM
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
@@ -21,7 +22,7 @@ from pagellm.sample.sampler import in_float32, sample
 from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode import DeviceProposer, build_device_proposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
-from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, DecodeGraphs
+from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, MAX_CAPTURE_TOKENS, DecodeGraphs
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class ModelRunner:
         self.drafter: DeviceProposer | None = build_device_proposer(config)
         """Proposes draft tokens after each step (speculation whose proposer runs in the worker:
         draft_model); None otherwise."""
+        self.lora: LoRAManager | None = None
+        """The adapters' slots on the model's layers (enable_lora)."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -58,6 +61,9 @@ class ModelRunner:
                                  config.model.attention_backend, config.model.seed)
         if self.drafter is not None:
             self.drafter.load()
+        if config.lora is not None:
+            max_rows = max(config.scheduler.max_num_batched_tokens, MAX_CAPTURE_SIZE, MAX_CAPTURE_TOKENS)
+            self.lora = self.requests.lora = LoRAManager(self.model, config.lora, max_rows, self.device)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads,
@@ -131,7 +137,8 @@ class ModelRunner:
         max_blocks = -(-self.config.model.max_model_len // self.block_size)
         spec = self.config.speculative
         self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device,
-                                   verify_len=1 + spec.num_speculative_tokens if spec is not None else 1)
+                                   verify_len=1 + spec.num_speculative_tokens if spec is not None else 1,
+                                   before_capture=None if self.lora is None else self._lora_capture)
         self.graphs.capture()
         if self.drafter is not None:
             self.drafter.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_blocks)
@@ -167,6 +174,10 @@ class ModelRunner:
                     self.model.compute_logits(hidden)
         torch.cuda.synchronize(self.device)
 
+    def _lora_capture(self, num_rows: int) -> None:
+        """A graph's rows use no adapter at capture; its LoRA kernels replay each step's plan."""
+        self.lora.prepare(np.full(num_rows, -1, dtype=np.int64), num_rows)
+
     # -- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -184,7 +195,7 @@ class ModelRunner:
         if batch.placeholders is not None:
             rows, sources = batch.placeholders
             batch.input_ids[rows] = self._last_sampled[sources]
-        hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata)
+        hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata, batch.lora_slots)
         if isinstance(hidden, _StageSend):
             return StepInFlight.sending(hidden)
         if self.pooler is not None:
@@ -257,12 +268,21 @@ class ModelRunner:
                               torch.nn.functional.normalize(vectors, dim=-1), vectors)
         return StepInFlight(self, _HostCopy([vectors]), None, [s.request_id for s in finished], [], pooled=True)
 
-    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                   md: AttentionMetadata) -> "torch.Tensor | _StageSend":
+    def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                   lora_slots: np.ndarray | None = None) -> "torch.Tensor | _StageSend":
         """This pipeline stage's part of the forward: the final hidden states on the last stage,
-        else the send of its intermediate tensors to the next stage (started, not waited for)."""
+        else the send of its intermediate tensors to the next stage (started, not waited for).
+        `lora_slots`: each row's adapter slot (None: no adapter)."""
+        graph = self.graphs is not None and self.graphs.fits(md)
+        if self.lora is not None:
+            if lora_slots is None:
+                lora_slots = np.full(md.num_tokens, -1, dtype=np.int64)
+            # A verification graph lays rows out padded per sequence, which the tile plan does not
+            # follow: steps with adapters and drafts run eagerly.
+            graph = graph and (md.max_query_len == 1 or int(lora_slots.max(initial=-1)) < 0)
+            self.lora.prepare(lora_slots, self.graphs.padded_rows(md) if graph else None)
         if self.ps.pp_size == 1:
-            if self.graphs is not None and self.graphs.fits(md):
+            if graph:
                 return self.graphs.run(input_ids, positions, md)
             return self.model(input_ids, positions, md)
         intermediate = None

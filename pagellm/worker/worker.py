@@ -11,6 +11,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_distributed, parallel_state
+from pagellm.lora.adapter import LoRAAdapter
 from pagellm.plugins import load_plugins
 from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
@@ -91,6 +92,12 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()
+
+    def add_lora(self, adapter: LoRAAdapter) -> None:
+        self.runner.lora.add(adapter)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.runner.lora.remove(lora_id)
 
     def execute_model(self, so: SchedulerOutput) -> None:
         """Launch a step; its results are read by a later `collect`, steps in launch order."""
