@@ -20,10 +20,10 @@ from pagellm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     GrammarBitmask,
+    LoRAStats,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    LoRAStats,
     SchedulerStats,
     SpecDecodeStats,
 )

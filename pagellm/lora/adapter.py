@@ -121,7 +121,7 @@ def _read_tensors(folder: str) -> dict[str, torch.Tensor]:
             return load_file(safetensors)
         if os.path.isfile(pickled):
             return torch.load(pickled, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the adapter's fault, said as such
+    except Exception as e:
         raise LoRAAdapterError(f"its weights could not be read: {type(e).__name__}: {e}") from None
     raise LoRAAdapterError("no adapter_model.safetensors or adapter_model.bin")
 

@@ -9,15 +9,10 @@ its size.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from pagellm.ops.lora import max_tiles, plan_tiles
-
-if TYPE_CHECKING:
-    from pagellm.lora.layers import AdaptedLinear
 
 
 class LoRABatch:
@@ -28,11 +23,11 @@ class LoRABatch:
         self.device = device
         self.active = False
         """Whether the step's rows use any adapter (layers add nothing otherwise)."""
-        self._groups: list[tuple[int, torch.Tensor | slice]] = []
-        """Torch path: (slot, the rows that use it)."""
+        self.groups: list[tuple[int, torch.Tensor | slice]] = []
+        """Torch path (no Triton kernels): (slot, the rows that use it)."""
         self._kernels = None
         if device.type == "cuda":
-            from pagellm.ops.triton import lora as lora_kernels  # noqa: PLC0415 - Triton only with CUDA
+            from pagellm.ops.triton import lora as lora_kernels
 
             self._kernels = lora_kernels
             tiles = max_tiles(max_rows, num_slots, lora_kernels.BLOCK_M)
@@ -47,7 +42,7 @@ class LoRABatch:
         uses = bool(len(token_slots)) and int(token_slots.max()) >= 0
         if self._kernels is None:
             self.active = uses
-            self._groups = _groups(token_slots, self.device) if uses else []
+            self.groups = _groups(token_slots, self.device) if uses else []
             return
         self.active = uses or padded_rows is not None
         if not self.active:
@@ -72,25 +67,17 @@ class LoRABatch:
         self._tiles = self._kernels.LoRATilesDevice(self._device_plan[:m], tiles[0], tiles[1], tiles[2],
                                                     self._kernels.BLOCK_M)
 
-    def clear(self) -> None:
-        """No adapter for the next forward (start-up runs, the memory profile)."""
-        self.active = False
-        self._groups = []
+    @property
+    def uses_kernels(self) -> bool:
+        return self._kernels is not None
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, layer: AdaptedLinear) -> None:
-        """y [rows, out] += each row's adapter applied to x [rows, in]."""
-        if self._kernels is not None:
-            h = torch.zeros((x.shape[0], layer.a.shape[1]), dtype=torch.float32, device=x.device)
-            self._kernels.lora_shrink(x, layer.a, self._tiles, h)
-            self._kernels.lora_expand(y, h, layer.b, layer.part_offsets, self._tiles)
-            return
-        for slot, rows in self._groups:
-            a, b = layer.slot_weights(slot)
-            if a is None:
-                continue
-            h = x[rows].to(a.dtype) @ a.t()
-            for (lo, hi), (r0, r1) in layer.part_spans(slot):
-                y[rows, lo:hi] += (h[:, r0:r1] @ b[lo:hi].t()).to(y.dtype)
+    def add_with_kernels(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         part_offsets: tuple[int, ...]) -> None:
+        """y [rows, out] += each row's adapter applied to x [rows, in], by the Triton kernels
+        (`a`, `b`: a layer's slots, in `pagellm.ops.lora`'s layout)."""
+        h = torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+        self._kernels.lora_shrink(x, a, self._tiles, h)
+        self._kernels.lora_expand(y, h, b, part_offsets, self._tiles)
 
 
 def _groups(token_slots: np.ndarray, device: torch.device) -> list[tuple[int, torch.Tensor | slice]]:

@@ -33,7 +33,7 @@ class AdaptedLinear:
         """The adapter rank in each slot (0: empty, or the adapter leaves this layer alone)."""
         self._parts: list[list[int]] = [[] for _ in range(config.max_loras)]
         """The parts each slot's adapter adapts."""
-        self._handle = base.register_forward_hook(self._hook)
+        base.register_forward_hook(self._hook)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Put the adapter's weights for this layer in `slot` (zeros where it adapts no part)."""
@@ -52,22 +52,21 @@ class AdaptedLinear:
         self._ranks[slot] = adapter.rank if parts else 0
         self._parts[slot] = parts
 
-    def slot_weights(self, slot: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(A of the slot's parts [parts x rank, in], B [out, rank]); (None, None) when it adapts nothing."""
-        if not self._ranks[slot]:
-            return None, None
-        return self.a[slot], self.b[slot, :, :self._ranks[slot]]
-
-    def part_spans(self, slot: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-        """Per adapted part of the slot: (its output columns, its columns of h = x A^T)."""
-        r = self._ranks[slot]
-        return [((self.part_offsets[p], self.part_offsets[p + 1]), (p * self.rank, p * self.rank + r))
-                for p in self._parts[slot]]
-
-    def remove(self) -> None:
-        self._handle.remove()
-
     def _hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        if self.batch.active:
-            self.batch.add(output, args[0], self)
+        batch = self.batch
+        if not batch.active:
+            return output
+        x = args[0]
+        if batch.uses_kernels:
+            batch.add_with_kernels(output, x, self.a, self.b, self.part_offsets)
+            return output
+        for slot, rows in batch.groups:
+            rank = self._ranks[slot]
+            if not rank:
+                continue
+            h = x[rows].to(self.a.dtype) @ self.a[slot].t()
+            for p in self._parts[slot]:
+                lo, hi = self.part_offsets[p], self.part_offsets[p + 1]
+                delta = h[:, p * self.rank:p * self.rank + rank] @ self.b[slot, lo:hi, :rank].t()
+                output[rows, lo:hi] += delta.to(output.dtype)
         return output
