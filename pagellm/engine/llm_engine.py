@@ -11,6 +11,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core import EngineCore
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
+from pagellm.lora.adapter import load_adapter
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -29,6 +30,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, pooling=config.is_pooling)
         self.engine_core = EngineCore(config)
         self._request_counter = itertools.count()
+        self._checked_loras: set[LoRARequest] = set()
         logger.info("engine ready in %.2f s", time.perf_counter() - start)
 
     @classmethod
@@ -48,6 +50,14 @@ class LLMEngine:
         record, text = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
         for core_record in self.output_processor.add_request(record, text):
             self.engine_core.add_request(core_record)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter now (once per LoRARequest), so that a bad one is a ValueError
+        for the caller instead of requests the engine core refuses when it loads the adapter."""
+        if lora_request in self._checked_loras or self.config.lora is None:
+            return  # (without enable_lora, add_request says so)
+        load_adapter(lora_request, self.config.model.source.arch, self.config.lora)
+        self._checked_loras.add(lora_request)
 
     def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
         """Abort requests (a parent of n > 1 aborts all its children); returns their final outputs."""

@@ -122,6 +122,8 @@ class LLM:
              ) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
         engine = self.llm_engine
         loras = _as_lora_list(lora_request, len(prompts))
+        for lora in {lora for lora in loras if isinstance(lora, LoRARequest)}:
+            engine.check_lora(lora)
         ids = []
         try:
             for prompt, sp, lora in zip(prompts, params, loras):
