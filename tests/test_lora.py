@@ -267,3 +267,40 @@ def test_rslora_scaling_is_alpha_over_sqrt_rank(tiny):
     b_peft = dict(peft_model.named_parameters())["base_model.model.model.layers.0.mlp.down_proj.lora_B.default.weight"]
     _, b = adapter.weights["model.layers.0.mlp.down_proj"]
     assert torch.allclose(b, b_peft * 64 / math.sqrt(32), atol=1e-6)
+
+
+@pytest.mark.parametrize("padded", [None, 40])
+def test_the_kernel_path_equals_the_torch_path(padded):
+    """An adapted layer through `LoRABatch` with the Triton kernels (interpreted here) against the
+    torch path: rows of three slots and the base model, parts of a fused layer, a lower rank in one
+    slot, and a plan padded as a CUDA graph's (extra rows, no adapter)."""
+    pytest.importorskip("triton")
+    from pagellm.config.lora import LoRAConfig
+    from pagellm.layers import MergedColumnParallelLinear
+    from pagellm.lora.adapter import LoRAAdapter
+    from pagellm.lora.batch import LoRABatch
+    from pagellm.lora.layers import AdaptedLinear
+
+    torch.manual_seed(0)
+    config = LoRAConfig(max_loras=3, max_lora_rank=16, max_cpu_loras=3)
+    base = MergedColumnParallelLinear(32, [48, 32])
+    torch.nn.init.normal_(base.weight)
+    names = ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"]
+    results = []
+    for use_kernels in (False, True):
+        batch = LoRABatch(3, 64, torch.device("cpu"), use_kernels=use_kernels)
+        layer = AdaptedLinear(base, names, (0, 48, 80), config, batch, torch.device("cpu"))
+        for slot, (rank, parts) in enumerate([(16, names), (8, names[1:]), (4, names)]):
+            gen = torch.Generator().manual_seed(slot)
+            weights = {n: (torch.randn(rank, 32, generator=gen), torch.randn(48 if "gate" in n else 32, rank,
+                                                                             generator=gen)) for n in parts}
+            layer.load(slot, LoRAAdapter(LoRARequest(f"a{slot}", slot + 1, "/p"), rank, weights))
+        slots = torch.tensor([2, -1, 0, 0, 1, 2, -1, 1, 1, 0, 2, 2] * 2).numpy()
+        batch.prepare(slots, padded)
+        x = torch.randn(len(slots), 32, generator=torch.Generator().manual_seed(7))
+        results.append(base(x))
+        base._forward_hooks.clear()
+    torch_path, kernel_path = results
+    plain = x @ base.weight.t()
+    assert not torch.allclose(torch_path, plain, atol=1e-2)
+    assert torch.allclose(kernel_path, torch_path, atol=1e-3, rtol=1e-4)

@@ -19,6 +19,7 @@ from pagellm.benchmarks.results import format_table, run_metadata, summarize, wr
 from pagellm.benchmarks.runner import engine_summary, run_requests
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.llm import LLM
+from pagellm.lora_request import LoRARequest
 
 
 def run_cli(ns: argparse.Namespace) -> int:
@@ -46,8 +47,9 @@ def run_cli(ns: argparse.Namespace) -> int:
 
 
 def measure_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, num_iters: int,
-                    num_iters_warmup: int = 1, seed: int = 0, progress: bool = False) -> dict[str, Any]:
-    """One batch size's numbers; see the module docstring."""
+                    num_iters_warmup: int = 1, seed: int = 0, progress: bool = False,
+                    lora_request: LoRARequest | None = None) -> dict[str, Any]:
+    """One batch size's numbers; see the module docstring. `lora_request`: every request's adapter."""
     engine = llm.llm_engine
     batches = num_iters_warmup + num_iters
     # Seeded by the batch size too: no two batch sizes of one run share prompts (or cache blocks).
@@ -55,7 +57,8 @@ def measure_latency(llm: LLM, batch_size: int, input_len: int, output_len: int, 
                                seed=seed + batch_size)
     e2e, gaps, ttft = [], [], []
     for i in tqdm(range(batches), desc=f"batch size {batch_size}", disable=not progress, dynamic_ncols=True):
-        run = run_requests(engine, requests[i * batch_size:(i + 1) * batch_size], token_times=True)
+        run = run_requests(engine, requests[i * batch_size:(i + 1) * batch_size], token_times=True,
+                           lora_requests=[lora_request] * batch_size)
         if i < num_iters_warmup:
             continue
         e2e.append(run.elapsed_s)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from pagellm.benchmarks.datasets import BenchRequest
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.llm import LLM
+from pagellm.lora_request import LoRARequest
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -80,20 +81,22 @@ def greedy_params(output_len: int, kind: RequestOutputKind = RequestOutputKind.F
 
 
 def run_requests(engine: LLMEngine, requests: Sequence[BenchRequest], *, token_times: bool = False,
-                 deadline: float | None = None, progress: bool = False) -> RunResult:
+                 deadline: float | None = None, progress: bool = False,
+                 lora_requests: Sequence[LoRARequest | None] | None = None) -> RunResult:
     """Queue every request, step the engine until all finish (or `deadline`, a `time.perf_counter()`
     value, passes), and count tokens; with `token_times`, also each request's token arrival times.
 
     Without `token_times` only final outputs are built (as `LLM.generate` does), so the loop adds
-    nothing per step that a user's call would not.
+    nothing per step that a user's call would not. `lora_requests`: each request's adapter.
     """
     kind = RequestOutputKind.DELTA if token_times else RequestOutputKind.FINAL_ONLY
     timings = {}
     start = time.perf_counter()
-    for request in requests:
+    for i, request in enumerate(requests):
         request_id = engine.next_request_id()
         engine.add_request(request_id, {"prompt_token_ids": request.prompt_token_ids},
-                           greedy_params(request.output_len, kind))
+                           greedy_params(request.output_len, kind),
+                           lora_request=lora_requests[i] if lora_requests is not None else None)
         timings[request_id] = RequestTiming(len(request.prompt_token_ids), token_gaps_s=[] if token_times else None)
     unfinished = set(timings)
     num_steps = 0

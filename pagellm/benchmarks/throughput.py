@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagellm.benchmarks.datasets import BenchRequest, dataset_requests, random_requests
@@ -17,6 +17,7 @@ from pagellm.benchmarks.runner import RunResult, engine_summary, run_requests
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.llm import LLM
 from pagellm.loader import resolve_model
+from pagellm.lora_request import LoRARequest
 
 _WARMUP = {"num": 2, "input_len": 16, "output_len": 4}
 _WARMUP_SEED = -1
@@ -44,19 +45,19 @@ def run_cli(ns: argparse.Namespace) -> int:
 
 
 def measure_throughput(llm: LLM, requests: list[BenchRequest], deadline: float | None = None,
-                       progress: bool = False,
-                       before_timed: Callable[[], None] | None = None) -> tuple[dict[str, Any], RunResult]:
+                       progress: bool = False, before_timed: Callable[[], None] | None = None,
+                       lora_requests: Sequence[LoRARequest | None] | None = None) -> tuple[dict[str, Any], RunResult]:
     """Warm up, then time `requests` (see the module docstring): the numbers and the run they came
     from. `deadline` (perf_counter seconds) cuts a long run short: the numbers then say
     `complete: False` and count what was done. `before_timed` is called between the warm-up and
-    the timed run (a benchmark starting its own records)."""
+    the timed run (a benchmark starting its own records). `lora_requests`: each request's adapter."""
     engine = llm.llm_engine
     warmup = random_requests(_WARMUP["num"], _WARMUP["input_len"], _WARMUP["output_len"],
                              engine.config.model.source.arch.vocab_size, _WARMUP_SEED)
     run_requests(engine, warmup)
     if before_timed is not None:
         before_timed()
-    run = run_requests(engine, requests, deadline=deadline, progress=progress)
+    run = run_requests(engine, requests, deadline=deadline, progress=progress, lora_requests=lora_requests)
     return throughput_numbers(run), run
 
 

@@ -18,15 +18,18 @@ from pagellm.ops.lora import max_tiles, plan_tiles
 class LoRABatch:
     """Which adapter slot each row of the step's flat batch uses (-1: the base model)."""
 
-    def __init__(self, num_slots: int, max_rows: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, max_rows: int, device: torch.device, use_kernels: bool | None = None) -> None:
+        """`use_kernels`: apply the adapters with the Triton kernels (None: on CUDA devices)."""
         self.num_slots = num_slots
         self.device = device
         self.active = False
         """Whether the step's rows use any adapter (layers add nothing otherwise)."""
         self.groups: list[tuple[int, torch.Tensor | slice]] = []
         """Torch path (no Triton kernels): (slot, the rows that use it)."""
+        self.token_slots: torch.Tensor | None = None
+        """Torch path: [rows] int32, each row's slot (the fused CPU decoder layer reads it)."""
         self._kernels = None
-        if device.type == "cuda":
+        if use_kernels if use_kernels is not None else device.type == "cuda":
             from pagellm.ops.triton import lora as lora_kernels
 
             self._kernels = lora_kernels
@@ -43,6 +46,7 @@ class LoRABatch:
         if self._kernels is None:
             self.active = uses
             self.groups = _groups(token_slots, self.device) if uses else []
+            self.token_slots = torch.from_numpy(token_slots.astype(np.int32)) if uses else None
             return
         self.active = uses or padded_rows is not None
         if not self.active:
@@ -57,7 +61,7 @@ class LoRABatch:
         size = m + 3 * t
         # Pinned, from torch's caching host allocator (as `worker.batch.upload`): the copy queues
         # behind the step in flight, and the buffer is not reused before the copy has run.
-        staging = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        staging = torch.empty(size, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         host = staging.numpy()
         host[:len(plan.sorted_rows)] = plan.sorted_rows
         for i, part in enumerate((plan.tile_slot, plan.tile_start, plan.tile_end)):

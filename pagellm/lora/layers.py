@@ -21,6 +21,7 @@ class AdaptedLinear:
                  batch: LoRABatch, device: torch.device) -> None:
         """`module_names`: the Hugging Face name of each part, in output order; `part_offsets`: the
         parts' output offsets (parts + 1 ints, from 0 to the layer's output size)."""
+        self.base = base
         self.module_names = module_names
         self.part_offsets = part_offsets
         self.rank = config.max_lora_rank

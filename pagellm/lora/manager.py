@@ -33,6 +33,8 @@ class LoRAManager:
         """Slots no live request uses, the longest idle first: the next adapter takes the first."""
         self._fused: list | None = None
         """The decoder layers' fused CPU calls while a step with adapters set them aside."""
+        self._fused_apply_lora = False
+        """Whether the fused CPU decoder layers apply the adapters themselves (`bind_fused_layers`)."""
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Keep an adapter the engine core loaded (its slot is filled when a request needs it)."""
@@ -71,11 +73,24 @@ class LoRAManager:
         if not self._slot_users[slot]:
             self._idle[slot] = None
 
+    def bind_fused_layers(self) -> None:
+        """Once the decoder layers are fused (CPU, after the KV cache is bound): hand them the
+        slots to apply, which they do in C when the slots are float32."""
+        fused = [layer.fused for layer in self._decoder_layers if layer.fused is not None]
+        if not fused or any(layer.a.dtype != torch.float32 for layer in self.layers):
+            return
+        by_module = {layer.base: layer for layer in self.layers}
+        for call in fused:
+            call.attach_lora(by_module, self.batch)
+        self._fused_apply_lora = True
+
     def prepare(self, token_slots: np.ndarray, padded_rows: int | None = None) -> None:
-        """Set the next forward's rows' slots (`LoRABatch.prepare`). The fused CPU decoder layers
-        compute without the adapters' hooks: a step that uses adapters runs the layers module by
-        module."""
+        """Set the next forward's rows' slots (`LoRABatch.prepare`). Fused CPU decoder layers that
+        do not apply the adapters (`bind_fused_layers`) step aside for a step that uses one: the
+        layers then run module by module, through the adapters' hooks."""
         self.batch.prepare(token_slots, padded_rows)
+        if self._fused_apply_lora:
+            return
         if self.batch.active and self._fused is None:
             self._fused = [layer.fused for layer in self._decoder_layers]
             for layer in self._decoder_layers:

@@ -17,6 +17,8 @@ from torch import nn
 
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.distributed import parallel_state
+from pagellm.lora.batch import LoRABatch
+from pagellm.lora.layers import AdaptedLinear
 from pagellm.ops.c import build as native
 from pagellm.ops.c import cpu_ops, decoder_layer
 from pagellm.quantization.gguf import GGUFLinearMethod
@@ -86,6 +88,22 @@ class FusedDecoderLayer:
         if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
             raise ValueError("the fused layer takes one RMSNorm epsilon for both norms")
         self.scratch_per_token = decoder_layer.scratch_floats_per_token(self.c)
+        self.projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        """In the order of `decoder_layer.LORA_PROJECTIONS`."""
+        self._lora_batch: LoRABatch | None = None
+
+    def attach_lora(self, adapted: dict[nn.Module, AdaptedLinear], batch: LoRABatch) -> None:
+        """Apply the adapter slots of these projections (float32) to the rows `batch` assigns them."""
+        for slots, module in zip(self.c.lora, self.projections):
+            lora = adapted.get(module)
+            if lora is None:
+                continue
+            offsets = lora.part_offsets
+            slots.a, slots.b = lora.a.data_ptr(), lora.b.data_ptr()
+            slots.rank, slots.num_parts = lora.rank, len(offsets) - 1
+            slots.part_offsets[:len(offsets)] = offsets
+            self._keep += (lora.a, lora.b)
+        self._lora_batch = batch
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +124,14 @@ class FusedDecoderLayer:
                    md.query_start_loc.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous(),
                    md.block_table.to(torch.int32).contiguous(),
                    torch.empty(md.num_tokens * self.scratch_per_token, dtype=torch.float32))
-        pos, slots, qsl, seq_lens, block_table, scratch = tensors
+        lora = self._lora_batch
+        if lora is not None and lora.active:
+            tensors += (lora.token_slots,)
+        pos, slots, qsl, seq_lens, block_table, scratch = tensors[:6]
         step = decoder_layer.LayerStep(num_tokens=md.num_tokens, num_seqs=md.num_seqs, block_table_stride=block_table.stride(0),
                           positions=pos.data_ptr(), slots=slots.data_ptr(), query_start=qsl.data_ptr(),
                           seq_lens=seq_lens.data_ptr(), block_table=block_table.data_ptr(),
-                          scratch=scratch.data_ptr())
+                          scratch=scratch.data_ptr(), lora_slots=tensors[6].data_ptr() if len(tensors) > 6 else None)
         return _StepPlan(step, tensors)
 
 

@@ -124,6 +124,8 @@ class ModelRunner:
                                        self.device)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
+        if self.lora is not None:
+            self.lora.bind_fused_layers()
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;

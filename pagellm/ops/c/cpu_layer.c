@@ -10,6 +10,17 @@
 
 #include "cpu_kernels.h"
 
+/* A projection's LoRA adapter slots (pagellm/ops/lora.py's layout), float32: a [slots, parts x rank, in],
+ * b [slots, out, rank] with the scaling folded in; part p's outputs are rows part_offsets[p] ..
+ * part_offsets[p + 1] of b and read columns p x rank .. (p + 1) x rank of x a^T. a NULL: not adapted. */
+typedef struct {
+    const float *a, *b;
+    int64_t rank, num_parts;
+    int64_t part_offsets[4];
+} LoRASlots;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PROJECTIONS };
+
 typedef struct {
     int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
     float eps, scale;
@@ -18,6 +29,7 @@ typedef struct {
     const uint8_t *qkv, *o, *gate_up, *down;         /* GGUF blocks, rows = output features */
     int32_t qkv_type, o_type, gate_up_type, down_type;
     float *k_cache, *v_cache;                        /* [num_blocks, block_size, Hkv, D] */
+    LoRASlots lora[LORA_PROJECTIONS];
 } DecoderLayer;
 
 typedef struct {
@@ -25,7 +37,36 @@ typedef struct {
     const int64_t *positions, *slots;                /* [T]; slot < 0: not written */
     const int32_t *query_start, *seq_lens, *block_table;
     float *scratch;                                  /* decoder_layer_scratch() floats per token */
+    const int32_t *lora_slots;                       /* [T] each token's adapter slot, < 0: none; NULL: no adapter */
 } LayerStep;
+
+/* y [T, N] (rows y_stride apart) += each token's adapter applied to x [T, K]: (x a_s^T) b_s^T. */
+static void add_lora(const LoRASlots *l, const int32_t *slots, const float *x, int64_t T, int64_t K, float *y,
+                     int64_t y_stride) {
+    if (!l->a || !slots) return;
+    const int64_t R = l->rank, PR = l->num_parts * R, N = l->part_offsets[l->num_parts];
+    float h[PR];
+    for (int64_t t = 0; t < T; t++) {
+        const int32_t s = slots[t];
+        if (s < 0) continue;
+        const float *xt = x + t * K, *a = l->a + (int64_t)s * PR * K, *b = l->b + (int64_t)s * N * R;
+        for (int64_t j = 0; j < PR; j++) {
+            const float *aj = a + j * K;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += xt[k] * aj[k];
+            h[j] = acc;
+        }
+        for (int64_t p = 0; p < l->num_parts; p++) {
+            const float *hp = h + p * R;
+            for (int64_t n = l->part_offsets[p]; n < l->part_offsets[p + 1]; n++) {
+                const float *bn = b + n * R;
+                float acc = 0.0f;
+                for (int64_t r = 0; r < R; r++) acc += hp[r] * bn[r];
+                y[t * y_stride + n] += acc;
+            }
+        }
+    }
+}
 
 static int64_t qkv_width(const DecoderLayer *L) { return (L->num_heads + 2 * L->num_kv_heads) * L->head_dim; }
 
@@ -53,6 +94,7 @@ int decoder_layer(const DecoderLayer *L, const LayerStep *s, const float *hidden
         rms_norm(hidden, residual, L->input_norm, T, E, L->eps, normed, residual);
     }
     if ((status = ggml_gemm(L->qkv_type, normed, T, E, L->qkv, W, qkv))) return status;
+    add_lora(&L->lora[LORA_QKV], s->lora_slots, normed, T, E, qkv, W);
     if (L->qkv_bias)
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < W; i++) qkv[t * W + i] += L->qkv_bias[i];
@@ -63,8 +105,12 @@ int decoder_layer(const DecoderLayer *L, const LayerStep *s, const float *hidden
     paged_attention(q, H * D, L->k_cache, L->v_cache, s->block_table, s->block_table_stride, s->query_start,
                     s->seq_lens, s->num_seqs, H, Hkv, D, L->block_size, L->scale, attn);
     if ((status = ggml_gemm(L->o_type, attn, T, H * D, L->o, E, proj))) return status;
+    add_lora(&L->lora[LORA_O], s->lora_slots, attn, T, H * D, proj, E);
     rms_norm(proj, residual, L->post_norm, T, E, L->eps, normed, residual);
     if ((status = ggml_gemm(L->gate_up_type, normed, T, E, L->gate_up, 2 * I, gate_up))) return status;
+    add_lora(&L->lora[LORA_GATE_UP], s->lora_slots, normed, T, E, gate_up, 2 * I);
     silu_and_mul(gate_up, T, I, act);
-    return ggml_gemm(L->down_type, act, T, I, L->down, E, out);
+    if ((status = ggml_gemm(L->down_type, act, T, I, L->down, E, out))) return status;
+    add_lora(&L->lora[LORA_DOWN], s->lora_slots, act, T, I, out, E);
+    return 0;
 }

@@ -11,6 +11,16 @@ _i64, _f32, _i32 = ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _ptr = ctypes.c_void_p
 
 
+class LoRASlots(ctypes.Structure):
+    """Mirrors `LoRASlots` in cpu_layer.c: one projection's adapter slots (a NULL: not adapted)."""
+
+    _fields_ = [("a", _ptr), ("b", _ptr), ("rank", _i64), ("num_parts", _i64), ("part_offsets", _i64 * 4)]
+
+
+LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+"""The order of `DecoderLayer.lora`."""
+
+
 class DecoderLayer(ctypes.Structure):
     """Mirrors `DecoderLayer` in cpu_layer.c, field for field."""
 
@@ -20,7 +30,7 @@ class DecoderLayer(ctypes.Structure):
         ("input_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("cos_sin", _ptr),
         ("qkv", _ptr), ("o", _ptr), ("gate_up", _ptr), ("down", _ptr),
         ("qkv_type", _i32), ("o_type", _i32), ("gate_up_type", _i32), ("down_type", _i32),
-        ("k_cache", _ptr), ("v_cache", _ptr),
+        ("k_cache", _ptr), ("v_cache", _ptr), ("lora", LoRASlots * len(LORA_PROJECTIONS)),
     ]
 
 
@@ -30,7 +40,7 @@ class LayerStep(ctypes.Structure):
     _fields_ = [
         ("num_tokens", _i64), ("num_seqs", _i64), ("block_table_stride", _i64),
         ("positions", _ptr), ("slots", _ptr), ("query_start", _ptr), ("seq_lens", _ptr), ("block_table", _ptr),
-        ("scratch", _ptr),
+        ("scratch", _ptr), ("lora_slots", _ptr),
     ]
 
 
