@@ -144,6 +144,10 @@ COMMAND_CASES = [
     (["serve", "--port", "0", "--max-n", "0"], "--max-n"),
     (["serve", "--port", "0", "--max-stop-sequences", "0"], "--max-stop-sequences"),
     (["serve", "--port", "0", "--max-prompts", "0"], "--max-prompts"),
+    (["serve", "--lora-modules", "sql"], "--lora-modules"),
+    (["serve", "--lora-modules", '{"name": "sql"}'], "--lora-modules"),
+    (["serve", "--lora-modules", '{"name": "sql", "path": "/a", "rank": 8}'], "--lora-modules"),
+    (["serve", "--port", "0", "--lora-modules", "sql=/adapters/sql"], "--enable-lora"),
     # bench throughput (and the dataset flags bench serve and sweep share)
     (["bench", "throughput", "--num-prompts", "0"], "--num-prompts"),
     (["bench", "throughput", "--input-len", "0"], "--input-len"),

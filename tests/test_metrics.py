@@ -6,7 +6,7 @@ import logging
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagellm.core.outputs import SchedulerStats
+from pagellm.core.outputs import LoRAStats, SchedulerStats
 from pagellm.metrics.log_stats import CumulativeDelta, LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger, token_count_buckets
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats
@@ -128,6 +128,31 @@ def test_prometheus_engines_of_data_parallel_replicas_have_their_own_series():
     assert value(parsed, "pagellm:num_requests_running", engine="0") == 2
     assert value(parsed, "pagellm:num_requests_running", engine="1") == 1
     assert value(parsed, "pagellm:prompt_tokens_total", engine="1") == 2
+
+
+def test_prometheus_lora_metrics_only_with_lora_and_one_info_series_per_engine():
+    assert not any(name.startswith("pagellm:lora") for name, _ in samples(PrometheusStatLogger("tiny")))
+    logger = PrometheusStatLogger("tiny", num_engines=2, max_loras=2)
+
+    def info(parsed: dict, engine: str) -> list[tuple[str, str, str]]:
+        series = [dict(labels) for name, labels in parsed if name == "pagellm:lora_requests_info"]
+        return [(s["max_lora"], s["running_lora_adapters"], s["waiting_lora_adapters"])
+                for s in series if s["engine"] == engine]
+
+    assert info(samples(logger), "1") == [("2", "", "")]  # exists from the start, no adapter in use
+    logger.record(SchedulerStats(lora=LoRAStats(running=["a", "b"], waiting=["c"], max_loras=2, num_loads=2)),
+                  IterationStats())
+    logger.record(SchedulerStats(lora=LoRAStats(running=["c"], max_loras=2, num_loads=3, num_evictions=1)),
+                  IterationStats())
+    parsed = samples(logger)
+    # The adapters of engine 0 now, alone (the earlier set's series is gone); the value is a time.
+    assert info(parsed, "0") == [("2", "c", "")]
+    assert info(parsed, "1") == [("2", "", "")]
+    assert value(parsed, "pagellm:lora_requests_info", max_lora="2", running_lora_adapters="c",
+                 waiting_lora_adapters="") > 1e9
+    assert value(parsed, "pagellm:lora_adapter_loads_total") == 3
+    assert value(parsed, "pagellm:lora_adapter_evictions_total") == 1
+    assert value(parsed, "pagellm:lora_adapter_loads_total", engine="1") == 0
 
 
 def test_token_count_buckets_stop_at_max():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
+from pagellm.core.outputs import LoRAStats, SchedulerStats, SpecDecodeStats
 from pagellm.metrics.log_stats import CumulativeDelta
 from pagellm.metrics.stats import IterationStats
 
@@ -47,9 +47,10 @@ class PrometheusStatLogger:
     """The Content-Type header for `render()`'s bytes."""
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
-                 max_model_len: int = 131072, num_engines: int = 1) -> None:
+                 max_model_len: int = 131072, num_engines: int = 1, max_loras: int | None = None) -> None:
         """`max_model_len` bounds the token-count histograms' buckets. Metrics of the engine carry
-        an `engine` label (the data-parallel replica, "0" to `num_engines - 1`)."""
+        an `engine` label (the data-parallel replica, "0" to `num_engines - 1`). `max_loras`: the
+        engine's (--max-loras) when it serves LoRA adapters, which adds their metrics."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
         self.model_name = model_name
@@ -124,6 +125,7 @@ class PrometheusStatLogger:
         # Totals since each engine started, turned into increments per engine.
         self._deltas = [(CumulativeDelta(), CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
         self._spec_deltas: list[dict[str, CumulativeDelta]] = [{} for _ in range(num_engines)]
+        self._lora = None if max_loras is None else _LoRAMetrics(self.registry, model_name, num_engines, max_loras)
         for engine in range(num_engines):  # every series exists from the start, at zero
             for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                            self.prompt_tokens, self.generation_tokens, self.num_preemptions,
@@ -162,6 +164,8 @@ class PrometheusStatLogger:
         self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
         if scheduler_stats.spec is not None:
             self._record_spec(scheduler_stats.spec, labels, self._spec_deltas[engine_index])
+        if scheduler_stats.lora is not None and self._lora is not None:
+            self._lora.record(scheduler_stats.lora, engine_index)
 
         self.prompt_tokens.labels(*labels).inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(iteration_stats.num_generation_tokens)
@@ -185,3 +189,42 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The registry's current state in the Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+class _LoRAMetrics:
+    """vLLM's `lora_requests_info`, and the host store's loads and evictions of adapters."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_engines: int, max_loras: int) -> None:
+        labels = ["model_name", "engine"]
+        self.model_name, self.max_loras = model_name, str(max_loras)
+        self.requests_info = Gauge(
+            "pagellm:lora_requests_info",
+            "LoRA adapters of the running and of the waiting requests (comma-separated names) and max_lora; "
+            "the value is the Unix time they were last reported.",
+            [*labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=registry)
+        self.adapter_loads = Counter("pagellm:lora_adapter_loads",
+                                     "LoRA adapters loaded into host memory (again after an eviction too).",
+                                     labels, registry=registry)
+        self.adapter_evictions = Counter("pagellm:lora_adapter_evictions",
+                                         "LoRA adapters dropped from host memory to make room (--max-cpu-loras).",
+                                         labels, registry=registry)
+        self._deltas = [(CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
+        self._info_labels: list[tuple[str, ...]] = []
+        for engine in range(num_engines):  # every series exists from the start: no adapter in use
+            self._info_labels.append((model_name, str(engine), self.max_loras, "", ""))
+            self.requests_info.labels(*self._info_labels[engine]).set_to_current_time()
+            self.adapter_loads.labels(model_name, str(engine))
+            self.adapter_evictions.labels(model_name, str(engine))
+
+    def record(self, stats: LoRAStats, engine_index: int) -> None:
+        engine = str(engine_index)
+        loads, evictions = self._deltas[engine_index]
+        self.adapter_loads.labels(self.model_name, engine).inc(loads.update(stats.num_loads))
+        self.adapter_evictions.labels(self.model_name, engine).inc(evictions.update(stats.num_evictions))
+        info = (self.model_name, engine, self.max_loras, ",".join(stats.waiting), ",".join(stats.running))
+        # One series per engine, for its adapters now: the ones of earlier sets would pile up (a
+        # series for every combination of adapters ever seen) and look current to a plain query.
+        if info != self._info_labels[engine_index]:
+            self.requests_info.remove(*self._info_labels[engine_index])
+            self._info_labels[engine_index] = info
+        self.requests_info.labels(*info).set_to_current_time()

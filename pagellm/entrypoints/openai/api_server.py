@@ -16,13 +16,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
-from pagellm.entrypoints.openai.cli_args import API_KEY_ENV
+from pagellm.entrypoints.openai.cli_args import API_KEY_ENV, LoRAModule, runtime_lora_updating_allowed
 from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, request_id_of
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
@@ -31,15 +31,18 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    UnloadLoRAAdapterRequest,
 )
 from pagellm.entrypoints.openai.protocol_anthropic import CountTokensRequest, CountTokensResponse, MessagesRequest
 from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagellm.entrypoints.openai.served_models import ServedModel, ServedModels, UnknownModelError
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -60,22 +63,27 @@ ENGINE_DEAD_EXIT_CODE = 1
 """The server's exit status after its engine core died, froze or stalled: a supervisor should restart it."""
 
 
-def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key: str | None = None,
+def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedModels, api_key: str | None = None,
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
               limits: ServerLimits | None = None, traffic: TrafficState | None = None,
-              protect_metrics: bool = False, auto_tool_parser: str | None = None) -> FastAPI:
-    """The app serving `engine`; requests may name any of the served names (the first is the default).
+              protect_metrics: bool = False, auto_tool_parser: str | None = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """The app serving `engine`; requests may name any of the served names (the first is the default),
+    or, given ServedModels, one of its LoRA adapters too.
 
     `traffic` bounds requests in flight (default: TrafficLimits.for_engine) and may carry a request
     timeout; with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`.
-    `auto_tool_parser` (a TOOL_PARSER_REGISTRY name) enables tool_choice "auto" on chat completions."""
-    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
-    if not names:
-        raise ValueError("served_model_name must name at least one model")
+    `auto_tool_parser` (a TOOL_PARSER_REGISTRY name) enables tool_choice "auto" on chat completions.
+    `allow_runtime_lora_updating` adds the routes that load and unload adapters."""
+    if isinstance(served_model_name, ServedModels):
+        models = served_model_name
+    else:
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        models = ServedModels.for_engine(names, engine.config)
     limits = limits or ServerLimits()
-    completions = OpenAIServingCompletion(engine, names, chat_template, limits)
-    chats = OpenAIServingChat(engine, names, chat_template, limits, auto_tool_parser)
-    tokens = OpenAIServingTokens(engine, names, chat_template, limits)
+    completions = OpenAIServingCompletion(engine, models, chat_template, limits)
+    chats = OpenAIServingChat(engine, models, chat_template, limits, auto_tool_parser)
+    tokens = OpenAIServingTokens(engine, models, chat_template, limits)
 
     traffic = traffic or TrafficState(TrafficLimits.for_engine(engine.config.scheduler.max_num_seqs))
 
@@ -117,16 +125,41 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
         async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
 
-    def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=engine.config.model.source.path, max_model_len=engine.config.model.max_model_len)
+    def model_card(model: ServedModel) -> ModelCard:
+        max_model_len = engine.config.model.max_model_len
+        lora = model.lora_request
+        if lora is None:
+            return ModelCard(id=model.name, root=engine.config.model.source.path, max_model_len=max_model_len)
+        return ModelCard(id=model.name, root=lora.lora_path, parent=lora.base_model_name or models.base_names[0],
+                         max_model_len=max_model_len)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in names])
+        return ModelList(data=[model_card(model) for model in models])
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> ModelCard:
         return model_card(tokens.check_model(model))
+
+    if allow_runtime_lora_updating:
+        # vLLM's routes and answers. Behind the API key like every /v1 path: they read server files.
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> PlainTextResponse:
+            try:
+                await models.load_adapter(request.lora_name, request.lora_path)
+            except ValueError as e:
+                raise APIError(str(e)) from None
+            logger.info("loaded LoRA adapter %s from %s", request.lora_name, request.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+            try:
+                models.unload_adapter(request.lora_name)
+            except UnknownModelError as e:
+                raise APIError(str(e), 404, param="lora_name") from None
+            logger.info("unloaded LoRA adapter %s", request.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -137,8 +170,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
         return await chats.create_chat_completion(request, raw_request)
 
     # OpenAI's Responses API and Anthropic's Messages API, both run as chat requests.
-    responses = OpenAIServingResponses(engine, names, chat_template, limits)
-    messages = AnthropicServingMessages(engine, names, chat_template, limits)
+    responses = OpenAIServingResponses(engine, models, chat_template, limits)
+    messages = AnthropicServingMessages(engine, models, chat_template, limits)
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
@@ -165,7 +198,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str], api_key:
         return tokens.tokenizer_info()
 
     # Embeddings (pooling runner; a 400 on a generate-runner server).
-    embeddings = OpenAIServingEmbedding(engine, names, chat_template, limits)
+    embeddings = OpenAIServingEmbedding(engine, models, chat_template, limits)
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
@@ -227,23 +260,35 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     chat_template = load_chat_template(ns.chat_template)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser, to read the model's tool calls")
+    if ns.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora, which makes the engine able to run adapters")
+    allow_lora_updating = runtime_lora_updating_allowed(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     limits = ServerLimits.from_namespace(ns)
     # Every data-parallel replica runs max_num_seqs sequences.
     traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs * args.data_parallel_size,
                                                     ns.max_waiting_requests, ns.request_timeout))
+    config = args.create_engine_config()
+    models = ServedModels.for_engine(names, config)
+    await _load_lora_modules(models, ns.lora_modules or ())  # before the engine starts: a bad one fails fast
     bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size)
+    metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size,
+                                   max_loras=config.lora.max_loras if config.lora is not None else None)
     traffic.on_turned_away = metrics.record_turned_away
-    engine = AsyncLLM.from_engine_args(args, stat_loggers=[metrics, LoggingStatLogger(num_engines=args.data_parallel_size)],
-                                       stall_timeout_s=ns.engine_stall_timeout or None)
+    engine = AsyncLLM(config, stat_loggers=[metrics, LoggingStatLogger(num_engines=args.data_parallel_size)],
+                      stall_timeout_s=ns.engine_stall_timeout or None)
     try:
-        app = build_app(engine, names, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
+        app = build_app(engine, models, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
                         traffic=traffic, protect_metrics=ns.protect_metrics,
-                        auto_tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None)
+                        auto_tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+                        allow_runtime_lora_updating=allow_lora_updating)
         host, port = sock.getsockname()[:2]
-        logger.info("serving %s on http://%s:%d%s", ", ".join(names), host, port,
+        served = [model.name for model in models]
+        logger.info("serving %s on http://%s:%d%s", ", ".join(served), host, port,
                     " (API key required)" if api_key else "")
+        if allow_lora_updating:
+            logger.warning("runtime LoRA updating is on: clients may load adapters from any folder this server "
+                           "can read (/v1/load_lora_adapter)")
         server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
                                                 timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
         watcher = asyncio.create_task(_stop_when_engine_dies(engine, server))
@@ -255,6 +300,15 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         return 0 if engine.is_running else ENGINE_DEAD_EXIT_CODE
     finally:
         engine.shutdown()
+
+
+async def _load_lora_modules(models: ServedModels, modules: Sequence[LoRAModule]) -> None:
+    """Serve the --lora-modules adapters, each checked against the model; a ValueError names the flag."""
+    for module in modules:
+        try:
+            await models.load_adapter(module.name, module.path, module.base_model_name)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: {e}") from None
 
 
 class _DrainingServer(uvicorn.Server):

@@ -5,7 +5,11 @@ Kept free of FastAPI and pydantic imports so that `pagellm serve --help` stays f
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 
+from pagellm.config.json_flags import json_object
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.entrypoints.arg_types import non_negative_float, non_negative_int, port, positive_float
@@ -14,6 +18,17 @@ from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSER_REGISTRY
 
 API_KEY_ENV = "PAGELLM_API_KEY"
 """`pagellm serve` reads its API key from here when --api-key is not given."""
+RUNTIME_LORA_UPDATING_ENV = "PAGELLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""`1` or `true` does what --allow-runtime-lora-updating does (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModule:
+    """One entry of --lora-modules: an adapter served from start-up."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
 
 
 def add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -41,9 +56,50 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "and --tool-call-parser reads its calls out of the text")
     tools.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSER_REGISTRY.names()),
                        help="how the model writes tool calls: " + TOOL_PARSER_REGISTRY.describe(", "))
+    _add_lora_args(serve)
     add_limit_args(serve)
     _add_reliability_args(serve)
     EngineArgs.add_cli_args(serve)
+
+
+def _add_lora_args(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("LoRA adapters (with --enable-lora)")
+    group.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="MODULE",
+                       help='adapters served from start-up, each `name=path` or JSON {"name": ..., "path": ..., '
+                            '"base_model_name": ...}; requests pass the name as `model`')
+    group.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which read any folder "
+                            f"the server can read: only for trusted clients; also ${RUNTIME_LORA_UPDATING_ENV}=1")
+
+
+def lora_module(text: str) -> LoRAModule:
+    """--lora-modules' `name=path` or JSON object (argparse type)."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json_object(text, "the JSON entry", ("name", "path", "base_model_name"))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    else:
+        name, sep, path = text.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f'expected name=path or a JSON object {{"name": ..., "path": ...}}, '
+                                             f"got {text!r}")
+        entry = {"name": name, "path": path}
+    for key in ("name", "path", "base_model_name"):
+        value = entry.get(key)
+        if key == "base_model_name" and value is None:
+            continue  # optional: the adapter's parent in /v1/models is then the served model
+        if not isinstance(value, str) or not value:
+            raise argparse.ArgumentTypeError(f"the adapter's {key} must be a non-empty string, in {text!r}")
+    return LoRAModule(**entry)
+
+
+def runtime_lora_updating_allowed(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """--allow-runtime-lora-updating, or $PAGELLM_ALLOW_RUNTIME_LORA_UPDATING set to 1 or true."""
+    value = environ.get(RUNTIME_LORA_UPDATING_ENV, "").strip().lower()
+    if value not in ("", "0", "false", "1", "true"):
+        raise ValueError(f"${RUNTIME_LORA_UPDATING_ENV} must be 1, true, 0 or false, got {value!r}")
+    return ns.allow_runtime_lora_updating or value in ("1", "true")
 
 
 def _add_reliability_args(serve: argparse.ArgumentParser) -> None:

@@ -531,13 +531,30 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagellm"
     root: str
-    """The model's path (or preset name)."""
+    """The model's path (or preset name); a LoRA adapter's folder, as it was given."""
+    parent: str | None = None
+    """A LoRA adapter's base model (its served name); None for the base model."""
     max_model_len: int
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    """POST /v1/load_lora_adapter (with --allow-runtime-lora-updating), as vLLM's."""
+
+    lora_name: str
+    """The name requests will pass as `model`."""
+    lora_path: str
+    """The adapter's folder (PEFT's format) on the server's machine."""
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    """POST /v1/unload_lora_adapter (with --allow-runtime-lora-updating), as vLLM's."""
+
+    lora_name: str
 
 
 class TokenizeResponse(BaseModel):

@@ -26,8 +26,10 @@ from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from pagellm.entrypoints.openai.served_models import ServedModel, ServedModels, UnknownModelError
 from pagellm.entrypoints.openai.serving_tools import plan_tools
 from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagellm.lora_request import LoRARequest
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning.parsers import ReasoningParser
@@ -62,10 +64,10 @@ class ChatRun:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_names: list[str], chat_template: str | None = None,
+    def __init__(self, engine: AsyncLLM, models: ServedModels, chat_template: str | None = None,
                  limits: ServerLimits | None = None, auto_tool_parser: str | None = None) -> None:
         self.engine = engine
-        self.model_names = model_names
+        self.models = models
         self.chat_template = chat_template
         """Replaces the model's own template when set (`--chat-template`)."""
         self.limits = limits or ServerLimits()
@@ -79,14 +81,13 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.engine.config.model.max_model_len
 
-    def check_model(self, model: str | None) -> str:
-        """The name to report for a request's `model` (None: the first served name); 404 if unknown."""
-        if model is None:
-            return self.model_names[0]
-        if model not in self.model_names:
-            raise APIError(f"the model `{model}` does not exist; this server serves: {', '.join(self.model_names)}",
-                           404, param="model")
-        return model
+    def check_model(self, model: str | None) -> ServedModel:
+        """What a request's `model` names (None: the first served name): a base model name or a LoRA
+        adapter's; 404 if neither."""
+        try:
+            return self.models.resolve(model)
+        except UnknownModelError as e:
+            raise APIError(str(e), 404, param="model") from None
 
     def tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
@@ -196,11 +197,12 @@ class OpenAIServing:
         return f"{prefix}-{requested or request_id_of(raw_request.scope) or uuid.uuid4().hex}"
 
     async def start(self, prompt: dict[str, Any], params: SamplingParams | PoolingParams, request_id: str,
-                    constraint: OutputConstraint | None = None) -> Started:
-        """Submit a request and wait for its first output, so that input the engine rejects is a 400
-        before a (streamed) response has begun; one whose `constraint` (the params' structured
-        output) cannot be compiled names the request field it came from."""
-        outputs = self.engine.generate(prompt, params, request_id)
+                    constraint: OutputConstraint | None = None, lora_request: LoRARequest | None = None) -> Started:
+        """Submit a request (with the adapter `lora_request`) and wait for its first output, so that
+        input the engine rejects (an adapter that fails to load too) is a 400 before a (streamed)
+        response has begun; one whose `constraint` (the params' structured output) cannot be
+        compiled names the request field it came from."""
+        outputs = self.engine.generate(prompt, params, request_id, lora_request)
         try:
             first = await anext(outputs)
         except GrammarError as e:
@@ -214,13 +216,14 @@ class OpenAIServing:
         return first, outputs
 
     async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams | PoolingParams,
-                        request_id: str, constraint: OutputConstraint | None = None) -> list[Started]:
+                        request_id: str, constraint: OutputConstraint | None = None,
+                        lora_request: LoRARequest | None = None) -> list[Started]:
         """`start` for the prompts of one request at once (they are batched together), as
         `request_id` (one prompt) or `request_id-i`; if any fails, the others are aborted and the
         first failure is raised."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.start(p, params, i, constraint) for p, i in zip(prompts, ids)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self.start(p, params, i, constraint, lora_request)
+                                         for p, i in zip(prompts, ids)), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             for r in results:
@@ -249,12 +252,12 @@ class OpenAIServing:
             if tools.parser is not None and tools.parser.needs_special_tokens:
                 params.skip_special_tokens = False  # the parser's marker is one
             prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
-            started = await self.start(prompt, params, request_id, constraint)
+            started = await self.start(prompt, params, request_id, constraint, model.lora_request)
         except APIError as e:
             if e.param is not None:
                 e.param = names.get(e.param, e.param)
             raise
-        return ChatRun(model, started, ChatOutput(self.reasoning_parser, tools.parser))
+        return ChatRun(model.name, started, ChatOutput(self.reasoning_parser, tools.parser))
 
     @staticmethod
     async def follow(first: RequestOutput,

@@ -61,13 +61,14 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(request, max_tokens, constraint)
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
-        started = await self.start_all(engine_prompts, params, request_id, constraint)
+        started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request)
         # After truncate_prompt_tokens the echo is what the model saw.
         submitted = [_Prompt(s, self._echo_text(prompt, s[0], len(p["prompt_token_ids"]), request)
                              if request.echo else "")
                      for prompt, p, s in zip(prompts, engine_prompts, started)]
         if request.stream:
-            return self.event_stream(self._chunks(submitted, request, request_id, model, prompt_only), raw_request)
+            return self.event_stream(self._chunks(submitted, request, request_id, model.name, prompt_only),
+                                     raw_request)
         finals = await self.finals(started, raw_request)
         if prompt_only:
             finals = [dataclasses.replace(f, outputs=[_nothing_generated(o) for o in f.outputs]) for f in finals]
@@ -78,7 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=self._logprobs(final, o, request, 0, True), stop_reason=o.stop_reason,
                 prompt_logprobs=final.prompt_logprobs if request.prompt_logprobs is not None else None,
                 **self._token_ids(final, o, request, True)) for o in final.outputs]
-        response = CompletionResponse(id=request_id, model=model, choices=choices, usage=self.usage(finals))
+        response = CompletionResponse(id=request_id, model=model.name, choices=choices, usage=self.usage(finals))
         return JSONResponse(response.model_dump())
 
     def _echo_text(self, prompt: str | list[int], first: RequestOutput, num_prompt_tokens: int,

@@ -37,13 +37,14 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = [self._prompt(p, request) for p in self.prompt_list(request.input, "input")]
         params = PoolingParams(normalize=request.normalize, truncate_prompt_tokens=request.truncate_prompt_tokens)
         request_id = self.make_request_id("embd", request.request_id, raw_request)
-        outputs = await self.finals(await self.start_all(prompts, params, request_id), raw_request)
+        started = await self.start_all(prompts, params, request_id, lora_request=model.lora_request)
+        outputs = await self.finals(started, raw_request)
         if not all(isinstance(out, EmbeddingRequestOutput) for out in outputs):  # request timeout, shutdown
             raise APIError("the embedding request was aborted before it finished", 503)
         data = [EmbeddingData(embedding=_encode(out.outputs.embedding, request.encoding_format), index=i)
                 for i, out in enumerate(outputs)]
         num_tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        response = EmbeddingResponse(id=request_id, model=model, data=data,
+        response = EmbeddingResponse(id=request_id, model=model.name, data=data,
                                      usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
         return JSONResponse(response.model_dump())
 
