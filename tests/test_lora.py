@@ -304,3 +304,18 @@ def test_the_kernel_path_equals_the_torch_path(padded):
     plain = x @ base.weight.t()
     assert not torch.allclose(torch_path, plain, atol=1e-2)
     assert torch.allclose(kernel_path, torch_path, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.slow  # two rank processes
+def test_adapters_reach_every_pipeline_stage_over_processes(tiny, llm):
+    """Pipeline stages in processes of their own (the mp executor): each stage gets the adapter
+    from the engine core and adapts its own layers; outputs equal the one-rank engine's."""
+    loras = [tiny[2][n][0] for n in ADAPTERS] + [None]
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(len(loras))]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)]
+    staged = engine(tiny[0], pipeline_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        outs = staged.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        staged.llm_engine.shutdown()
