@@ -181,6 +181,15 @@ class LoRAStats:
     num_loads: int = 0
     num_evictions: int = 0
 
+    @classmethod
+    def total(cls, parts: list[LoRAStats]) -> LoRAStats | None:
+        """Several engines' adapters and counters together (None when none serves adapters)."""
+        if not parts:
+            return None
+        return cls(running=sorted({n for p in parts for n in p.running}),
+                   waiting=sorted({n for p in parts for n in p.waiting}), max_loras=parts[0].max_loras,
+                   num_loads=sum(p.num_loads for p in parts), num_evictions=sum(p.num_evictions for p in parts))
+
 
 @dataclass(slots=True)
 class SpecDecodeStats:

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pagellm.config import EngineConfig
-from pagellm.core.outputs import SchedulerStats, SpecDecodeStats, merge_step_outputs
+from pagellm.core.outputs import LoRAStats, SchedulerStats, SpecDecodeStats, merge_step_outputs
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import CoreClient
 from pagellm.engine.core_proc import HEARTBEAT_INTERVAL_S
@@ -275,10 +275,11 @@ class AsyncLLM:
         """The replicas' latest scheduler stats, summed (KV usage: their mean)."""
         total = SchedulerStats()
         for field in dataclasses.fields(SchedulerStats):
-            if field.name != "spec":
+            if field.name not in ("spec", "lora"):
                 setattr(total, field.name, sum(getattr(core.stats, field.name) for core in self._cores))
         total.kv_cache_usage /= len(self._cores)
         total.spec = SpecDecodeStats.total([core.stats.spec for core in self._cores if core.stats.spec is not None])
+        total.lora = LoRAStats.total([core.stats.lora for core in self._cores if core.stats.lora is not None])
         return total
 
     @property
