@@ -4,6 +4,7 @@ starts a server must be marked `slow`, so that `pytest -m "not slow"` stays quic
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -50,6 +51,16 @@ def hf_smollm2_tokenizer(smollm2_path: str):
 
     folder, name = os.path.split(smollm2_path)
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="module")
+def stop_ray_after_module():
+    """For modules whose Ray tests start a local Ray instance in this process: its daemons would
+    take CPU from every later test on a 2-core machine."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 SHARED_SERVER_NAME = "smollm2"

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import sys
 import threading
 import time
 
@@ -36,14 +35,7 @@ CPU = {"dtype": "float32", "device": "cpu", "max_model_len": 1024, "kv_cache_mem
 EXACT = {**CPU, "quantization": "none"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _stop_ray_after_this_module():
-    """The Ray tests start a local Ray instance in this process; its daemons would take CPU from
-    every later test on a 2-core machine."""
-    yield
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("stop_ray_after_module")
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -201,7 +193,7 @@ def test_rank_dead_before_a_step_is_sent_fails_that_step(tiny_llama):
     for _ in range(3):
         engine.step()
     os.kill(executor.pids[0], signal.SIGKILL)
-    executor._procs[0].join()  # dead and reaped before the engine sends again
+    executor._procs[0].wait()  # dead and reaped before the engine sends again
     failure: list[BaseException] = []
 
     def run() -> None:

@@ -55,6 +55,13 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Replicas, each of `world_size` ranks (the server runs one engine core per replica)."""
     executor_backend: str = "uni"
+    cpu_threads: int | None = None
+    """Threads each rank computes with on the host (PyTorch's and the C kernels' OpenMP threads);
+    None: PyTorch's default. `pagellm.config.cpu_threads` picks it."""
+    step_timeout_s: float | None = None
+    """Longest wait for a step's results from ranks in other processes (mp, ray), plus
+    `step_timeout_per_token_s` per scheduled token, before they count as hung; None: no limit."""
+    step_timeout_per_token_s: float = 0.0
 
     @property
     def world_size(self) -> int:

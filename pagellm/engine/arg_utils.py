@@ -25,6 +25,7 @@ from pagellm.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from pagellm.config.cpu_threads import resolve_cpu_threads
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.config.model import RUNNERS
 from pagellm.executor import EXECUTOR_REGISTRY
@@ -43,6 +44,12 @@ _FALLBACK_ATTENTION_BACKEND = "torch"
 """What errors suggest when the chosen attention backend cannot run: pure PyTorch runs on every
 device and cache dtype (the oracle every other backend is tested against)."""
 _DEVICE_NAMES = {"cuda": "CUDA GPUs", "cpu": "CPUs"}
+DEFAULT_STEP_TIMEOUT_S = 20.0
+"""engine_step_timeout's default: a decode step takes well under a second, and a hung rank should
+fail its requests in seconds, not at the collectives' 600 s timeout."""
+STEP_TIMEOUT_PER_TOKEN_S = {"cpu": 0.05, "cuda": 0.005}
+"""engine_step_timeout's allowance per scheduled token, for long prefills: a 2,048-token CPU step
+gets 102 s more (a floor of 20 prefill tokens a second), an 8,192-token GPU step 41 s."""
 
 
 def _arg(default, help: str | Callable[[], str]):
@@ -77,6 +84,8 @@ class EngineArgs:
     pipeline_parallel_size: int = _arg(1, "Stages the layers are split into (pipeline parallel), each on its own tensor-parallel group of ranks.")
     data_parallel_size: int = _arg(1, "Engine replicas behind one server (pagellm serve), each with its own KV cache and its own tensor x pipeline ranks; requests are routed by prompt prefix and load.")
     distributed_executor_backend: str | None = _arg(None, lambda: f"How ranks are run: {EXECUTOR_REGISTRY.describe()}. None: uni for one rank, else mp.")
+    engine_step_timeout: float = _arg(DEFAULT_STEP_TIMEOUT_S, f"Seconds the engine waits for a step's results from ranks in processes of their own (mp, ray), plus {STEP_TIMEOUT_PER_TOKEN_S['cpu'] * 1000:g} ms per scheduled token on a CPU and {STEP_TIMEOUT_PER_TOKEN_S['cuda'] * 1000:g} ms on a GPU (long prefills), before it counts a rank as hung (stopped, stuck in a kernel or a deadlock): it then stops every rank and fails its requests, and the server exits with status 1. 0: wait as long as the ranks' collectives do (600 s).")
+    cpu_threads: int | None = _arg(None, "Threads each rank computes with (PyTorch's and the C kernels' OpenMP threads). None: OMP_NUM_THREADS if set, else the cores this process may use (CPU affinity, cgroup CPU quota) less one for the engine's other processes, shared by the ranks and replicas on this machine (at least one each).")
     max_logprobs: int = _arg(20, 'Most logprobs / prompt_logprobs a request may ask for per token.')
     runner: str = _arg("generate", "generate (text generation) | pooling (embeddings: each prompt is run through the model once and its final hidden states pooled into one vector; no prefix caching, no async scheduling).")
     reasoning_parser: str | None = _arg(None, lambda: f"How the model marks its reasoning: {REASONING_PARSER_REGISTRY.describe()}. Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
@@ -126,6 +135,11 @@ class EngineArgs:
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         _check_positive("data_parallel_size", self.data_parallel_size)
+        _check_positive("cpu_threads", self.cpu_threads)
+        if isinstance(self.engine_step_timeout, bool) or not (
+                isinstance(self.engine_step_timeout, (int, float)) and self.engine_step_timeout >= 0):
+            raise ValueError(f"{_flag('engine_step_timeout')} must be a number of seconds >= 0 (0: no limit), "
+                             f"got {self.engine_step_timeout!r}")
         executor = None
         if self.distributed_executor_backend is not None:
             executor = EXECUTOR_REGISTRY.get(self.distributed_executor_backend)
@@ -304,7 +318,11 @@ def _resolve_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.dev
                              f"{dp} x {tp} x {pp} ranks need as many GPUs from {device}, but {available} are "
                              f"available")
     backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
-    return ParallelConfig(tp, pp, dp, backend)
+    cpu_threads, why = resolve_cpu_threads(args.cpu_threads, world_size * dp)
+    logger.info("each rank computes with %d CPU thread(s): %s", cpu_threads, why)
+    return ParallelConfig(tp, pp, dp, backend, cpu_threads=cpu_threads,
+                          step_timeout_s=args.engine_step_timeout or None,
+                          step_timeout_per_token_s=STEP_TIMEOUT_PER_TOKEN_S[device.type])
 
 
 def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, target: ModelArchConfig,

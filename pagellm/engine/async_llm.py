@@ -28,7 +28,7 @@ from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
 from pagellm.engine.mailbox import OutputMailbox
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
-from pagellm.engine.wire import AbortRequests, CoreOutputs, encoder, heartbeat_decoder, output_decoder
+from pagellm.engine.wire import AbortRequests, CoreOutputs, EngineFailed, encoder, heartbeat_decoder, output_decoder
 from pagellm.lora_request import LoRARequest
 from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
@@ -191,15 +191,19 @@ class AsyncLLM:
                 for core in live:
                     # Every step waiting is read first and handled as one: behind the engine, this
                     # process then does its per-request work once for all of them.
-                    messages = []
-                    while len(messages) < _MAX_STEPS_PER_READ and await core.output.poll(0):
+                    messages, failed = [], None
+                    while len(messages) < _MAX_STEPS_PER_READ and failed is None and await core.output.poll(0):
                         message = output_decoder.decode(await core.output.recv())
                         if isinstance(message, CoreOutputs):
                             messages.append(message)
+                        elif isinstance(message, EngineFailed):
+                            failed = message
                     if messages:
                         self._handle(core, CoreOutputs(
                             merge_step_outputs([m.outputs for m in messages]), messages[-1].stats,
                             [r for m in messages for r in m.rejected]))
+                    if failed is not None:
+                        self._fail_core(core, f"engine core failed: {failed.error}")
                 # Every pending heartbeat is read before judging: after this process was busy for a
                 # while, queued heartbeats are not silence.
                 now = time.monotonic()
@@ -208,7 +212,7 @@ class AsyncLLM:
                         beat = heartbeat_decoder.decode(await core.heartbeats.recv())
                         core.liveness.on_heartbeat(beat.num_steps, now)
                 for core in live:
-                    reason = core.failure(now)
+                    reason = core.failure(now) if core.failure_reason is None else None
                     if reason is not None:
                         self._fail_core(core, reason)
         except Exception as e:  # a bug here must fail requests, not leave them waiting forever

@@ -20,6 +20,7 @@ from pagellm.engine.core import EngineCore
 from pagellm.engine.wire import (
     AbortRequests,
     CoreOutputs,
+    EngineFailed,
     Heartbeat,
     Ready,
     Shutdown,
@@ -71,6 +72,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outputs.send(encoder.encode(Ready(core.num_blocks)))
         try:
             _loop(core, inputs, outputs, progress)
+        except Exception as e:
+            # The API process fails the requests with this reason, not merely "exited with code 1".
+            outputs.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+            raise
         finally:
             stop.set()
             heartbeat.join()

@@ -39,7 +39,13 @@ class CoreOutputs(msgspec.Struct, tag=True):
     """(request_id, error message) of requests the core refused."""
 
 
-EngineCoreMessage = Ready | StartupFailed | CoreOutputs
+class EngineFailed(msgspec.Struct, tag=True):
+    """The step loop raised (a rank died or hung): the core's last message before it exits."""
+
+    error: str
+
+
+EngineCoreMessage = Ready | StartupFailed | CoreOutputs | EngineFailed
 
 
 class Heartbeat(msgspec.Struct):

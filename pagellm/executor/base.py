@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, ParallelConfig
 from pagellm.config.registry import Registry, check_ref, resolve
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 
@@ -116,6 +116,34 @@ def create_executor(config: EngineConfig) -> Executor:
     """Start the executor of `config.parallel.executor_backend`, its workers loaded and ready."""
     name = config.parallel.executor_backend
     return _check_executor_class(resolve(EXECUTOR_REGISTRY.get(name).cls), name)(config)
+
+
+def step_timeout_s(parallel: ParallelConfig, num_tokens: int) -> float | None:
+    """Longest wait for the results of a step of `num_tokens` scheduled tokens before its ranks
+    count as hung (None: no limit)."""
+    if parallel.step_timeout_s is None:
+        return None
+    return parallel.step_timeout_s + parallel.step_timeout_per_token_s * num_tokens
+
+
+def hung_step_reason(parallel: ParallelConfig, num_tokens: int, pids: list[int | None]) -> str:
+    """Why a step of `num_tokens` tokens counts as hung, naming the stopped ranks among those whose
+    `pids` are on this machine (None: elsewhere)."""
+    stopped = [f"rank {rank} (pid {pid}) is stopped (SIGSTOP or a debugger)"
+               for rank, pid in enumerate(pids) if pid is not None and _process_state(pid) in ("T", "t")]
+    return (f"no result for a step of {num_tokens} token{'s' * (num_tokens != 1)} within "
+            f"{step_timeout_s(parallel, num_tokens):.1f} s (engine_step_timeout (--engine-step-timeout) "
+            f"{parallel.step_timeout_s:g} s + {parallel.step_timeout_per_token_s * 1000:g} ms a token): "
+            f"{'; '.join(stopped) or 'a rank is stuck (in a kernel or a deadlock)'}")
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a local process (R, S, D, T...; Linux), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _check_executor_class(cls: Any, name: str) -> type[Executor]:

@@ -6,30 +6,30 @@ results. The engine therefore sends step N+1 before it asks for step N's results
 overlap the two exactly as a single in-process worker would.
 
 A rank that exits (killed, crashed) or raises is noticed while the engine waits for it or sends
-to it, and fails the engine with `WorkerFailedError`; every rank is then stopped. Ranks die with
-the process that started them (Linux parent-death signal), so a killed engine leaves no orphans.
+to it, and a step whose results do not come within its timeout (a rank stopped, or stuck in a
+kernel or a deadlock) is noticed then: either fails the engine with `WorkerFailedError` and every
+rank is stopped. Ranks are fresh interpreters running `pagellm.executor.mp_rank` (never the
+caller's `__main__`), and die with the process that started them (Linux parent-death signal), so
+a killed engine leaves no orphans.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import multiprocessing
 import os
 import pickle
-import signal
+import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagellm.executor.base import Executor, StepFuture, WorkerFailedError
-from pagellm.worker.worker import Worker
+from pagellm.executor.base import Executor, StepFuture, WorkerFailedError, hung_step_reason, step_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +37,6 @@ STARTUP_TIMEOUT_S = 600.0
 """Longest wait for the ranks to join their process group and load the model."""
 _POLL_MS = 50
 """How often a waiting engine looks for dead ranks when no reply has come."""
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the thread that started it exits (Linux)."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class MultiprocExecutor(Executor):
@@ -56,27 +49,26 @@ class MultiprocExecutor(Executor):
         self._output = self._ctx.socket(zmq.PULL)
         output_address = f"ipc://{os.path.join(self._tmp.name, 'out')}"
         self._output.bind(output_address)
+        input_addresses = [f"ipc://{os.path.join(self._tmp.name, f'in{rank}')}" for rank in range(world_size)]
         self._inputs: list[zmq.Socket] = []
-        self._procs: list[multiprocessing.process.BaseProcess] = []
-        # multiprocessing forbids daemonic processes (the server's engine core) to start children,
-        # lest they be orphaned; ranks die with their parent (die_with_parent) and are stopped by it.
-        current = multiprocessing.current_process()
-        if current.daemon:
-            current.daemon = False
-        spawn = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
-        init_method = f"file://{os.path.join(self._tmp.name, 'rendezvous')}"
-        for rank in range(world_size):
-            sock = self._ctx.socket(zmq.PUSH)
-            address = f"ipc://{os.path.join(self._tmp.name, f'in{rank}')}"
-            sock.bind(address)
-            self._inputs.append(sock)
-            proc = spawn.Process(target=_worker_main, name=f"pagellm-rank-{rank}", daemon=True,
-                                 args=(config, rank, init_method, address, output_address))
-            proc.start()
-            self._procs.append(proc)
+        for address in input_addresses:
+            self._inputs.append(self._ctx.socket(zmq.PUSH))
+            self._inputs[-1].bind(address)
+        args_path = os.path.join(self._tmp.name, "args")
+        with open(args_path, "wb") as f:
+            init_method = f"file://{os.path.join(self._tmp.name, 'rendezvous')}"
+            pickle.dump((config, init_method, input_addresses, output_address), f)
+        # The ranks import what this process can (a script's sys.path edits, its plugins' paths).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in sys.path)}
+        # Fresh interpreters, never forked: this process may hold CUDA state or threads.
+        self._procs = [
+            subprocess.Popen([sys.executable, "-m", "pagellm.executor.mp_rank", args_path, str(rank), str(os.getpid())],
+                             stdin=subprocess.DEVNULL, env=env)
+            for rank in range(world_size)]
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._inputs, self._output, self._ctx, self._tmp)
         try:
-            self._wait(set(range(world_size)), time.monotonic() + STARTUP_TIMEOUT_S)
+            self._wait(set(range(world_size)), STARTUP_TIMEOUT_S,
+                       lambda late: f"ranks {sorted(late)} did not start within {STARTUP_TIMEOUT_S:.0f} s")
             self.collective_rpc("load_model")
             logger.info("%d ranks ready (pids %s)", world_size, " ".join(str(pid) for pid in self.pids))
         except BaseException:
@@ -95,11 +87,14 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> StepFuture:
         self._send("execute_model", (so,), "none")
-        return StepFuture(self._collect)
+        return StepFuture(lambda: self._collect(so.total_num_scheduled_tokens))
 
-    def _collect(self) -> ModelRunnerOutput:
+    def _collect(self, num_tokens: int) -> ModelRunnerOutput:
         self._send("collect", (), "driver")
-        return self._wait({self._driver_rank})[self._driver_rank]
+        # The deadline counts from this wait, not the launch: a pipeline's later steps queue behind earlier ones.
+        parallel = self.config.parallel
+        return self._wait({self._driver_rank}, step_timeout_s(parallel, num_tokens),
+                          lambda _: hung_step_reason(parallel, num_tokens, self.pids))[self._driver_rank]
 
     def check_health(self) -> None:
         dead = self._dead_rank()
@@ -121,9 +116,11 @@ class MultiprocExecutor(Executor):
                         self._fail(dead)
                     sock.poll(_POLL_MS, zmq.POLLOUT)
 
-    def _wait(self, ranks: set[int], deadline: float | None = None) -> dict[int, Any]:
+    def _wait(self, ranks: set[int], timeout_s: float | None = None,
+              late: Callable[[set[int]], str] | None = None) -> dict[int, Any]:
         """Replies of `ranks` (one each); raises WorkerFailedError, stopping every rank, when one of
-        them dies or raises first, or at the deadline."""
+        them dies or raises first, or after `timeout_s` (with `late(the ranks that did not reply)`)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         replies: dict[int, Any] = {}
         while ranks - replies.keys():
             if self._output.poll(_POLL_MS):
@@ -138,7 +135,7 @@ class MultiprocExecutor(Executor):
             if dead:
                 self._fail(dead)
             if deadline is not None and time.monotonic() > deadline:
-                self._fail(f"ranks {sorted(ranks - replies.keys())} did not answer in time")
+                self._fail(late(ranks - replies.keys()))
         return replies
 
     def _dead_rank(self, wait_s: float = 0.0, besides: int | None = None) -> str | None:
@@ -147,8 +144,8 @@ class MultiprocExecutor(Executor):
         deadline = time.monotonic() + wait_s
         while True:
             for rank, proc in enumerate(self._procs):
-                if rank != besides and proc.exitcode is not None:
-                    return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+                if rank != besides and proc.poll() is not None:
+                    return f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)
@@ -156,7 +153,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, reason: str) -> None:
         logger.error("distributed executor: %s; stopping every rank", reason)
         for proc in self._procs:  # the others are likely blocked in a collective with the failed one
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.kill()
         self.shutdown()
         raise WorkerFailedError(reason)
@@ -165,57 +162,24 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop(procs: list, inputs: list[zmq.Socket], output: zmq.Socket, ctx: zmq.Context,
+def _stop(procs: list[subprocess.Popen], inputs: list[zmq.Socket], output: zmq.Socket, ctx: zmq.Context,
           tmp: tempfile.TemporaryDirectory) -> None:
     """Ask the ranks to exit, kill those that do not within seconds, and release the sockets."""
     message = pickle.dumps(("shutdown", (), "none"))
     for sock, proc in zip(inputs, procs):
-        if proc.is_alive():
+        if proc.poll() is None:
             try:
                 sock.send(message, flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
     deadline = time.monotonic() + 5.0
     for proc in procs:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():  # stuck in a collective with a dead peer, or frozen
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # stuck in a collective with a dead peer, or frozen
             proc.kill()
-            proc.join(timeout=5.0)
+            proc.wait(timeout=5.0)
     for sock in (*inputs, output):
         sock.close(linger=0)
     ctx.term()
     tmp.cleanup()
-
-
-def _worker_main(config: EngineConfig, rank: int, init_method: str, input_address: str,
-                 output_address: str) -> None:
-    """A rank's process: build the worker, then run the methods the engine sends, in order."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's owner handles Ctrl-C and stops us
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
-    ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.connect(output_address)
-    worker = None
-    try:
-        worker = Worker(config, rank, init_method)
-        outputs.send(pickle.dumps(("ready", rank, None)))
-        while True:
-            method, args, reply = pickle.loads(inputs.recv())
-            if method == "shutdown":
-                return
-            result = getattr(worker, method)(*args)
-            if reply == "all" or (reply == "driver" and worker.is_driver):
-                outputs.send(pickle.dumps(("result", rank, result), protocol=pickle.HIGHEST_PROTOCOL))
-    except Exception as e:
-        logger.error("rank %d failed:\n%s", rank, traceback.format_exc())
-        outputs.send(pickle.dumps(("error", rank, f"{type(e).__name__}: {e}")))
-        sys.exit(1)
-    finally:
-        if worker is not None:
-            worker.shutdown()
-        outputs.close(linger=1000)
-        inputs.close(linger=0)
-        ctx.term()

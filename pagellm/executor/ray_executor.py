@@ -3,19 +3,21 @@ cluster (`ray start --head` on one node, `ray start --address=HEAD:6379` on the 
 `pagellm serve ... --distributed-executor-backend ray` on the head).
 
 Actors run their calls in the order sent, so the engine can launch step N+1 before it collects
-step N, as with the other executors. An actor that dies makes Ray raise, which fails the engine
-with `WorkerFailedError`.
+step N, as with the other executors. An actor that dies makes Ray raise, and a step whose results
+do not come within its timeout (a rank stopped, or stuck in a kernel or a deadlock) times out:
+either fails the engine with `WorkerFailedError`, and every actor is killed.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
-from pagellm.executor.base import Executor, StepFuture, WorkerFailedError
+from pagellm.executor.base import Executor, StepFuture, WorkerFailedError, hung_step_reason, step_timeout_s
 from pagellm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -53,8 +55,11 @@ class _RankActor:
     def call(self, method: str, *args: Any) -> Any:
         return getattr(self.worker, method)(*args)
 
-    def pid(self) -> int:
-        return os.getpid()
+    def whereabouts(self) -> tuple[int, str]:
+        """This actor's process id and Ray node."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
 
 class RayExecutor(Executor):
@@ -89,29 +94,41 @@ class RayExecutor(Executor):
             init_method = self._get(self._actors[0].meeting_point.remote())
             self._get([a.start.remote(config, rank, init_method) for rank, a in enumerate(self._actors)])
             self.collective_rpc("load_model")
-            self.pids = self._get([a.pid.remote() for a in self._actors])
+            whereabouts = self._get([a.whereabouts.remote() for a in self._actors])
+            self.pids = [pid for pid, _ in whereabouts]
+            # The pids of the ranks on this machine (None on other nodes): a hung step names the stopped ones.
+            here = ray.get_runtime_context().get_node_id()
+            self._local_pids = [pid if node == here else None for pid, node in whereabouts]
             logger.info("%d Ray ranks ready (pids %s)", world_size, " ".join(map(str, self.pids)))
         except BaseException:
             self.shutdown()
             raise
 
-    def _get(self, refs):
-        """ray.get, with a rank's death or exception turned into WorkerFailedError."""
+    def _get(self, refs, timeout_s: float | None = None, late: Callable[[], str] | None = None):
+        """ray.get, with a rank's death or exception, or no result within `timeout_s` (then with
+        `late()` as the reason), turned into WorkerFailedError."""
         try:
-            return self._ray.get(refs)
+            return self._ray.get(refs, timeout=timeout_s)
+        except self._ray.exceptions.GetTimeoutError:
+            reason = late()
         except self._ray.exceptions.RayError as e:
-            self.shutdown()
-            raise WorkerFailedError(f"a Ray rank failed: {e}") from None
+            reason = f"a Ray rank failed: {e}"
+        logger.error("distributed executor: %s; stopping every rank", reason)
+        self.shutdown()
+        raise WorkerFailedError(reason)
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self._get([a.call.remote(method, *args) for a in self._actors])
 
     def execute_model(self, so: SchedulerOutput) -> StepFuture:
         launched = [a.call.remote("execute_model", so) for a in self._actors]
-        return StepFuture(lambda: self._collect(launched))
+        return StepFuture(lambda: self._collect(launched, so.total_num_scheduled_tokens))
 
-    def _collect(self, launched: list) -> ModelRunnerOutput:
-        results = self._get(launched + [a.call.remote("collect") for a in self._actors])
+    def _collect(self, launched: list, num_tokens: int) -> ModelRunnerOutput:
+        parallel = self.config.parallel
+        results = self._get(launched + [a.call.remote("collect") for a in self._actors],
+                            step_timeout_s(parallel, num_tokens),
+                            lambda: hung_step_reason(parallel, num_tokens, self._local_pids))
         return results[len(launched) + self._driver]
 
     def shutdown(self) -> None:

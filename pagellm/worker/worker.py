@@ -33,6 +33,9 @@ class Worker:
         GPU (a Ray actor sees only its own, as index 0)."""
         load_plugins()  # this rank's process's registries (an mp process or Ray actor of its own)
         parallel = config.parallel
+        if parallel.cpu_threads is not None:
+            # Steps run on this thread, so the C kernels' OpenMP loops (torch's libgomp) take it too.
+            torch.set_num_threads(parallel.cpu_threads)
         if config.device.type == "cuda":
             index = config.device.index + rank if gpu_index is None else gpu_index
             config = dataclasses.replace(config, device=torch.device("cuda", index))
