@@ -34,6 +34,9 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("MistralForCausalLM", "pagellm.models.llama:LlamaForCausalLM", "llama", "mistral"),
     ArchitectureEntry("Qwen2ForCausalLM", "pagellm.models.qwen2:Qwen2ForCausalLM", "qwen2", "qwen2"),
     ArchitectureEntry("Qwen3ForCausalLM", "pagellm.models.qwen3:Qwen3ForCausalLM", "qwen3", "qwen3"),
+    ArchitectureEntry("MixtralForCausalLM", "pagellm.models.mixtral:MixtralForCausalLM", None, "mixtral"),
+    ArchitectureEntry("Qwen2MoeForCausalLM", "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", None, "qwen2_moe"),
+    ArchitectureEntry("Qwen3MoeForCausalLM", "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM", None, "qwen3_moe"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
 
@@ -61,8 +64,30 @@ class ModelArchConfig:
     """The dtype the checkpoint was trained/saved in, used by `dtype="auto"`."""
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer (`num_experts`, Mixtral's `num_local_experts`);
+    0: a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token goes to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each routed expert's intermediate size (Mixtral's experts have `intermediate_size`)."""
+    shared_expert_intermediate_size: int = 0
+    """The intermediate size of an MLP every token goes through beside the routed experts (Qwen2-MoE);
+    0: none."""
+    norm_topk_prob: bool | None = None
+    """Whether the chosen experts' weights are rescaled to sum to 1; None: the config does not say
+    (the family's default applies)."""
     hf_config: dict[str, Any] = field(default_factory=dict)
     """The raw config dict, for architecture-specific fields the model class reads itself."""
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` is a mixture of experts (else a dense MLP of
+        `intermediate_size`): every layer of an MoE model, but those Qwen-MoE's `mlp_only_layers`
+        lists and those off its `decoder_sparse_step`."""
+        if not self.num_experts:
+            return False
+        step = self.hf_config.get("decoder_sparse_step") or 1
+        return index not in (self.hf_config.get("mlp_only_layers") or ()) and (index + 1) % step == 0
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelArchConfig":
@@ -76,6 +101,10 @@ class ModelArchConfig:
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        num_experts = d.get("num_experts") or d.get("num_local_experts") or 0
+        if num_experts and not 0 < (d.get("num_experts_per_tok") or 0) <= num_experts:
+            raise ValueError(f"config.json's num_experts_per_tok must be between 1 and the {num_experts} experts, "
+                             f"got {d.get('num_experts_per_tok')!r}")
         rope_scaling = d.get("rope_scaling")
         # transformers >= 5 moves rope_theta / rope_scaling into `rope_parameters`.
         rope_params = d.get("rope_parameters") or {}
@@ -98,5 +127,10 @@ class ModelArchConfig:
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_experts=num_experts,
+            num_experts_per_tok=d.get("num_experts_per_tok", 0) if num_experts else 0,
+            moe_intermediate_size=(d.get("moe_intermediate_size") or d["intermediate_size"]) if num_experts else 0,
+            shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0) if num_experts else 0,
+            norm_topk_prob=d.get("norm_topk_prob"),
             hf_config=dict(d),
         )

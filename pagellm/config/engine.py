@@ -62,6 +62,9 @@ class ParallelConfig:
     """Longest wait for a step's results from ranks in other processes (mp, ray), plus
     `step_timeout_per_token_s` per scheduled token, before they count as hung; None: no limit."""
     step_timeout_per_token_s: float = 0.0
+    enable_expert_parallel: bool = False
+    """Mixture-of-experts layers split their experts over the tensor-parallel ranks (whole experts
+    per rank) instead of slicing every expert (`pagellm.layers.moe`)."""
 
     @property
     def world_size(self) -> int:

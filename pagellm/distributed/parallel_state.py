@@ -26,6 +26,9 @@ class ParallelState:
     pp_rank: int = 0
     """This process's pipeline stage."""
     pp_size: int = 1
+    expert_parallel: bool = False
+    """Mixture-of-experts layers place whole experts on the TP ranks (each holds num_experts / tp_size)
+    instead of a slice of every expert (`pagellm.layers.moe`)."""
 
     @property
     def rank(self) -> int:
@@ -49,11 +52,11 @@ _state = ParallelState()
 
 
 def init_distributed(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int, backend: str,
-                     init_method: str, timeout_s: float) -> None:
+                     init_method: str, timeout_s: float, expert_parallel: bool = False) -> None:
     """Join the process group of one replica (all its ranks call this) and make the TP groups.
 
     `timeout_s` bounds every collective: a rank that waits longer for a dead or hung peer raises
-    instead of hanging forever.
+    instead of hanging forever. `expert_parallel`: see `ParallelState.expert_parallel`.
     """
     world_size = tensor_parallel_size * pipeline_parallel_size
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
@@ -68,16 +71,19 @@ def init_distributed(rank: int, tensor_parallel_size: int, pipeline_parallel_siz
                 tp_group = group
     _state.tp_rank, _state.tp_size, _state.tp_group = rank % tensor_parallel_size, tensor_parallel_size, tp_group
     _state.pp_rank, _state.pp_size = rank // tensor_parallel_size, pipeline_parallel_size
+    _state.expert_parallel = expert_parallel
 
 
-def init_tensor_parallel(rank: int, world_size: int, group: dist.ProcessGroup | None = None) -> None:
+def init_tensor_parallel(rank: int, world_size: int, group: dist.ProcessGroup | None = None,
+                         expert_parallel: bool = False) -> None:
     """Set this process's tensor-parallel rank and group size without joining a process group
-    (tests that build one rank's shards alone). Call before building the model."""
+    (tests that build one rank's shards alone, the planner). Call before building the model."""
     if world_size < 1:
         raise ValueError(f"tensor-parallel world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
         raise ValueError(f"tensor-parallel rank must be in [0, {world_size}), got {rank}")
     _state.tp_rank, _state.tp_size, _state.tp_group = rank, world_size, group
+    _state.expert_parallel = expert_parallel
 
 
 def parallel_state() -> ParallelState:

@@ -6,6 +6,7 @@ from pagellm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     default_weight_loader,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",

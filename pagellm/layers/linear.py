@@ -118,6 +118,14 @@ class _ParallelLinear(nn.Module, ABC):
         return self.quant_method.apply(self, x, self.bias)
 
 
+class ReplicatedLinear(_ParallelLinear):
+    """Every rank holds the whole weight and computes the whole output (a small layer whose input
+    and output every rank needs, such as a mixture-of-experts router)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+
 class ColumnParallelLinear(_ParallelLinear):
     """Output features split evenly across ranks; each rank returns its slice of y."""
 
@@ -210,10 +218,13 @@ class QKVParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+    """Input features split across ranks; partial outputs are summed with an all-reduce, or left
+    partial (`reduce_results=False`) for a caller that sums them with other partial results in one
+    all-reduce of its own."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True) -> None:
         super().__init__(divide(input_size, get_tp_world_size(), "input size"), output_size, bias)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
         if shard_id is not None:
@@ -228,4 +239,5 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce sums it in exactly once.
         bias = self.bias if get_tp_rank() == 0 else None
-        return tensor_parallel_all_reduce(self.quant_method.apply(self, x, bias))
+        out = self.quant_method.apply(self, x, bias)
+        return tensor_parallel_all_reduce(out) if self.reduce_results else out

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -49,23 +49,26 @@ class OtherStageLayer(nn.Module):
     """Stands in for a layer another pipeline stage holds, so that parameter names stay global."""
 
 
-def _parts_of(param_name: str) -> set:
-    """The shard ids a parameter is assembled from ({None} for an unfused one)."""
-    parts = {shard for _, fused, shard in _STACKED_PARAMS if fused in param_name}
-    return parts or {None}
+def check_silu(config: ModelArchConfig) -> None:
+    """The MLPs here compute SiLU(gate) x up; refuse a config that says otherwise."""
+    act = config.hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    """down(SiLU(gate x) * up x), of `intermediate_size` (default the config's); its output summed
+    over tensor-parallel ranks unless `reduce_results` is False (the caller sums it with more)."""
+
+    def __init__(self, config: ModelArchConfig, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        act = config.hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported; only 'silu' is")
+        check_silu(config)
         bias = config.hf_config.get("mlp_bias", False)
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -110,10 +113,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         attn_backend: AttentionBackend,
         attention_cls: type[LlamaAttention],
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, rotary_emb, attn_backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.fused: FusedDecoderLayer | None = None
@@ -123,18 +127,24 @@ class LlamaDecoderLayer(nn.Module):
         """Why this layer's graph is not the one the fused C layer computes (`cpu_layer`); None: it is."""
         if type(self.self_attn).normalize_qk is not LlamaAttention.normalize_qk:
             return f"{type(self.self_attn).__name__} changes q/k before the rotary embedding"
+        if type(self.mlp) is not LlamaMLP:
+            return f"its MLP is a {type(self.mlp).__name__}, not a dense Llama MLP"
         return None
 
     def smoothable(self) -> list[tuple[RMSNorm, nn.Module]]:
         """(norm, linear layer that reads only its output) pairs: a per-channel scale divided out of
         the norm's weight can multiply the layer's input columns (SmoothQuant)."""
-        return [(self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj)]
+        pairs = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        if isinstance(self.mlp, LlamaMLP):
+            pairs.append((self.post_attention_layernorm, self.mlp.gate_up_proj))
+        return pairs
 
     def clippable(self) -> list[nn.Module]:
         """Linear layers whose rounding error is best judged on their own product: not the q/k/v
         projection, whose q and k errors matter through the attention scores (AWQ leaves q and k
         unclipped; v is fused with them here)."""
-        return [self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
+        mlp = [self.mlp.gate_up_proj, self.mlp.down_proj] if isinstance(self.mlp, LlamaMLP) else []
+        return [self.self_attn.o_proj, *mlp]
 
     def forward(
         self,
@@ -156,9 +166,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+MLPForLayer = Callable[[ModelArchConfig, int], nn.Module]
+"""Builds the MLP of decoder layer `index` (dense, or a mixture of experts)."""
+
+
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: ModelArchConfig, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention]
+        self, config: ModelArchConfig, attn_backend: AttentionBackend, attention_cls: type[LlamaAttention],
+        mlp_for_layer: MLPForLayer,
     ) -> None:
         super().__init__()
         ps = parallel_state()
@@ -171,7 +186,8 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls) if i in self.local_layers
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls, mlp_for_layer(config, i))
+            if i in self.local_layers
             else OtherStageLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -199,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
     """Decoder stack plus LM head, loading Hugging Face `LlamaForCausalLM`-style weights
     (`interface.CausalLM`).
 
-    Subclasses change the attention block through `attention_cls`.
+    Subclasses change the attention block through `attention_cls`, a layer's MLP through
+    `mlp_for_layer`, and how checkpoint tensors map to parameters through `checkpoint_target` and
+    `checkpoint_parts`.
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
@@ -207,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, self.attention_cls)
+        self.model = LlamaModel(config, attn_backend, self.attention_cls, self.mlp_for_layer)
         self.lm_head = None
         if self.model.is_last_stage:
             shares_embedding = config.tie_word_embeddings and self.model.is_first_stage
@@ -221,6 +239,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] (flat batch) -> final hidden states [T, hidden_size] (on the
         last pipeline stage; see `LlamaModel.forward`)."""
         return self.model(input_ids, positions, attn_metadata, intermediate)
+
+    def mlp_for_layer(self, config: ModelArchConfig, index: int) -> nn.Module:
+        """The MLP of decoder layer `index`."""
+        return LlamaMLP(config)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> logits [N, vocab_size] in the model's dtype."""
@@ -243,14 +265,30 @@ class LlamaForCausalLM(nn.Module):
             return self.model.embed_tokens is None and not tied_head_here
         return name.startswith(("model.norm.", "lm_head.")) and not self.model.is_last_stage
 
+    def checkpoint_parts(self, param_name: str) -> dict[object, str]:
+        """The Hugging Face tensors parameter `param_name` is loaded from, by the shard id its
+        weight_loader takes for each ({None: name} for a parameter loaded from one tensor)."""
+        parts = {shard: param_name.replace(fused, hf) for hf, fused, shard in _STACKED_PARAMS if fused in param_name}
+        if parts:
+            return parts
+        if param_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return {None: "model.embed_tokens.weight"}
+        return {None: param_name}
+
     def checkpoint_names(self, param_name: str) -> list[str]:
         """The Hugging Face tensor names that parameter `param_name` is loaded from."""
-        names = [param_name.replace(fused, hf) for hf, fused, _ in _STACKED_PARAMS if fused in param_name]
-        if names:
-            return names
-        if param_name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return ["model.embed_tokens.weight"]
-        return [param_name]
+        return list(self.checkpoint_parts(param_name).values())
+
+    def checkpoint_target(self, name: str) -> tuple[str, object]:
+        """(the parameter Hugging Face tensor `name` fills, the shard id its weight_loader takes)."""
+        for hf_part, fused_part, part_id in _STACKED_PARAMS:
+            if hf_part in name:
+                return name.replace(hf_part, fused_part), part_id
+        return name, None
+
+    def shards_filled(self, target: str, shard_id: object) -> set:
+        """The shard ids of `checkpoint_parts(target)` that the tensor loaded as `shard_id` filled."""
+        return {shard_id}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy Hugging Face-named tensors into this rank's parameters; returns the names filled."""
@@ -270,19 +308,25 @@ class LlamaForCausalLM(nn.Module):
                 kind = kv_scale.group(2) or kv_scale.group(3).replace("_proj.output_scale", "_scale")
                 self.model.layers[int(kv_scale.group(1))].self_attn.attn.load_kv_scale(kind, tensor)
                 continue
-            target, shard_id = name, None
-            for hf_part, fused_part, part_id in _STACKED_PARAMS:
-                if hf_part in name:
-                    target, shard_id = name.replace(hf_part, fused_part), part_id
-                    break
+            target, shard_id = self.checkpoint_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}; "
                                  + _mismatch_hint(target, params))
             param.weight_loader(param, tensor, shard_id)
-            shards_seen.setdefault(target, set()).add(shard_id)
-        # A fused parameter counts as loaded only once every one of its parts has arrived.
-        return {name for name, seen in shards_seen.items() if seen >= _parts_of(name)}
+            shards_seen.setdefault(target, set()).update(self.shards_filled(target, shard_id))
+        # A fused parameter counts as loaded only once every one of its parts has arrived; one that
+        # has some parts but not all names the tensors the checkpoint lacks.
+        loaded, lacking = set(), []
+        for name, seen in shards_seen.items():
+            parts = self.checkpoint_parts(name)
+            lacking += [hf_name for shard, hf_name in parts.items() if shard not in seen]
+            if seen >= parts.keys():
+                loaded.add(name)
+        if lacking:
+            raise ValueError(f"the checkpoint lacks {len(lacking)} tensor(s) beside others of the same parameters: "
+                             f"{', '.join(lacking[:8])}" + (", ..." if len(lacking) > 8 else ""))
+        return loaded
 
 
 _QUANTIZED_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",

@@ -43,7 +43,7 @@ class Worker:
         if parallel.world_size > 1:
             backend = "nccl" if config.device.type == "cuda" else "gloo"
             init_distributed(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, backend,
-                             distributed_init_method, COLLECTIVE_TIMEOUT_S)
+                             distributed_init_method, COLLECTIVE_TIMEOUT_S, parallel.enable_expert_parallel)
         self.config = config
         self.rank = rank
         self.runner = ModelRunner(config)
@@ -85,9 +85,10 @@ class Worker:
         logger.info("GPU memory: total %.2f GiB, peak of a full step %.2f GiB, not PyTorch's %.2f GiB",
                     total / _GiB, peak / _GiB, not_torch / _GiB)
         if budget <= 0:
+            utilization = self.config.cache.gpu_memory_utilization
             raise ValueError(
                 f"no GPU memory is left for the KV cache: gpu_memory_utilization "
-                f"{self.config.cache.gpu_memory_utilization} allows {total * self.config.cache.gpu_memory_utilization / _GiB:.2f} GiB "
+                f"{utilization} allows {total * utilization / _GiB:.2f} GiB "
                 f"but weights and activations peak at {peak / _GiB:.2f} GiB and {not_torch / _GiB:.2f} GiB is used "
                 f"outside PyTorch; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
         return budget
