@@ -33,7 +33,7 @@ from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
 from pagellm.ops.dispatch import triton_available, triton_interpreting
 from pagellm.plugins import load_plugins
-from pagellm.quantization import QUANTIZATION_REGISTRY, resolve_quantization
+from pagellm.quantization import QUANTIZATION_REGISTRY, check_experts_dense, resolve_quantization
 from pagellm.reasoning import REASONING_PARSER_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,11 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
     pipeline_parallel_size: int = _arg(1, "Stages the layers are split into (pipeline parallel), each on its own tensor-parallel group of ranks.")
     data_parallel_size: int = _arg(1, "Engine replicas behind one server (pagellm serve), each with its own KV cache and its own tensor x pipeline ranks; requests are routed by prompt prefix and load.")
+    enable_expert_parallel: bool = _arg(
+        False, "Mixture-of-experts models: place whole experts on the tensor-parallel ranks (each holds num_experts / "
+               "tensor_parallel_size of them, and the ranks' partial outputs are summed) instead of a slice of every "
+               "expert on every rank. Attention and dense layers stay tensor-parallel. Needs num_experts divisible by "
+               "tensor_parallel_size; no effect on dense models or on one rank.")
     distributed_executor_backend: str | None = _arg(None, lambda: f"How ranks are run: {EXECUTOR_REGISTRY.describe()}. None: uni for one rank, else mp.")
     engine_step_timeout: float = _arg(DEFAULT_STEP_TIMEOUT_S, f"Seconds the engine waits for a step's results from ranks in processes of their own (mp, ray), plus {STEP_TIMEOUT_PER_TOKEN_S['cpu'] * 1000:g} ms per scheduled token on a CPU and {STEP_TIMEOUT_PER_TOKEN_S['cuda'] * 1000:g} ms on a GPU (long prefills), before it counts a rank as hung (stopped, stuck in a kernel or a deadlock): it then stops every rank and fails its requests, and the server exits with status 1. 0: wait as long as the ranks' collectives do (600 s).")
     cpu_threads: int | None = _arg(None, "Threads each rank computes with (PyTorch's and the C kernels' OpenMP threads). None: OMP_NUM_THREADS if set, else the cores this process may use (CPU affinity, cgroup CPU quota) less one for the engine's other processes, shared by the ranks and replicas on this machine (at least one each).")
@@ -233,8 +238,8 @@ class EngineArgs:
             dtype=dtype,
             max_model_len=max_model_len,
             attention_backend=attention_backend,
-            quantization=resolve_quantization(self.quantization, source.load_format, source.path, device,
-                                              arch.hf_config),
+            quantization=check_experts_dense(arch, resolve_quantization(
+                self.quantization, source.load_format, source.path, device, arch.hf_config)),
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
@@ -299,10 +304,23 @@ class EngineArgs:
 def _resolve_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.device) -> ParallelConfig:
     """Check the split against the model and the machine; fail naming the flag."""
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    for name, size in (("num_attention_heads", arch.num_attention_heads),
-                       ("intermediate_size", arch.intermediate_size)):
+    sizes = [("num_attention_heads", arch.num_attention_heads, "")]
+    if not all(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)):
+        sizes.append(("intermediate_size", arch.intermediate_size, ""))
+    if arch.num_experts:
+        sizes.append(("shared_expert_intermediate_size", arch.shared_expert_intermediate_size, ""))
+        if not args.enable_expert_parallel:
+            sizes.append(("moe_intermediate_size", arch.moe_intermediate_size,
+                          f", or place whole experts on the ranks: {_flag('enable_expert_parallel')}"))
+        elif arch.num_experts % tp:
+            raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's {arch.num_experts} "
+                             f"experts with {_flag('enable_expert_parallel')}")
+    elif args.enable_expert_parallel:
+        logger.warning("%s has no effect: %s is not a mixture of experts", _flag("enable_expert_parallel"),
+                       arch.architecture)
+    for name, size, hint in sizes:
         if size % tp:
-            raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's {name} ({size})")
+            raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's {name} ({size}){hint}")
     kv = arch.num_key_value_heads
     if kv % tp and tp % kv:
         raise ValueError(f"{_flag('tensor_parallel_size')} {tp} must divide the model's num_key_value_heads "
@@ -322,7 +340,8 @@ def _resolve_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.dev
     logger.info("each rank computes with %d CPU thread(s): %s", cpu_threads, why)
     return ParallelConfig(tp, pp, dp, backend, cpu_threads=cpu_threads,
                           step_timeout_s=args.engine_step_timeout or None,
-                          step_timeout_per_token_s=STEP_TIMEOUT_PER_TOKEN_S[device.type])
+                          step_timeout_per_token_s=STEP_TIMEOUT_PER_TOKEN_S[device.type],
+                          enable_expert_parallel=args.enable_expert_parallel and bool(arch.num_experts))
 
 
 def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, target: ModelArchConfig,
@@ -344,8 +363,9 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
         raise ValueError(f"{flag} {speculative.model!r} takes at most {source.arch.max_position_embeddings} "
                          f"positions, fewer than max_model_len ({max_model_len}): lower --max-model-len")
     try:
-        quantization = resolve_quantization(speculative.quantization, source.load_format, source.path, device,
-                                            source.arch.hf_config, flag='"quantization"')
+        quantization = check_experts_dense(source.arch, resolve_quantization(
+            speculative.quantization, source.load_format, source.path, device, source.arch.hf_config,
+            flag='"quantization"'), flag='"quantization"')
     except ValueError as e:
         raise ValueError(f"{flag} {speculative.model!r}: {e}") from None
     return DraftModelConfig(source, quantization)

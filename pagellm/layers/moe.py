@@ -58,12 +58,12 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
-        self.expert_map: torch.Tensor | None = None
-        """Global expert id -> its index here, -1 for another rank's (expert parallel only)."""
+        # Global expert id -> its index here, -1 for another rank's (expert parallel only).
+        expert_map = None
         if self.num_local_experts < num_experts:
             local = torch.arange(num_experts, dtype=torch.int32) - self.first_expert
-            self.register_buffer("expert_map", torch.where((local >= 0) & (local < self.num_local_experts), local, -1),
-                                 persistent=False)
+            expert_map = torch.where((local >= 0) & (local < self.num_local_experts), local, -1)
+        self.register_buffer("expert_map", expert_map, persistent=False)
 
     def local_experts(self) -> range:
         """The global ids of the experts this rank holds."""

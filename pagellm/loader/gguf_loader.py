@@ -51,6 +51,10 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     def key(suffix: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{suffix}", default)
 
+    if key("expert_count"):
+        raise ValueError(f"{gguf.path!r} is a mixture of experts ({key('expert_count')} experts), which pagellm does "
+                         "not load from GGUF yet; load the safetensors checkpoint instead")
+
     num_heads = key("attention.head_count")
     hidden = key("embedding_length")
     vocab_size = key("vocab_size") or len(md.get("tokenizer.ggml.tokens", ()))

@@ -24,7 +24,11 @@ from pagellm.lora_request import LoRARequest
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers an adapter may adapt (Hugging Face names), in every decoder layer."""
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+))\.lora_([AB])\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+))"
+                  r"\.lora_([AB])\.weight$")
+_MOE_KEY = re.compile(r"\.(?:block_sparse_moe|experts|shared_expert|shared_expert_gate)\.|\.mlp\.gate\.lora_")
+"""A tensor adapting part of a mixture-of-experts block: an expert, the router or the shared expert."""
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_CONFIG = {
     "use_dora": "DoRA (use_dora)",
     "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
@@ -132,6 +136,10 @@ def _pair_up(tensors: dict[str, torch.Tensor], rank: int, scaling: float, arch: 
     shapes = module_shapes(arch)
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if _MOE_KEY.search(key):
+            raise LoRAAdapterError(f"tensor {key!r} adapts part of a mixture-of-experts block (an expert, the router "
+                                   "or the shared expert), which adapters cannot adapt yet; adapters of the attention "
+                                   "projections (q_proj, k_proj, v_proj, o_proj) are served")
         match = _KEY.match(key)
         if match is None:
             raise LoRAAdapterError(f"tensor {key!r} adapts no linear layer of a decoder layer: only "
@@ -141,6 +149,9 @@ def _pair_up(tensors: dict[str, torch.Tensor], rank: int, scaling: float, arch: 
             raise LoRAAdapterError(f"tensor {key!r}: {name} is not an adaptable module ({', '.join(TARGET_MODULES)})")
         if int(layer) >= arch.num_hidden_layers:
             raise LoRAAdapterError(f"tensor {key!r}: the base model has {arch.num_hidden_layers} layers")
+        if name in _MLP_MODULES and arch.is_moe_layer(int(layer)):
+            raise LoRAAdapterError(f"tensor {key!r}: layer {layer}'s MLP is a mixture of experts, which adapters "
+                                   "cannot adapt yet; adapters of the attention projections are served")
         halves.setdefault(module, {})[half] = tensor
     if not halves:
         raise LoRAAdapterError("its weights hold no LoRA tensors")

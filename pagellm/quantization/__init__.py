@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pagellm.config.arch import ModelArchConfig
 from pagellm.config.quantization import FLAG as _FLAG
 from pagellm.config.quantization import (
     QUANTIZATION_REGISTRY,
@@ -38,8 +39,8 @@ from pagellm.quantization.base import QuantizationConfig
 logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATION_REGISTRY", "QuantizationConfig", "QuantizationMethod",
-           "build_quant_config", "checkpoint_quantization", "compressed_tensors_weights", "quantized_weight_bytes",
-           "register_quantization_method", "resolve_quantization"]
+           "build_quant_config", "check_experts_dense", "checkpoint_quantization", "compressed_tensors_weights",
+           "quantized_weight_bytes", "register_quantization_method", "resolve_quantization"]
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
@@ -93,6 +94,18 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
         raise ValueError(f"{flag} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
     return requested
+
+
+def check_experts_dense(arch: ModelArchConfig, method: str | None, flag: str = _FLAG) -> str | None:
+    """`method` (resolved by `resolve_quantization`), refused for a mixture-of-experts model: its
+    experts' weights load only dense so far."""
+    if method is not None and arch.num_experts:
+        stored = checkpoint_quantization(arch.hf_config)
+        why = f"the checkpoint holds {stored} weights (its quantization_config)" if stored else f"{flag} is {method!r}"
+        raise ValueError(f"{why}, but {arch.architecture} is a mixture of experts, whose expert weights pagellm "
+                         "loads only dense (float32, bfloat16 or float16) so far: load a dense checkpoint"
+                         + ("" if stored else f" and leave {flag} out"))
+    return method
 
 
 def _and(names: list[str]) -> str:

@@ -48,7 +48,9 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
         loaded = model.load_weights(iter_weights(source, keep_quantized))
         missing = {name for name, _ in model.named_parameters()} - loaded
         if missing:
-            raise ValueError(f"checkpoint {source.path} lacks weights: {sorted(missing)[:8]}")
+            tensors = [hf_name for name in sorted(missing) for hf_name in model.checkpoint_names(name)]
+            raise ValueError(f"checkpoint {source.path} lacks {len(tensors)} tensor(s): {', '.join(tensors[:8])}"
+                             + (", ..." if len(tensors) > 8 else ""))
         if quant is not None:
             quant.prepare_weights(model, _calibration_source(source, quant.name))
     process_weights_after_loading(model.modules())
