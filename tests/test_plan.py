@@ -89,6 +89,25 @@ def test_weights_count_each_parameter_once_and_shard_with_tensor_parallelism():
     assert tp2.weights_bytes - norms == pytest.approx((real - norms) / 2, rel=0.01)
 
 
+def test_mixture_of_experts_weights_held_and_read_per_decode_step(capsys):
+    """Qwen3-30B-A3B holds every expert but a decode step reads 8 of a layer's 128 (and one row of
+    the embedding); under expert parallelism a rank holds 64 whole experts and may have to read 8."""
+    total = 30_532_122_624
+    embedding, experts = 151936 * 2048, 48 * 128 * 3 * 2048 * 768
+    one = _plan_json(["Qwen/Qwen3-30B-A3B", "--gpu-memory-gib", "80"], capsys)
+    assert one["weights_bytes"] == 2 * total
+    assert one["decode_weights_bytes"] == 2 * (total - embedding - experts * 120 // 128)
+    args = ["Qwen/Qwen3-30B-A3B", "--gpu-memory-gib", "80", "--tensor-parallel-size", "2"]
+    tp2, ep2 = _plan_json(args, capsys), _plan_json([*args, "--enable-expert-parallel"], capsys)
+    assert tp2["weights_bytes"] == ep2["weights_bytes"] < one["weights_bytes"]
+    # Eight whole experts on one rank against eight halves.
+    assert ep2["decode_weights_bytes"] - tp2["decode_weights_bytes"] == 2 * experts // 128 * 8 // 2
+    assert ep2["expert_parallel"] and not tp2["expert_parallel"]
+    assert cli_main(["plan", "mistralai/Mixtral-8x7B-Instruct-v0.1", "--gpu-memory-gib", "80",
+                     "--quantization", "fp8"]) == 2
+    assert "mixture of experts" in capsys.readouterr().err
+
+
 def test_what_if_sizes_follow_the_byte_counts():
     arch = resolve_model("llama-3.1-8b", "dummy").arch
     base = PlanSpec(arch, "cuda", 2, 4096, 256, 8192, 1024, 128, total_memory_bytes=80 << 30)

@@ -96,3 +96,15 @@ def test_serial_floor_charges_a_decode_step_its_weights_and_its_kv_reads():
     decodes = sum(2600 / 1e4 + max(8 * c / 1e4, 16 * c / 1e5) for c in (5, 6))
     assert serial["steps"] == 3
     assert serial["serial_s"] == pytest.approx(prefill + decodes)
+
+
+def test_mixture_of_experts_cost_counts_the_experts_one_token_reads():
+    """Qwen3-30B-A3B: a token goes through its router and 8 of 128 experts a layer (3.3B of 30.5B
+    parameters with the embedding); Qwen1.5-MoE-A2.7B adds a gated shared expert."""
+    cost = ModelCost.from_arch(resolve_model("Qwen/Qwen3-30B-A3B", "dummy").arch, dtype_bytes=2)
+    attention = 2048 * 4096 * 2 + 2 * 2048 * 512
+    assert cost.layer_params == 48 * (attention + 128 * 2048 + 8 * 3 * 2048 * 768)
+    assert cost.step_weight_bytes == 2 * (cost.layer_params + 151936 * 2048)
+    qwen15 = ModelCost.from_arch(resolve_model("Qwen/Qwen1.5-MoE-A2.7B", "dummy").arch, dtype_bytes=2)
+    expected = 24 * (4 * 2048 * 2048 + 60 * 2048 + 4 * 3 * 2048 * 1408 + 3 * 2048 * 5632 + 2048)
+    assert qwen15.layer_params == expected

@@ -10,8 +10,10 @@ max_num_seqs sequences, sampled with top-k/top-p; its activation peak is the lar
   - the sampler: 40 bytes per logit (max_num_seqs x vocab; `sample.sampler.apply_filters` holds the
     float32 logits, a scaled and a sorted copy, int64 sort indices, probabilities, cumulative mass,
     masks and the scattered result at once) while the final hidden states are still alive,
-plus cuBLAS's workspace. Weights and KV bytes per block come from the engine's own model class,
-built on the meta device. Calibrated on an H200 (benchmarks/results/kv_sizing_h200_20261201T151500Z.json):
+plus cuBLAS's workspace (a mixture-of-experts layer counts, in place of the intermediate size, what
+its token's top-k experts and shared expert hold: an estimate, not calibrated). Weights and KV bytes
+per block come from the engine's own model class, built on the meta device, as do the weights one
+decode step reads (all but the embedding rows it does not gather and the experts it does not choose). Calibrated on an H200 (benchmarks/results/kv_sizing_h200_20261201T151500Z.json):
 the activation peaks of Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B and SmolLM2 at several step budgets
 agree within 3 MB.
 CPU: the budget is fixed (--kv-cache-memory-bytes, else min(4 GiB, RAM / 4) shared by the ranks).
@@ -31,6 +33,7 @@ from pagellm.config.dtype_sizes import kv_cache_element_bytes
 from pagellm.config.quantization import quantized_weight_bytes
 from pagellm.distributed.parallel_state import init_tensor_parallel, parallel_state
 from pagellm.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pagellm.layers.moe import FusedMoE
 from pagellm.models import get_model_class
 from pagellm.quantization.gguf import GGUFConfig, kept_weight_bytes
 from pagellm.worker.cuda_graphs import capture_sizes
@@ -74,6 +77,8 @@ class PlanSpec:
     """quantization gguf: the file's block type per checkpoint tensor (Hugging Face names)."""
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    """Mixture-of-experts layers place whole experts on the ranks (--enable-expert-parallel)."""
     kv_cache_memory_bytes: int | None = None
     """An explicit KV budget per rank (the engine's --kv-cache-memory-bytes)."""
     cpu_kv_cache_bytes: int = 4 << 30
@@ -88,6 +93,8 @@ class Ledger:
     spec: PlanSpec
     weights_bytes: int
     """Parameters, linear layers at the quantization's size."""
+    decode_weights_bytes: int
+    """The weights a one-token decode step reads (`ModelBytes.decode_weights`)."""
     buffers_bytes: int
     """Non-parameter tensors of the model (the rotary cos/sin table) and the CUDA allocator's rounding."""
     activation_peak_bytes: int
@@ -155,8 +162,8 @@ def compute_ledger(spec: PlanSpec) -> Ledger:
         budget = int(spec.total_memory_bytes * spec.gpu_memory_utilization) - (resident + activation) - non_torch
     else:
         budget = spec.cpu_kv_cache_bytes // spec.tensor_parallel_size
-    return Ledger(spec, sizes.weights, sizes.buffers + sizes.allocator_rounding, activation, non_torch,
-                  cuda_graph_bytes(spec), budget, sizes.kv_bytes_per_block)
+    return Ledger(spec, sizes.weights, sizes.decode_weights, sizes.buffers + sizes.allocator_rounding, activation,
+                  non_torch, cuda_graph_bytes(spec), budget, sizes.kv_bytes_per_block)
 
 
 def activation_peak_bytes(spec: PlanSpec) -> int:
@@ -165,7 +172,7 @@ def activation_peak_bytes(spec: PlanSpec) -> int:
     tokens = spec.max_num_batched_tokens
     seqs = min(spec.max_num_seqs, tokens)
     mlp = (FORWARD_ELEMENTS_PER_TOKEN_HIDDEN * arch.hidden_size
-           + FORWARD_ELEMENTS_PER_TOKEN_INTERMEDIATE * arch.intermediate_size // tp)
+           + FORWARD_ELEMENTS_PER_TOKEN_INTERMEDIATE * mlp_intermediate_per_token(spec))
     # Residual, normed input and output of attention, the fused qkv and the attention output:
     # below the MLP for every model so far, kept so that an unusual shape is not underestimated.
     q_size = arch.num_attention_heads // tp * arch.head_dim
@@ -175,6 +182,20 @@ def activation_peak_bytes(spec: PlanSpec) -> int:
     # The logits are gathered from every rank, so each rank samples the whole vocabulary.
     sampler = seqs * arch.vocab_size * SAMPLER_BYTES_PER_LOGIT + tokens * arch.hidden_size * elem
     return max(forward, sampler)
+
+
+def mlp_intermediate_per_token(spec: PlanSpec) -> int:
+    """The intermediate channels one token's MLP holds on a rank, the largest over the layers: a dense
+    layer's slice of intermediate_size; a mixture of experts' top-k experts (slices of them, or whole
+    ones under expert parallelism, all on one rank at worst) and its shared expert's slice."""
+    arch, tp = spec.arch, spec.tensor_parallel_size
+    layers = range(arch.num_hidden_layers)
+    dense = arch.intermediate_size // tp if not all(arch.is_moe_layer(i) for i in layers) else 0
+    if not arch.num_experts:
+        return dense
+    expert = arch.moe_intermediate_size if spec.expert_parallel else arch.moe_intermediate_size // tp
+    experts_here = min(arch.num_experts_per_tok, arch.num_experts // tp if spec.expert_parallel else arch.num_experts)
+    return max(dense, experts_here * expert + arch.shared_expert_intermediate_size // tp)
 
 
 def cuda_graph_bytes(spec: PlanSpec) -> int:
@@ -187,6 +208,10 @@ def cuda_graph_bytes(spec: PlanSpec) -> int:
 class ModelBytes:
     weights: int
     """Parameters, each once (a tied LM head shares the embedding), linear layers at the quantization's size."""
+    decode_weights: int
+    """What a one-token decode step reads of them: not the embedding table (it gathers one row) unless
+    it is the LM head too, and of each mixture-of-experts layer the top-k experts only (as many as this
+    rank holds, at most)."""
     buffers: int
     """Non-parameter tensors (the rotary cos/sin table)."""
     allocator_rounding: int
@@ -199,7 +224,7 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
     the meta device (no memory), so every architecture the engine supports is counted as allocated."""
     linear_layers = (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear)
     try:
-        with _as_tensor_parallel_rank(spec.tensor_parallel_size), torch.device("meta"):
+        with _as_tensor_parallel_rank(spec.tensor_parallel_size, spec.expert_parallel), torch.device("meta"):
             model = get_model_class(spec.arch.architecture)(spec.arch, get_attn_backend("torch"))
     except ValueError as e:
         if spec.tensor_parallel_size == 1:
@@ -210,6 +235,7 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
     per_weight = spec.dtype_bytes if gguf else quantized_weight_bytes(spec.quantization, spec.dtype_bytes)
     on_gpu = spec.device == "cuda"
     sizes: list[int] = []
+    decode: list[float] = []  # what a one-token decode step reads of each
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -221,16 +247,26 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
                 else None
             if kept is not None:  # the file's blocks (the CPU's kernels) or their GPU layout
                 sizes.append(kept_weight_bytes(kept, module, on_gpu))
-                continue
-            # Quantization methods store linear layers' weights; embeddings, norms and biases stay.
-            quantized = isinstance(module, linear_layers) and name == "weight"
-            sizes.append(math.ceil(param.numel() * (per_weight if quantized else spec.dtype_bytes)))
+            else:
+                # Quantization methods store linear layers' weights; embeddings, norms and biases stay.
+                quantized = isinstance(module, linear_layers) and name == "weight"
+                sizes.append(math.ceil(param.numel() * (per_weight if quantized else spec.dtype_bytes)))
+            decode.append(sizes[-1] * _decode_read_fraction(model, module))
     buffers = [b.numel() * b.element_size() for b in model.buffers()]
     rounding = sum(cuda_allocated_bytes(n) - n for n in sizes + buffers) if spec.device == "cuda" else 0
     layers = model.attention_layers()
     kv_elem = kv_cache_element_bytes(spec.kv_cache_dtype, spec.dtype_bytes)
     kv_block = 2 * len(layers) * spec.block_size * layers[0].num_kv_heads * layers[0].head_dim * kv_elem
-    return ModelBytes(sum(sizes), sum(buffers), rounding, kv_block)
+    return ModelBytes(sum(sizes), round(sum(decode)), sum(buffers), rounding, kv_block)
+
+
+def _decode_read_fraction(model: torch.nn.Module, module: torch.nn.Module) -> float:
+    """The fraction of `module`'s parameters a one-token decode step reads (see `ModelBytes.decode_weights`)."""
+    if isinstance(module, FusedMoE):
+        return min(module.top_k, module.num_local_experts) / module.num_local_experts
+    if type(module) is VocabParallelEmbedding:  # not the LM head (a subclass), which a tied table is
+        return 1.0 if model.config.tie_word_embeddings else 0.0
+    return 1.0
 
 
 def cuda_allocated_bytes(num_bytes: int) -> int:
@@ -248,12 +284,12 @@ def cuda_allocated_bytes(num_bytes: int) -> int:
 
 
 @contextlib.contextmanager
-def _as_tensor_parallel_rank(tp_size: int) -> Iterator[None]:
+def _as_tensor_parallel_rank(tp_size: int, expert_parallel: bool) -> Iterator[None]:
     """Build layers as rank 0 of `tp_size` would (they read the process's parallel state), then restore it."""
     state = parallel_state()
-    saved = (state.tp_rank, state.tp_size, state.tp_group)
-    init_tensor_parallel(0, tp_size)
+    saved = (state.tp_rank, state.tp_size, state.tp_group, state.expert_parallel)
+    init_tensor_parallel(0, tp_size, expert_parallel=expert_parallel)
     try:
         yield
     finally:
-        state.tp_rank, state.tp_size, state.tp_group = saved
+        state.tp_rank, state.tp_size, state.tp_group, state.expert_parallel = saved

@@ -17,12 +17,18 @@ from pagellm.config.arch import ModelArchConfig
 from pagellm.engine.arg_utils import EngineArgs, default_max_num_batched_tokens, resolve_dtype
 from pagellm.loader import resolve_model
 from pagellm.loader.source import read_json
-from pagellm.quantization import checkpoint_quantization, compressed_tensors_weights, resolve_quantization
+from pagellm.quantization import (
+    check_experts_dense,
+    checkpoint_quantization,
+    compressed_tensors_weights,
+    resolve_quantization,
+)
 from pagellm.quantization.gguf import GGUFConfig
 
 _GiB = 1 << 30
-PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
-                    "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "enforce_eager")
+PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "enable_expert_parallel", "max_model_len",
+                    "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                    "kv_cache_memory_bytes", "enforce_eager")
 """The engine flags that change how the KV cache is sized."""
 
 
@@ -70,6 +76,7 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
                          f"({arch.max_position_embeddings})")
     torch_device = torch.device(device)
     quantization, gguf_types = _quantization(ns.quantization, arch, path, torch_device)
+    check_experts_dense(arch, None if quantization == "none" else quantization, "--quantization")
     return PlanSpec(
         arch=arch, device=device, dtype_bytes=resolve_dtype(ns.dtype, torch_device, arch.torch_dtype).itemsize,
         max_model_len=max_model_len, max_num_seqs=ns.max_num_seqs,
@@ -78,6 +85,7 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
         input_len=ns.input_len, output_len=ns.output_len, total_memory_bytes=total,
         gpu_memory_utilization=ns.gpu_memory_utilization, block_size=ns.block_size, quantization=quantization,
         gguf_types=gguf_types, kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
+        expert_parallel=ns.enable_expert_parallel and bool(arch.num_experts),
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes, cpu_kv_cache_bytes=EngineConfig.default_cpu_kv_cache_bytes(),
         enforce_eager=ns.enforce_eager)
 
@@ -139,7 +147,7 @@ def _what_ifs(spec: PlanSpec) -> list[tuple[str, Ledger]]:
         budget = spec.kv_cache_memory_bytes or spec.cpu_kv_cache_bytes
         changes.append((f"--kv-cache-memory-bytes {2 * budget}", {"kv_cache_memory_bytes": 2 * budget}))
         return _ledgers(spec, changes)
-    if spec.quantization == "none":
+    if spec.quantization == "none" and not spec.arch.num_experts:  # experts load only dense
         changes.append(("--quantization fp8", {"quantization": "fp8"}))
     changes.append((f"--tensor-parallel-size {2 * spec.tensor_parallel_size}",
                     {"tensor_parallel_size": 2 * spec.tensor_parallel_size}))
@@ -170,6 +178,17 @@ def _capacity(ledger: Ledger) -> str:
             f"{ledger.kv_limited_seqs} sequences of {ledger.tokens_per_seq} tokens")
 
 
+def _experts_read(spec: PlanSpec) -> str:
+    """Which experts a one-token step reads on a rank (the busiest, under expert parallelism)."""
+    arch = spec.arch
+    if not arch.num_experts:
+        return ""
+    if spec.expert_parallel:
+        local = arch.num_experts // spec.tensor_parallel_size
+        return f", {min(arch.num_experts_per_tok, local)} of the rank's {local} experts a layer at most"
+    return f", {arch.num_experts_per_tok} of {arch.num_experts} experts a layer"
+
+
 def _gib(num_bytes: float) -> float:
     return num_bytes / _GiB
 
@@ -183,7 +202,8 @@ def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
     inputs = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "arch"}
     return {
         "model": model, "architecture": spec.arch.architecture, **inputs,
-        "weights_bytes": ledger.weights_bytes, "buffers_bytes": ledger.buffers_bytes,
+        "weights_bytes": ledger.weights_bytes, "decode_weights_bytes": ledger.decode_weights_bytes,
+        "buffers_bytes": ledger.buffers_bytes,
         "activation_peak_bytes": ledger.activation_peak_bytes, "non_torch_bytes": ledger.non_torch_bytes,
         "cuda_graph_bytes": ledger.cuda_graph_bytes, "kv_budget_bytes": ledger.kv_budget_bytes,
         "kv_bytes_per_token": ledger.kv_bytes_per_token, "kv_bytes_per_block": ledger.kv_bytes_per_block,
@@ -199,7 +219,8 @@ def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
     on_gpu = spec.device == "cuda"
     where = f"GPU of {_gib(spec.total_memory_bytes):.2f} GiB" if on_gpu else "CPU"
     lines = [f"{model} ({spec.arch.architecture}) on a {where}, {spec.dtype_bytes} bytes per element, "
-             f"tensor parallel {spec.tensor_parallel_size} (per rank); quantization {spec.quantization}, "
+             f"tensor parallel {spec.tensor_parallel_size}{' with expert parallel' if spec.expert_parallel else ''} "
+             f"(per rank); quantization {spec.quantization}, "
              f"KV cache dtype {spec.kv_cache_dtype}", ""]
     if spec.kv_cache_memory_bytes is not None:
         budget_row = ["KV budget", _gib(spec.kv_cache_memory_bytes), "--kv-cache-memory-bytes"]
@@ -211,6 +232,8 @@ def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
                       "min(4 GiB, RAM / 4), shared by the ranks; the rest is not deducted on the CPU"]
     rows = [budget_row,
             ["weights", _gib(ledger.weights_bytes), f"quantization {spec.quantization}"],
+            ["  read per decode step", _gib(ledger.decode_weights_bytes),
+             f"one token: not the embedding's other rows{_experts_read(spec)} (part of the weights)"],
             ["buffers", _gib(ledger.buffers_bytes), "rotary table" + (", allocator rounding" if on_gpu else "")],
             ["activation peak", _gib(ledger.activation_peak_bytes),
              f"largest step: {spec.max_num_batched_tokens} tokens, "

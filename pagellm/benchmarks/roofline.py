@@ -7,7 +7,9 @@ can beat (each sum alone is a lower bound). Bytes: all weight matrices once per 
 embedding table is only gathered from, so it is left out), plus every decode step's read of the
 KV cache of its context. FLOPs: 2 per weight per token through the layers, the LM head only for
 tokens that are sampled, and 4 * layers * heads * head_dim per (query, key) pair of attention.
-Norms, biases, activations and the KV writes are left out: the floor stays a lower bound.
+Norms, biases, activations and the KV writes are left out: the floor stays a lower bound. A mixture
+of experts counts what one token goes through: its router, its top-k experts and a shared expert; a
+step of many tokens reads more experts, which is left out too (all tokens may pick the same ones).
 A result's `fraction_of_floor` is floor time / achieved time (1.0 would be the hardware's limit).
 
 `serial_floor` is tighter for engines that run attention after the projections within a step (this
@@ -39,10 +41,12 @@ class ModelCost:
     """What a model costs per token, from its architecture (weight matrices only)."""
 
     layer_params: int
-    """Weights of the decoder layers' matrices (attention projections and MLP)."""
+    """Weights of the decoder layers' matrices a token multiplies (attention projections and MLP; of a
+    mixture of experts, the router, the top-k experts and the shared expert)."""
     lm_head_params: int
     step_weight_bytes: int
-    """Bytes of every matrix a forward step reads in full: the layers and the LM head."""
+    """Bytes of every matrix a forward step of one token reads in full: the layers (of a mixture of
+    experts, the experts that token goes to) and the LM head."""
     kv_bytes_per_token: int
     """K and V of one token over all layers."""
     attention_flops_per_pair: int
@@ -52,8 +56,12 @@ class ModelCost:
     def from_arch(cls, arch: ModelArchConfig, dtype_bytes: int) -> "ModelCost":
         h, d = arch.hidden_size, arch.head_dim
         q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * arch.intermediate_size
-        layer_params = arch.num_hidden_layers * per_layer
+        attention = h * q + 2 * h * kv + q * h
+        shared = arch.shared_expert_intermediate_size
+        moe_mlp = (h * arch.num_experts + arch.num_experts_per_tok * 3 * h * arch.moe_intermediate_size
+                   + (3 * h * shared + h if shared else 0))
+        layer_params = sum(attention + (moe_mlp if arch.is_moe_layer(i) else 3 * h * arch.intermediate_size)
+                           for i in range(arch.num_hidden_layers))
         lm_head = arch.vocab_size * h
         return cls(
             layer_params=layer_params,

@@ -94,6 +94,86 @@ _QWEN3_8B: dict[str, Any] = {
     "eos_token_id": 151645,
 }
 
+_QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+"""30.5B parameters, 3.3B of them read per token (8 of 128 experts a layer)."""
+
+_MIXTRAL_8X7B: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+"""46.7B parameters, 12.9B of them read per token (2 of 8 experts a layer)."""
+
+_QWEN1_5_MOE_A2_7B: dict[str, Any] = {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+"""14.3B parameters, 2.7B of them read per token (4 of 60 experts and a shared expert a layer)."""
+
 PRESETS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
     "meta-llama/Llama-3.1-8B": {**_LLAMA_3_1_8B, "eos_token_id": 128001},
@@ -105,6 +185,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": _QWEN2_5_7B,
     "Qwen/Qwen3-8B": _QWEN3_8B,
     "qwen3-8b": _QWEN3_8B,
+    "Qwen/Qwen3-30B-A3B": _QWEN3_30B_A3B,
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": _MIXTRAL_8X7B,
+    "mixtral-8x7b": _MIXTRAL_8X7B,
+    "Qwen/Qwen1.5-MoE-A2.7B": _QWEN1_5_MOE_A2_7B,
+    "qwen1.5-moe-a2.7b": _QWEN1_5_MOE_A2_7B,
 }
 
 # Generation defaults published next to the configs; only what the engine reads (stop ids).
@@ -119,6 +205,12 @@ _GENERATION_EOS: dict[str, list[int]] = {
     "Qwen/Qwen2.5-7B": [151643],
     "Qwen/Qwen3-8B": [151645, 151643],
     "qwen3-8b": [151645, 151643],
+    "Qwen/Qwen3-30B-A3B": [151645, 151643],
+    "qwen3-30b-a3b": [151645, 151643],
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": [2],
+    "mixtral-8x7b": [2],
+    "Qwen/Qwen1.5-MoE-A2.7B": [151643],
+    "qwen1.5-moe-a2.7b": [151643],
 }
 
 
