@@ -1,7 +1,7 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE against Hugging Face `transformers`: tiny random models built
 from each family's own config class (several layers, top-2 of 6 or 8 experts, Qwen2-MoE's shared
 expert and a dense layer), saved as safetensors. Greedy tokens and logprobs through the engine
-(chunked prefill, prefix caching, preemption; TP=2 and EP=2 over processes), the experts' tensor-
+(chunked prefill, prefix caching, preemption; TP=2, EP=2 and PP=2 over processes), the experts' tensor-
 and expert-parallel shards against one rank, and the errors of what is not supported."""
 from __future__ import annotations
 
@@ -151,11 +151,12 @@ def test_prefix_cache_hits_keep_the_tokens(tiny):
 
 
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds
-@pytest.mark.parametrize("split", [{}, {"enable_expert_parallel": True}], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2},
+                                   {"tensor_parallel_size": 2, "enable_expert_parallel": True},
+                                   {"pipeline_parallel_size": 2}], ids=["tp2", "ep2", "pp2"])
 def test_two_ranks_over_processes_match_hf(tiny, split):
     _, folder, model = tiny
-    outs, llm = run(folder, PROMPTS + prefix_prompts(), tensor_parallel_size=2, max_num_batched_tokens=32,
-                    max_num_seqs=4, **split)
+    outs, llm = run(folder, PROMPTS + prefix_prompts(), max_num_batched_tokens=32, max_num_seqs=4, **split)
     try:
         assert_matches_hf(model, outs, PROMPTS + prefix_prompts())
         assert llm.llm_engine.get_stats().prefix_cache_hits > 0
