@@ -10,6 +10,7 @@ import json
 import logging
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -28,6 +29,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.layers.moe import STACKED, FusedMoE
 from pagellm.models import get_model_class
 from pagellm.models.cpu_layer import why_not_fused
+from pagellm.worker.loading import build_model, prompt_hidden_states
 
 NEW_TOKENS = 32
 VOCAB = 256
@@ -251,6 +253,86 @@ def test_moe_layers_follow_decoder_sparse_step_and_mlp_only_layers():
     with pytest.raises(ValueError, match="num_experts_per_tok must be between 1 and the 4 experts, got 5"):
         ModelArchConfig.from_hf_dict({**COMMON, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4,
                                       "intermediate_size": 96, "num_experts_per_tok": 5})
+
+
+# -- GGUF files ------------------------------------------------------------------------------------------------------
+
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp",
+              "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+              "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+              "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def write_gguf(path: str, model, family: str) -> None:
+    """`model` laid out as llama.cpp's converter writes it (float32): experts as 3-D tensors, the
+    shared expert's gate as one vector, q/k rows permuted for the llama architecture (Mixtral),
+    named so that only its expert count says it is Mixtral."""
+    config, arch = model.config, GGUF_ARCH[family]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name("tiny moe")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    writer.add_expert_count(FAMILIES[family][1].get("num_experts") or config.num_local_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if family != "mixtral":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if family == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    heads = {"self_attn.q_proj": config.num_attention_heads, "self_attn.k_proj": config.num_key_value_heads}
+    for name, tensor in model.state_dict().items():
+        if name in top:
+            writer.add_tensor(top[name], tensor.numpy())
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, _, suffix = rest.rpartition(".")
+        if rest == "mlp.experts.gate_up_proj":
+            gate, up = tensor.chunk(2, dim=1)
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", gate.contiguous().numpy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", up.contiguous().numpy())
+            continue
+        if rest == "mlp.experts.down_proj":
+            module, suffix = rest, "weight"
+        if module == "mlp.shared_expert_gate":
+            tensor = tensor[0]
+        if arch == "llama" and module in heads and suffix == "weight":
+            n = heads[module]
+            tensor = tensor.reshape(n, 2, tensor.shape[0] // n // 2, -1).transpose(1, 2).reshape(tensor.shape)
+        writer.add_tensor(f"blk.{layer}.{GGUF_LAYER[module]}.{suffix}", tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gguf_files_load_dequantized_and_match_hf(family, tmp_path):
+    hf = hf_model(family)
+    path = str(tmp_path / f"{family}.gguf")
+    write_gguf(path, hf, family)
+    config = EngineArgs(path, device="cpu", dtype="float32").create_engine_config()
+    assert config.model.source.arch.architecture == FAMILIES[family][0]
+    assert config.model.quantization is None  # the blocks are dequantized: experts load dense
+    model = build_model(config.model.source, None, torch.float32, torch.device("cpu"), "torch", 0)
+    tokens = PROMPTS[2]
+    with torch.no_grad():
+        ours = model.compute_logits(prompt_hidden_states(model, tokens))
+        torch.testing.assert_close(ours, hf(torch.tensor([tokens])).logits[0], atol=1e-4, rtol=1e-4)
 
 
 # -- what is refused ------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pagellm.quantization import (
     check_experts_dense,
     checkpoint_quantization,
     compressed_tensors_weights,
+    experts_request,
     resolve_quantization,
 )
 from pagellm.quantization.gguf import GGUFConfig
@@ -75,7 +76,9 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
         raise ValueError(f"--max-model-len ({max_model_len}) is larger than the model's max_position_embeddings "
                          f"({arch.max_position_embeddings})")
     torch_device = torch.device(device)
-    quantization, gguf_types = _quantization(ns.quantization, arch, path, torch_device)
+    is_gguf = path is not None and path.endswith(".gguf")
+    requested = experts_request(ns.quantization, "gguf" if is_gguf else "safetensors", arch)
+    quantization, gguf_types = _quantization(requested, arch, path, torch_device)
     check_experts_dense(arch, None if quantization == "none" else quantization, "--quantization")
     return PlanSpec(
         arch=arch, device=device, dtype_bytes=resolve_dtype(ns.dtype, torch_device, arch.torch_dtype).itemsize,

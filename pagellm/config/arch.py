@@ -34,9 +34,9 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("MistralForCausalLM", "pagellm.models.llama:LlamaForCausalLM", "llama", "mistral"),
     ArchitectureEntry("Qwen2ForCausalLM", "pagellm.models.qwen2:Qwen2ForCausalLM", "qwen2", "qwen2"),
     ArchitectureEntry("Qwen3ForCausalLM", "pagellm.models.qwen3:Qwen3ForCausalLM", "qwen3", "qwen3"),
-    ArchitectureEntry("MixtralForCausalLM", "pagellm.models.mixtral:MixtralForCausalLM", None, "mixtral"),
-    ArchitectureEntry("Qwen2MoeForCausalLM", "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", None, "qwen2_moe"),
-    ArchitectureEntry("Qwen3MoeForCausalLM", "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM", None, "qwen3_moe"),
+    ArchitectureEntry("MixtralForCausalLM", "pagellm.models.mixtral:MixtralForCausalLM", "llama", "mixtral"),
+    ArchitectureEntry("Qwen2MoeForCausalLM", "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", "qwen2moe", "qwen2_moe"),
+    ArchitectureEntry("Qwen3MoeForCausalLM", "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM", "qwen3moe", "qwen3_moe"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
 

@@ -33,7 +33,12 @@ from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
 from pagellm.ops.dispatch import triton_available, triton_interpreting
 from pagellm.plugins import load_plugins
-from pagellm.quantization import QUANTIZATION_REGISTRY, check_experts_dense, resolve_quantization
+from pagellm.quantization import (
+    QUANTIZATION_REGISTRY,
+    check_experts_dense,
+    experts_request,
+    resolve_quantization,
+)
 from pagellm.reasoning import REASONING_PARSER_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -239,7 +244,8 @@ class EngineArgs:
             max_model_len=max_model_len,
             attention_backend=attention_backend,
             quantization=check_experts_dense(arch, resolve_quantization(
-                self.quantization, source.load_format, source.path, device, arch.hf_config)),
+                experts_request(self.quantization, source.load_format, arch), source.load_format, source.path,
+                device, arch.hf_config)),
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,

@@ -80,8 +80,8 @@ class FusedMoE(nn.Module):
                       shard_id: tuple[int | None, str] | None = None) -> None:
         """Copy this rank's share of a checkpoint tensor into `param`. `shard_id`: (global expert,
         part) for one expert's [out, in] matrix (part w1: gate, w3: up, w2: down), another rank's
-        expert being skipped; or (STACKED, "w13" | "w2") for every expert's at once, stacked
-        [experts, 2 x intermediate, hidden] (gate rows, then up rows) or [experts, hidden, intermediate]."""
+        expert being skipped; or (STACKED, part) for every expert's at once, stacked [experts, out,
+        in], part "w13" standing for gate and up rows in one [experts, 2 x intermediate, hidden]."""
         if not isinstance(shard_id, tuple) or len(shard_id) != 2:
             raise ValueError(f"expert weights load by (expert, part) shard ids, got {shard_id!r}")
         expert, part = shard_id

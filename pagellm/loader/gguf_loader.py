@@ -31,7 +31,20 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture of experts: the router, every expert's projections stacked [experts, out, in], and
+    # Qwen2-MoE's shared expert and its gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_MOE_DEFAULT_NORM_TOPK = {"qwen3moe": True}
+"""Whether llama.cpp renormalizes the chosen experts' weights of a GGUF architecture whose file does
+not say (`expert_weights_norm`): Qwen3-MoE does, Qwen2-MoE does not (Mixtral always does)."""
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -39,7 +52,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """A Hugging Face `config.json`-style dict built from the file's metadata."""
     md = gguf.metadata
     arch = md.get("general.architecture")
-    entry = gguf_architecture(gguf.path, arch, str(md.get("general.name", "")))
+    num_experts = md.get(f"{arch}.expert_count") or 0
+    entry = gguf_architecture(gguf.path, arch, str(md.get("general.name", "")), has_experts=bool(num_experts))
     hf_arch, model_type = entry.name, entry.model_type or arch
     tensor_names = {t.name for t in gguf.tensors}
     if "rope_freqs.weight" in tensor_names:
@@ -50,10 +64,6 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
 
     def key(suffix: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{suffix}", default)
-
-    if key("expert_count"):
-        raise ValueError(f"{gguf.path!r} is a mixture of experts ({key('expert_count')} experts), which pagellm does "
-                         "not load from GGUF yet; load the safetensors checkpoint instead")
 
     num_heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -77,6 +87,18 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "hidden_act": "silu",
     }
+    if num_experts:
+        config.update(num_experts=num_experts, num_experts_per_tok=key("expert_used_count"),
+                      norm_topk_prob=key("expert_weights_norm", _MOE_DEFAULT_NORM_TOPK.get(arch, False)))
+        # Layers with a dense MLP in place of experts (Qwen-MoE's mlp_only_layers), told by their tensors.
+        dense = sorted(int(m.group(1)) for m in map(_LAYER_NAME.fullmatch, tensor_names)
+                       if m is not None and m.group(2) == "ffn_gate")
+        if dense:
+            config["mlp_only_layers"] = dense
+        for hf_key, gguf_key in (("moe_intermediate_size", "expert_feed_forward_length"),
+                                 ("shared_expert_intermediate_size", "expert_shared_feed_forward_length")):
+            if key(gguf_key):
+                config[hf_key] = key(gguf_key)
     scaling_type = key("rope.scaling.type")
     if scaling_type not in (None, "none"):
         rope_scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": key("rope.scaling.factor", 1.0)}
@@ -93,11 +115,14 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
     return config
 
 
-def gguf_architecture(path: str, gguf_arch: object, name: str) -> ArchitectureEntry:
+def gguf_architecture(path: str, gguf_arch: object, name: str, has_experts: bool = False) -> ArchitectureEntry:
     """The registered architecture of a GGUF file of `general.architecture` `gguf_arch` and
     `general.name` `name`. llama.cpp files several Hugging Face architectures under one GGUF name
     (Mistral as llama), which only the model's name tells apart: an entry whose model_type is in
-    the name wins, else the one whose model_type is the GGUF name."""
+    the name wins, else the one whose model_type is the GGUF name. A llama file with experts
+    (`has_experts`: an expert count) is Mixtral, whatever its name."""
+    if has_experts and gguf_arch == "llama":
+        name = "mixtral"
     entries = [e for e in MODEL_REGISTRY.entries() if e.gguf_arch is not None and e.gguf_arch == gguf_arch]
     if not entries:
         supported = dict.fromkeys(e.gguf_arch for e in MODEL_REGISTRY.entries() if e.gguf_arch)
@@ -155,6 +180,8 @@ def iter_gguf_weights(path: str, keep_quantized: Collection[str] = ()) -> Iterat
             module = name.rsplit(".", 1)[0].split(".", 3)[-1]
             if permuted and module in heads:
                 tensor = unpermute_rotary_rows(tensor, heads[module])
+            if module == "mlp.shared_expert_gate" and tensor.dim() == 1:  # llama.cpp stores its one row as [hidden]
+                tensor = tensor[None]
             yield name, tensor.contiguous()
 
 

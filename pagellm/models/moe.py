@@ -16,8 +16,11 @@ from pagellm.models.llama import LlamaForCausalLM, LlamaMLP, check_silu
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.([a-z0-9_]+)\.weight$")
 """One expert's projection, e.g. model.layers.0.mlp.experts.3.gate_proj.weight."""
-_STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-"""Every expert's projections stacked in a 3-D tensor (transformers v5's layout)."""
+_STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)"
+                              r"(?:\.weight)?$")
+"""Every expert's projections stacked in a 3-D tensor: transformers v5's gate_up_proj [experts, 2 x
+intermediate, hidden] and down_proj, or a GGUF file's gate, up and down projections apart."""
+_STACKED_PARTS = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _EXPERT_PARAM = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(w13|w2)_weight$")
 
 
@@ -85,8 +88,8 @@ class MoECausalLM(LlamaForCausalLM):
             return f"{prefix}.{'w2' if part == 'w2' else 'w13'}_weight", (int(index), part)
         stacked = _STACKED_EXPERTS.match(name)
         if stacked is not None:
-            part = "w13" if stacked.group(2) == "gate_up_proj" else "w2"
-            return f"{stacked.group(1)}.{part}_weight", (STACKED, part)
+            part = _STACKED_PARTS[stacked.group(2)]
+            return f"{stacked.group(1)}.{'w2' if part == 'w2' else 'w13'}_weight", (STACKED, part)
         return super().checkpoint_target(name)
 
     def checkpoint_parts(self, param_name: str) -> dict[object, str]:

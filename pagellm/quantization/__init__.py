@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATION_REGISTRY", "QuantizationConfig", "QuantizationMethod",
            "build_quant_config", "check_experts_dense", "checkpoint_quantization", "compressed_tensors_weights",
-           "quantized_weight_bytes", "register_quantization_method", "resolve_quantization"]
+           "experts_request", "quantized_weight_bytes", "register_quantization_method", "resolve_quantization"]
 
 
 def checkpoint_quantization(hf_config: dict[str, Any]) -> str | None:
@@ -93,6 +93,15 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
     if device.type == "cuda" and float8 and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"{flag} {requested!r}: float8 weights need a GPU of compute capability 8.9 or newer "
                          f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
+    return requested
+
+
+def experts_request(requested: str | None, load_format: str, arch: ModelArchConfig) -> str | None:
+    """`requested` (--quantization), or "none" for a mixture-of-experts GGUF file with none asked
+    for: its blocks are dequantized at load, since expert weights load only dense."""
+    if requested is None and load_format == "gguf" and arch.num_experts:
+        logger.info("%s is a mixture of experts: its GGUF blocks are dequantized at load", arch.architecture)
+        return "none"
     return requested
 
 
