@@ -13,9 +13,10 @@ max_num_seqs sequences, sampled with top-k/top-p; its activation peak is the lar
 plus cuBLAS's workspace (a mixture-of-experts layer counts, in place of the intermediate size, what
 its token's top-k experts and shared expert hold: an estimate, not calibrated). Weights and KV bytes
 per block come from the engine's own model class, built on the meta device, as do the weights one
-decode step reads (all but the embedding rows it does not gather and the experts it does not choose). Calibrated on an H200 (benchmarks/results/kv_sizing_h200_20261201T151500Z.json):
-the activation peaks of Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B and SmolLM2 at several step budgets
-agree within 3 MB.
+decode step reads (all but the embedding rows it does not gather and the experts it does not
+choose). Calibrated on an H200 (benchmarks/results/kv_sizing_h200_20261201T151500Z.json): the
+activation peaks of Llama-3.1-8B, Qwen2.5-7B, Qwen3-8B and SmolLM2 at several step budgets agree
+within 3 MB.
 CPU: the budget is fixed (--kv-cache-memory-bytes, else min(4 GiB, RAM / 4) shared by the ranks).
 """
 from __future__ import annotations

@@ -21,7 +21,8 @@ _STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_pr
 """Every expert's projections stacked in a 3-D tensor: transformers v5's gate_up_proj [experts, 2 x
 intermediate, hidden] and down_proj, or a GGUF file's gate, up and down projections apart."""
 _STACKED_PARTS = {"gate_up_proj": "w13", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_EXPERT_PARAM = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)\.(w13|w2)_weight$")
+_EXPERT_PARAM = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(w13|w2)_weight$")
+_MLP_PARAM = re.compile(r"^model\.layers\.(\d+)\.mlp\.")
 
 
 class MoEBlock(nn.Module):
@@ -63,7 +64,7 @@ class MoECausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         if not config.num_experts:
-            raise ValueError(f"{type(self).__name__} needs num_experts in config.json")
+            raise ValueError(f"{type(self).__name__} needs num_experts (num_local_experts) in config.json")
         super().__init__(config, attn_backend)
 
     def renormalize(self, config: ModelArchConfig) -> bool:
@@ -95,13 +96,13 @@ class MoECausalLM(LlamaForCausalLM):
     def checkpoint_parts(self, param_name: str) -> dict[object, str]:
         expert_param = _EXPERT_PARAM.match(param_name)
         if expert_param is not None:
-            prefix, _, kind = expert_param.groups()
+            prefix, kind = expert_param.groups()
             prefix = prefix.replace(".mlp.", f".{self.moe_checkpoint_block}.")
             parts = ("w1", "w3") if kind == "w13" else ("w2",)
             return {(e, part): f"{prefix}.{e}.{self.expert_checkpoint_names[EXPERT_PARTS.index(part)]}.weight"
                     for e in self._experts(param_name).local_experts() for part in parts}
         parts = super().checkpoint_parts(param_name)
-        layer = re.match(r"^model\.layers\.(\d+)\.mlp\.", param_name)
+        layer = _MLP_PARAM.match(param_name)
         if layer is not None and self.config.is_moe_layer(int(layer.group(1))):
             return {shard: name.replace(".mlp.", f".{self.moe_checkpoint_block}.") for shard, name in parts.items()}
         return parts
