@@ -9,7 +9,10 @@ tokens go to other experts.
 """
 from __future__ import annotations
 
+import math
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +20,15 @@ import torch
 # Without a GPU, conftest.py sets TRITON_INTERPRET before this module defines any kernel.
 pytest.importorskip("triton")
 
-from pagellm.ops.moe import check_moe_inputs, fused_moe, fused_moe_ref, select_experts
-from pagellm.ops.triton import moe as triton_moe
-from pagellm.ops.triton.moe import _CONFIGS, MAX_EXPERTS, align_by_expert, choose_config, max_blocks
+# `benchmarks` is a folder of the repository, not part of the installed package.
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from benchmarks import moe_kernels as moe_benchmark  # noqa: E402
+from pagellm.ops.moe import check_moe_inputs, fused_moe, fused_moe_ref, select_experts  # noqa: E402
+from pagellm.ops.triton import moe as triton_moe  # noqa: E402
+from pagellm.ops.triton.moe import _CONFIGS, MAX_EXPERTS, align_by_expert, choose_config, max_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER = 72, 40  # a whole and a partial step of every tile
@@ -289,6 +298,16 @@ def test_matches_hugging_faces_mixtral_experts(gen: torch.Generator) -> None:
         torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the benchmark's CPU path: some seconds under the interpreter
+def test_benchmark_smoke_checks_and_records_each_case(tmp_path: Path) -> None:
+    payload = moe_benchmark.main(["--smoke", "--tokens", "1", "4", "--out-dir", str(tmp_path)])
+    records = payload["results"]
+    assert [(r["model"], r["tokens"]) for r in records] == [(m, t) for m in moe_benchmark.MODELS for t in (1, 4)]
+    assert all(r["max_abs_error"] <= moe_benchmark.TOLERANCE * r["max_abs_output"] for r in records)
+    assert all(0 < r["experts_read"] <= r["experts"] and r["weight_bytes"] > 0 for r in records)
+    assert payload["ceilings"]["copy_bytes_per_s"] > 0 and len(list(tmp_path.glob("moe_kernels*.json"))) == 1
+
+
 # The router.
 
 def select_experts_per_token(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
@@ -298,11 +317,10 @@ def select_experts_per_token(logits: torch.Tensor, top_k: int, renormalize: bool
     all_ids, all_weights = [], []
     for row in logits.double().tolist():
         if scoring == "softmax":
-            top = max(row)
-            exps = [2.718281828459045 ** (v - top) for v in row]
+            exps = [math.exp(v - max(row)) for v in row]
             scores = [e / sum(exps) for e in exps]
         else:
-            scores = [1 / (1 + 2.718281828459045 ** -v) for v in row]
+            scores = [1 / (1 + math.exp(-v)) for v in row]
         choice = [s + (0.0 if bias is None else float(bias[e])) for e, s in enumerate(scores)]
         allowed = range(len(row))
         if num_groups is not None and topk_groups is not None and topk_groups < num_groups:
