@@ -56,7 +56,7 @@ def routing(kind: str, tokens: int, experts: int, top_k: int, gen: torch.Generat
             drop: float = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights, topk_ids) of distinct experts per token, a `drop` share of the ids -1.
     `uneven`: experts chosen with weights falling as 1 / (e + 1)^2; `one expert for all`: expert
-    experts - 1 among every token's."""
+    experts - 1 every token's first (never dropped)."""
     if kind == "uneven":
         scores = torch.rand(tokens, experts, generator=gen) * (torch.arange(experts) + 1.0) ** -2
     else:
@@ -64,14 +64,17 @@ def routing(kind: str, tokens: int, experts: int, top_k: int, gen: torch.Generat
     if kind == "one expert for all":
         scores[:, -1] = 2.0
     ids = scores.topk(top_k, dim=-1).indices.to(torch.int32)
-    ids[torch.rand(tokens, top_k, generator=gen) < drop] = -1
+    dropped = torch.rand(tokens, top_k, generator=gen) < drop
+    if kind == "one expert for all":
+        dropped[:, 0] = False  # the expert every token chooses first
+    ids[dropped] = -1
     weights = torch.rand(tokens, top_k, generator=gen) + 0.1
     return weights.to(DEVICE), ids.to(DEVICE)
 
 
 def experts_weights(gen: torch.Generator, experts: int, dtype: torch.dtype, hidden: int = HIDDEN,
-                    inter: int = INTER) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [tokens later], w13, w2 scaled so that every product is about 1."""
+                    inter: int = INTER) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 and w2, scaled so that every product of unit inputs is about 1."""
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
     return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
@@ -133,6 +136,13 @@ def test_plan_groups_each_pair_once_by_expert(kind: str, chunk: int | None, bloc
 def test_plan_for_expert_counts_that_are_not_powers_of_two(experts: int, gen: torch.Generator) -> None:
     ids = torch.randint(-1, experts, (40, 2), generator=gen, dtype=torch.int32)
     check_plan(ids.to(DEVICE), experts, 16)
+
+
+def test_plan_of_more_chunks_and_blocks_than_a_tile_holds(gen: torch.Generator) -> None:
+    """256 experts: tiles of 32 rows in the planning kernels, here over 38 chunks and 294 blocks."""
+    ids = torch.randint(-1, 256, (300, 2), generator=gen, dtype=torch.int32)
+    ids[:150, 0] = 7  # an expert of several blocks
+    check_plan(ids.to(DEVICE), 256, 16, chunk=16)
 
 
 def test_plan_skips_ids_of_no_expert_here(gen: torch.Generator) -> None:
