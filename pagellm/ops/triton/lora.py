@@ -27,6 +27,7 @@ import triton.language as tl
 
 from pagellm.ops.dispatch import triton_interpreting
 from pagellm.ops.lora import TilePlan
+from pagellm.ops.triton.utils import dot_f32
 
 BLOCK_M = 16
 """Rows a tile: the tensor cores' least (`tl.dot` needs 16). Pass it to `plan_tiles`."""
@@ -85,26 +86,12 @@ def _tile_rows(rows_ptr, slot_ptr, start_ptr, end_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-    """a @ b summed in float32; float32 inputs exactly (IEEE, not TF32). Triton's interpreter multiplies
-    bfloat16 tensors as the integers that hold their bits: there the same values' products in float32
-    (exact, as the tensor cores')."""
-    if INTERPRET:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
-    elif IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
-
-
-@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, out_ptr,  # x [T, K], a [S, PR, K], out [splits, T, PR] float32; last dims contiguous
     rows_ptr, slot_ptr, start_ptr, end_ptr,  # the tile plan
     K, PR, K_PER_SPLIT,  # K_PER_SPLIT: a multiple of BLOCK_K
     stride_xm, stride_as, stride_ar, stride_os, stride_om,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,  # see `_dot`
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr,  # see `dot_f32`
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     slot, rows, m_ok = _tile_rows(rows_ptr, slot_ptr, start_ptr, end_ptr, BLOCK_M)
@@ -122,7 +109,7 @@ def _shrink_kernel(
         k_ok = rk < k_end
         x = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         a = tl.load(a_rows + rk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += _dot(x, tl.trans(a.to(x.dtype)), IEEE, INTERPRET)
+        acc += dot_f32(x, tl.trans(a.to(x.dtype)), IEEE, INTERPRET)
     out_tile = out_ptr + split.to(tl.int64) * stride_os + rows[:, None] * stride_om + rr[None, :]
     tl.store(out_tile, acc, mask=m_ok[:, None] & r_ok[None, :])
 
@@ -154,7 +141,7 @@ def _expand_kernel(
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + rn[:, None] * stride_bn + rr[None, :],
                 mask=n_ok[:, None] & r_ok[None, :], other=0.0)
     dtype = y_ptr.dtype.element_ty  # the products in y's type, on the tensor cores; the sum in float32
-    delta = _dot(h.to(dtype), tl.trans(b.to(dtype)), IEEE, INTERPRET)
+    delta = dot_f32(h.to(dtype), tl.trans(b.to(dtype)), IEEE, INTERPRET)
     mask = m_ok[:, None] & n_ok[None, :]
     y_tile = y_ptr + rows[:, None] * stride_ym + rn[None, :]
     y = tl.load(y_tile, mask=mask, other=0.0)
