@@ -14,10 +14,10 @@ Prints a table and writes JSON under benchmarks/results/ (hardware, date, comman
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import gc
 import json
+import multiprocessing
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,18 @@ def measure(llm: LLM, args: argparse.Namespace, loras: list[LoRARequest] | None)
             "batch1": latency, "throughput": numbers}
 
 
+def measure_engine(args: argparse.Namespace, engine_args: dict[str, Any], rank: int | None) -> dict[str, Any]:
+    """`measure` on an engine without adapters (rank None) or with `args.num_adapters` of `rank`."""
+    if rank is None:
+        return measure(LLM(**engine_args), args, None)
+    arch = EngineArgs(**engine_args).create_engine_config().model.source.arch
+    with tempfile.TemporaryDirectory() as tmp:
+        loras = write_adapters(arch, Path(tmp), args.num_adapters, rank, args.seed)
+        llm = LLM(**engine_args, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=rank,
+                  max_cpu_loras=args.num_adapters)
+        return measure(llm, args, loras)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     if args.smoke:
@@ -79,20 +91,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        max_model_len=args.input_len + args.output_len + 64, seed=args.seed)
     if args.device is not None:
         engine_args["device"] = args.device
-    arch = EngineArgs(**engine_args).create_engine_config().model.source.arch
     results: dict[str, Any] = {}
-    llm = LLM(**engine_args)
-    results["base"] = measure(llm, args, None)
-    del llm
-    _free()
-    with tempfile.TemporaryDirectory() as tmp:
+    # Each engine in a process of its own, so the next one finds the accelerator's memory free and
+    # neither inherits the other's caches.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        results["base"] = pool.submit(measure_engine, args, engine_args, None).result()
         for rank in args.ranks:
-            loras = write_adapters(arch, Path(tmp), args.num_adapters, rank, args.seed)
-            llm = LLM(**engine_args, enable_lora=True, max_loras=args.num_adapters, max_lora_rank=rank,
-                      max_cpu_loras=args.num_adapters)
-            results[f"lora_r{rank}"] = measure(llm, args, loras)
-            del llm
-            _free()
+            results[f"lora_r{rank}"] = pool.submit(measure_engine, args, engine_args, rank).result()
     payload = {"benchmark": "lora_serving", **run_metadata(args.commit),
                "parameters": {k: v for k, v in vars(args).items() if k not in ("out_dir", "commit")},
                "results": results, "ratios": _ratios(results)}
@@ -121,16 +126,11 @@ def _table(payload: dict[str, Any]) -> str:
     return format_table(header, rows, left=[0])
 
 
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct", help="model path or dummy preset; '': SmolLM2")
+    p.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct",
+                   help="model path or dummy preset; '': SmolLM2")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--device", default=None)
     p.add_argument("--num-adapters", type=int, default=8)

@@ -18,7 +18,15 @@ import torch
 pytest.importorskip("triton")
 
 from pagellm.ops.lora import lora_expand_ref, lora_shrink_ref, max_tiles, plan_tiles
-from pagellm.ops.triton.lora import BLOCK_M, LoRATilesDevice, expand_launches, lora_expand, lora_shrink, to_device
+from pagellm.ops.triton.lora import (
+    BLOCK_M,
+    LoRATilesDevice,
+    expand_launches,
+    lora_expand,
+    lora_shrink,
+    shrink_splits,
+    to_device,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
@@ -129,17 +137,30 @@ def test_expand_launches_keep_each_block_within_a_part(part_offsets: tuple[int, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("part_offsets,rank", LAYERS)
-def test_shrink_matches_the_oracle(part_offsets: tuple[int, ...], rank: int, dtype: torch.dtype,
+@pytest.mark.parametrize("splits", [None, 2, 3], ids=["one plane", "2 planes", "3 planes, one empty"])
+def test_shrink_matches_the_oracle(part_offsets: tuple[int, ...], rank: int, dtype: torch.dtype, splits: int | None,
                                    gen: torch.Generator) -> None:
+    """in_features split over planes (80 over 3: 64, 16 and none) sum to the product."""
     slots = batch_slots(gen)
     x = torch.randn(TOKENS, IN_FEATURES, generator=gen).to(DEVICE, dtype)
     a, _ = adapters(gen, part_offsets, rank, dtype)
-    h = torch.full((TOKENS, a.shape[1]), SENTINEL, device=DEVICE)
+    planes = (1 if splits is None else splits, TOKENS, a.shape[1])
+    h = torch.full(planes[1:] if splits is None else planes, SENTINEL, device=DEVICE)
     lora_shrink(x, a, device_tiles(slots), h)
+    h = h.view(planes)
     used = (slots >= 0).to(DEVICE)
-    torch.testing.assert_close(h[used], lora_shrink_ref(x, a, slots.to(DEVICE))[used], **SHRINK_TOL)
-    assert not torch.allclose(h[used], lora_shrink_ref(x, a, wrong_slots(slots).to(DEVICE))[used], **SHRINK_TOL)
-    assert (h[~used] == SENTINEL).all(), "rows without an adapter are left as they were"
+    total = h[:, used].sum(0)
+    torch.testing.assert_close(total, lora_shrink_ref(x, a, slots.to(DEVICE))[used], **SHRINK_TOL)
+    assert not torch.allclose(total, lora_shrink_ref(x, a, wrong_slots(slots).to(DEVICE))[used], **SHRINK_TOL)
+    assert (h[:, ~used] == SENTINEL).all(), "rows without an adapter are left as they were"
+    if splits is not None:
+        assert not torch.allclose(h[0, used], total, **SHRINK_TOL), "each plane holds a part of the sum"
+
+
+def test_shrink_splits_fill_the_gpu_when_tiles_are_few() -> None:
+    assert shrink_splits(4096, 2) > 1 and shrink_splits(14336, 2) > shrink_splits(4096, 2)
+    assert shrink_splits(4096, 200) == 1, "many tiles fill the GPU alone"
+    assert shrink_splits(64, 1) == 1, "too few inputs to split"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -160,14 +181,16 @@ def test_expand_matches_the_oracle(part_offsets: tuple[int, ...], rank: int, dty
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float16], ids=str)
-def test_shrink_then_expand_matches_the_oracle(dtype: torch.dtype, gen: torch.Generator) -> None:
+@pytest.mark.parametrize("splits", [1, 2])
+def test_shrink_then_expand_matches_the_oracle(dtype: torch.dtype, splits: int, gen: torch.Generator) -> None:
+    """The expand sums the shrink's planes."""
     part_offsets, rank = LAYERS[1]
     slots = batch_slots(gen)
     x = torch.randn(TOKENS, IN_FEATURES, generator=gen).to(DEVICE, dtype)
     a, b = adapters(gen, part_offsets, rank, dtype)
     y0 = torch.randn(TOKENS, part_offsets[-1], generator=gen).to(DEVICE, dtype)
     tiles = device_tiles(slots)
-    h = torch.empty(TOKENS, a.shape[1], device=DEVICE)
+    h = torch.empty(splits, TOKENS, a.shape[1], device=DEVICE)
     y = y0.clone()
     lora_shrink(x, a, tiles, h)
     lora_expand(y, h, b, part_offsets, tiles)

@@ -201,8 +201,11 @@ def test_messages_errors_in_anthropics_shape(claude, server):
                         ({"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}],
                           "tools": [{"name": "f", "input_schema": {}}]}, "tools")):
         r = httpx.post(f"{server.url}/v1/messages", json=body)
-        assert r.status_code == 400 and set(r.json()) == {"type", "error"}
-        assert r.json()["error"]["type"] == "invalid_request_error" and field in r.json()["error"]["message"]
+        # Anthropic's documented error, as the anthropic SDK's own model of it reads it.
+        error = anthropic.types.ErrorResponse.model_validate(r.json())
+        assert r.status_code == 400 and set(r.json()) == {"type", "error", "request_id"}
+        assert error.error.type == "invalid_request_error" and field in error.error.message
+        assert error.request_id == r.headers["X-Request-Id"]
     # Other routes keep OpenAI's shape.
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

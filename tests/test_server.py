@@ -9,11 +9,15 @@ import time
 import httpx
 import openai
 import pytest
+from pydantic import TypeAdapter
 
 from pagellm import LLM, SamplingParams
 from pagellm.cli import main
 from pagellm.entrypoints.openai.api_server import load_chat_template
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from pagellm.entrypoints.openai.protocol_anthropic import MessagesRequest
+from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
+from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.sampling_params import RequestOutputKind
 from conftest import SHARED_SERVER_FLAGS as ENGINE_FLAGS
 from conftest import SHARED_SERVER_KV_BYTES as KV_BYTES
@@ -72,6 +76,15 @@ def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].model_extra["max_model_len"] == MAX_LEN
+    assert models[0].model_extra["root"] == MODEL_NAME, "the served name, never the model's path on the server"
+
+
+@pytest.mark.slow
+def test_health_probes_answer_json(server):
+    for probe in ("/health", "/health/live", "/health/ready"):
+        response = httpx.get(f"{server.url}{probe}")
+        assert response.status_code == 200 and response.headers["content-type"] == "application/json", probe
+        assert response.json() == {"status": "ok"}, probe
 
 
 @pytest.mark.slow
@@ -455,6 +468,35 @@ def test_vllm_extras_reach_sampling_params():
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3,
                                  stream=True).to_sampling_params(None)
     assert (chat.logprobs, chat.output_kind) == (3, RequestOutputKind.DELTA)
+
+
+def test_strict_types_still_take_every_legitimate_form():
+    """Strict request types refuse a string for a boolean or number, but keep the forms OpenAI's and
+    Anthropic's APIs define: an integer for a float, unions, enums as strings, string keys, schemas as objects."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    completion = CompletionRequest.model_validate({
+        "prompt": [[1, 2], [3]], "temperature": 1, "top_p": 1, "stop": "x", "logit_bias": {"6": 1}, "seed": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "structured_outputs": {"json": schema}})
+    assert (completion.temperature, completion.stop, completion.logit_bias) == (1.0, ["x"], {"6": 1.0})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema, "strict": True}}]
+    messages = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+                {"role": "user", "content": "hi", "name": "bob"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "content": "2", "tool_call_id": "c"}]
+    for tool_choice in ("auto", "required", {"type": "function", "function": {"name": "f"}}):
+        chat = ChatCompletionRequest.model_validate({
+            "messages": messages, "tools": tools, "tool_choice": tool_choice, "max_completion_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+            "chat_template_kwargs": {"enable_thinking": False}, "frequency_penalty": 0})
+        assert chat.max_tokens_field() == (5, "max_completion_tokens")
+    assert EmbeddingRequest.model_validate({"input": [[1, 2]], "encoding_format": "base64",
+                                            "normalize": False}).encoding_format == "base64"
+    assert ResponsesRequest.model_validate({"input": "hi", "truncation": "auto", "temperature": 0,
+                                            "text": {"format": {"type": "text"}}}).temperature == 0.0
+    assert MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "temperature": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]})
+    assert TypeAdapter(TokenizeRequest).validate_python({"prompt": "hi", "add_special_tokens": False})
 
 
 @pytest.mark.slow

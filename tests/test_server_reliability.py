@@ -185,6 +185,44 @@ def test_draining_refuses_everything_but_probes():
     assert turned_away == ["draining"], "only generation requests are counted"
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_request_cut_at_shutdown_ends_its_response_with_an_error(stream):
+    """uvicorn cancels what still runs when --shutdown-timeout has passed: a stream ends with an error
+    event and [DONE] (not a bare EOF), a response not yet begun is a 503, and the cancellation goes
+    no further (uvicorn would log it as a traceback)."""
+    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0))
+    release, cancelled, sent = asyncio.Event(), [], []
+
+    async def send(message) -> None:
+        sent.append(message)
+
+    async def receive():
+        await asyncio.Event().wait()  # the client neither sends more nor leaves
+
+    async def run() -> None:
+        app = TrafficMiddleware(functools.partial(_fake_engine_app, release=release, cancelled=cancelled), state)
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                 "query_string": b"stream" if stream else b""}
+        request = asyncio.create_task(app(scope, receive, send))
+        await wait_for(lambda: len(sent) == (2 if stream else 0) and state.in_flight == 1)
+        state.draining = True
+        request.cancel()
+        await request
+
+    asyncio.run(run())
+    assert cancelled == ["/v1/completions"] and state.in_flight == 0
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body").decode()
+    assert not sent[-1].get("more_body"), "the response is complete"
+    if stream:
+        events = [line.removeprefix("data: ") for line in body.splitlines() if line]
+        assert events[0] == "{}" and events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        assert sent[0]["status"] == 503
+        error = json.loads(body)["error"]
+    assert error["code"] == 503 and "shut down" in error["message"]
+
+
 def test_api_key_check_is_exact():
     middleware = APIKeyMiddleware(app=None, api_key="s3cret", open_paths=frozenset())
     assert middleware.authorized("Bearer s3cret") and middleware.authorized("bearer s3cret")
@@ -302,6 +340,8 @@ def test_request_timeout_answers_504_and_frees_the_kv_cache(smollm2_path):
         asyncio.run(wait_for(lambda: is_idle(metric_samples(server.url))))
         assert metric_samples(server.url)["pagellm:request_success_total{abort}"] == 2
         assert metric_samples(server.url)["pagellm:http_requests_turned_away_total{timed_out}"] == 2
+        log = server.log_tail(1_000_000)
+        assert "Traceback" not in log and "never retrieved" not in log, log
     finally:
         assert server.stop() == 0
 
@@ -355,7 +395,9 @@ def test_frozen_engine_fails_the_stream_in_flight_and_the_server_exits_1(smollm2
                 frozen = time.monotonic()
                 rest = list(events)
         assert time.monotonic() - frozen < DETECT_S, "the stream ended late"
-        assert rest[-1] == "[DONE]" and "no heartbeat" in json.loads(rest[-2])["error"]["message"]
+        error = json.loads(rest[-2])["error"]
+        assert rest[-1] == "[DONE]" and "no heartbeat" in error["message"]
+        assert (error["code"], error["type"]) == (503, "ServiceUnavailableError"), "unavailable, not a server bug"
         assert server.process.wait(timeout=EXIT_S) == 1
         _assert_gone(core)
     finally:
@@ -413,6 +455,25 @@ def test_signal_lets_the_stream_in_flight_finish_and_refuses_new_requests(smollm
                 rest = list(events)
         assert rest[-1] == "[DONE]" and json.loads(rest[-2])["choices"][0]["finish_reason"] == "length"
         assert server.process.wait(timeout=120) == 0
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_shutdown_timeout_ends_the_cut_stream_with_an_error_event(smollm2_path):
+    server = RemoteServer(smollm2_path, *SERVER_FLAGS, "--shutdown-timeout", "1")
+    try:
+        with httpx.Client(base_url=server.url, timeout=EXIT_S) as http:
+            with http.stream("POST", "/v1/completions", json={**LONG_REQUEST, "stream": True}) as response:
+                events = _data_lines(response)
+                next(events)
+                server.process.send_signal(signal.SIGTERM)
+                rest = list(events)
+        error = json.loads(rest[-2])["error"]
+        assert rest[-1] == "[DONE]" and error["code"] == 503 and "--shutdown-timeout" in error["message"]
+        assert server.process.wait(timeout=EXIT_S) == 0
+        log = server.log_tail(1_000_000)
+        assert "Traceback" not in log and "never retrieved" not in log, log
     finally:
         server.stop()
 

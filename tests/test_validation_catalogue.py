@@ -12,14 +12,20 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+import tokenizers
 from starlette.testclient import TestClient
 
+from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
+from pagellm.entrypoints.openai.protocol import ChatPromptFields
+from pagellm.entrypoints.openai.serving_base import OpenAIServing
+from pagellm.tokenizer import Tokenizer
 from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 
@@ -112,6 +118,22 @@ CATALOGUE = [
     Case("messages missing", CHAT, {"max_tokens": 5}, 400, "Field required", "messages"),
     Case("max_tokens type", CMPL, cmpl(max_tokens="many"), 400, "valid integer", "max_tokens"),
     Case("stream type", CMPL, cmpl(stream="perhaps"), 400, "valid boolean", "stream"),
+    # A JSON string is never a boolean or a number, however it reads (OpenAI's API refuses them too).
+    Case("stream as a string", CMPL, cmpl(stream="yes"), 400, "valid boolean", "stream"),
+    Case("max_tokens as a string", CMPL, cmpl(max_tokens="10"), 400, "valid integer", "max_tokens"),
+    Case("echo as a string", CMPL, cmpl(echo="true"), 400, "valid boolean", "echo"),
+    Case("max_completion_tokens as a string", CHAT, chat(max_completion_tokens="5"), 400, "valid integer",
+         "max_completion_tokens"),
+    Case("n as a fraction", CHAT, chat(n=1.5), 400, "valid integer", "n"),
+    Case("n as a whole float", CMPL, cmpl(n=2.0), 400, "valid integer", "n"),
+    Case("temperature as a string", CHAT, chat(temperature="0.5"), 400, "valid number", "temperature"),
+    Case("embeddings normalize as a string", "/v1/embeddings", {"input": "hi", "normalize": "yes"}, 400,
+         "valid boolean", "normalize"),
+    Case("responses stream as a string", "/v1/responses", {"input": "hi", "stream": "yes"}, 400, "valid boolean",
+         "stream"),
+    Case("tokenize add_special_tokens as a string", "/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, 400,
+         "valid boolean", "completion.add_special_tokens"),
+    Case("detokenize id as a string", "/detokenize", {"tokens": ["1"]}, 400, "valid integer", "tokens.0"),
     Case("unknown field", CMPL, cmpl(tempreature=0.5), 400, "Extra inputs are not permitted", "tempreature"),
     Case("logit_bias type", CMPL, cmpl(logit_bias=[1, 2]), 400, "valid dictionary", "logit_bias"),
     # Sampling values out of range.
@@ -125,6 +147,7 @@ CATALOGUE = [
     Case("max_completion_tokens 0", CHAT, chat(max_completion_tokens=0), 400,
          "max_completion_tokens must be a positive integer", "max_completion_tokens"),
     Case("seed beyond 64 bits", CMPL, cmpl(seed=2 ** 70), 400, "less than or equal to", "seed"),
+    Case("negative seed", CMPL, cmpl(seed=-1), 400, "greater than or equal to 0", "seed"),
     Case("min_tokens over max_tokens", CMPL, cmpl(min_tokens=9, max_tokens=4), 400, "min_tokens (9)", "min_tokens"),
     Case("truncate_prompt_tokens", CMPL, cmpl(truncate_prompt_tokens=0), 400, "positive integer",
          "truncate_prompt_tokens"),
@@ -166,6 +189,8 @@ CATALOGUE = [
          "cannot both be true", "continue_final_message"),
     Case("chat_template_kwargs clash", CHAT, chat(chat_template_kwargs={"messages": []}), 400, "may not set messages",
          "chat_template_kwargs"),
+    Case("chat_template_kwargs tools", CHAT, chat(chat_template_kwargs={"tools": "x"}), 400, "may not set tools",
+         "chat_template_kwargs"),
     # logit_bias and other token id lists.
     Case("logit_bias key not a token id", CMPL, cmpl(logit_bias={"abc": 1}), 400, "keys must be token ids",
          "logit_bias"),
@@ -202,7 +227,8 @@ CATALOGUE = [
     Case("response_format type", CHAT, chat(response_format={"type": "xml"}), 400, "'json_schema'",
          "response_format.type"),
     Case("json_schema without schema", CHAT,
-         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "Field required", "response_format.json_schema.schema"),
+         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "Field required",
+         "response_format.json_schema.schema"),
     Case("invalid JSON schema", CHAT, chat(response_format=json_schema({"type": "nonsense"})), 400,
          "the JSON schema is not supported", "response_format"),
     Case("JSON schema over --structured-outputs-max-bytes", CMPL,
@@ -241,6 +267,7 @@ CATALOGUE = [
     Case("prompt_logprobs with stream", CMPL, cmpl(prompt_logprobs=1, stream=True), 400, "stream",
          "prompt_logprobs"),
     Case("request_id with a space", CMPL, cmpl(request_id="a b"), 400, "should match pattern", "request_id"),
+    Case("empty responses input", "/v1/responses", {"input": ""}, 400, "input is empty", "input"),
     # Unknown models.
     Case("unknown model, completions", CMPL, cmpl(model="gpt-4"), 404, "`gpt-4` does not exist", "model"),
     Case("unknown model, chat", CHAT, chat(model="gpt-4"), 404, "does not exist", "model"),
@@ -419,3 +446,56 @@ def test_middlewares_answer_for_any_app_in_openai_shape():
     assert failed.status_code == 500 and failed.json()["error"]["type"] == "InternalServerError"
     assert "RuntimeError: boom" in failed.json()["error"]["message"]
     assert failed.json()["error"]["message"].endswith(f"(request id: {failed.headers['X-Request-Id']})")
+
+
+LINES = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+NOT_SYSTEM = "{% for m in messages if m['role'] != 'system' %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+SYSTEM_FIRST_ONLY = "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n{% endif %}" + NOT_SYSTEM
+"""Renders a system prompt only as the first message, as many templates do: a later one is dropped."""
+SYSTEM_MOVED_FIRST = "{% for m in messages if m['role'] == 'system' %}{{ m['content'] }}\n{% endfor %}" + NOT_SYSTEM
+"""Gathers every system message at the start: a later one is moved before the messages it followed."""
+SHOUTED = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
+"""Changes every message's text: where the messages went cannot be told, so nothing is refused."""
+DOCUMENTS = ("{% for d in documents or [] %}{{ d['title'] + ': ' + d['text'] }}\n{% endfor %}"
+             "{% for m in messages %}{{ m['name'] + ': ' if m['name'] is defined }}{{ m['content'] }}\n{% endfor %}")
+"""Uses a template variable (documents) and an extra message field (name) as many templates do."""
+
+
+def serving_with(template: str) -> OpenAIServing:
+    """The chat-rendering part of a server whose chat template is `template` (no engine behind it)."""
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    engine = SimpleNamespace(tokenizer=Tokenizer(backend),
+                             config=SimpleNamespace(structured_outputs=SimpleNamespace(reasoning_parser=None)))
+    return OpenAIServing(engine, models=None, chat_template=template)
+
+
+@pytest.mark.parametrize(("template", "placed"), [(LINES, True), (SHOUTED, True), (SYSTEM_FIRST_ONLY, False),
+                                                  (SYSTEM_MOVED_FIRST, False)])
+def test_a_late_system_message_is_refused_where_the_template_drops_or_moves_it(template, placed):
+    serving = serving_with(template)
+    system_first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert "be brief." in serving.render_chat(ChatPromptFields(messages=system_first))[0].lower()
+    late = ChatPromptFields(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
+                                      {"role": "system", "content": "Answer in French."}])
+    if placed:
+        text = serving.render_chat(late)[0].lower()
+        assert text.index("hello!") < text.index("answer in french.")
+        return
+    with pytest.raises(APIError) as refused:
+        serving.render_chat(late)
+    assert refused.value.param == "messages" and "messages[2] (system)" in refused.value.message
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"chat_template_kwargs": {"documents": 5}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"documents": [{"title": 1, "text": "x"}]}}, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 1}], "chat_template_kwargs": {"documents": []}},
+     "messages"),
+])
+def test_a_template_failing_on_a_value_is_a_400_naming_the_field_that_holds_it(fields, param):
+    serving = serving_with(DOCUMENTS)
+    docs = ChatPromptFields(messages=HI, chat_template_kwargs={"documents": [{"title": "A", "text": "b"}]})
+    assert serving.render_chat(docs)[0].startswith("A: b\n")
+    with pytest.raises(APIError) as refused:
+        serving.render_chat(ChatPromptFields(**{"messages": HI, **fields}))
+    assert refused.value.param == param and "TypeError" not in refused.value.message, refused.value.message

@@ -79,7 +79,9 @@ class LoRABatch:
                          part_offsets: tuple[int, ...]) -> None:
         """y [rows, out] += each row's adapter applied to x [rows, in], by the Triton kernels
         (`a`, `b`: a layer's slots, in `pagellm.ops.lora`'s layout)."""
-        h = torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+        # Only the tiles' rows of h are written and read: no need to clear it.
+        splits = self._kernels.shrink_splits(x.shape[1], self._tiles.num_tiles)
+        h = torch.empty((splits, x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
         self._kernels.lora_shrink(x, a, self._tiles, h)
         self._kernels.lora_expand(y, h, b, part_offsets, self._tiles)
 

@@ -8,8 +8,8 @@ The layout every implementation shares (`pagellm.layers.moe` holds the weights):
   another rank under expert parallelism), `topk_weights` [tokens, top_k] float32 their weights.
 The output is sum over k of weight_k x down_k(silu(gate_k x) * up_k x), in x's dtype.
 
-The torch functions here are the oracle the Triton kernels (`pagellm.ops.triton.moe`) are tested
-against, and the path on the CPU.
+`fused_moe` runs the Triton kernels (`pagellm.ops.triton.moe`) on a GPU and the torch oracle here,
+`fused_moe_ref`, on the CPU; the kernels are tested against it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from pagellm.ops.dispatch import Impl, resolve_impl
+
 Scoring = Literal["softmax", "sigmoid"]
+MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The activations' and experts' dtypes `fused_moe` takes."""
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: Scoring = "softmax",
@@ -66,3 +70,50 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         down = F.linear(hidden, w2[expert]).float()
         out.index_add_(0, rows, down * topk_weights.reshape(-1)[picks].unsqueeze(1))
     return out.to(x.dtype)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, impl: Impl | None = None) -> torch.Tensor:
+    """x [T, H] through the experts of `topk_ids` (see the module's docstring) -> [T, H] in x's dtype:
+    the Triton kernels for GPU tensors, `fused_moe_ref` elsewhere (`pagellm.ops.dispatch`).
+
+    An id must be -1 or an expert of w13. The CPU checks; the GPU path, which would have to wait
+    for the device to check, treats any id outside 0 .. E - 1 as -1."""
+    check_moe_inputs(x, w13, w2, topk_weights, topk_ids)
+    if resolve_impl(x, impl) == "triton":
+        from pagellm.ops.triton import moe as triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    if not topk_ids.is_cuda and topk_ids.numel():
+        low, high = topk_ids.min().item(), topk_ids.max().item()
+        if low < -1 or high >= w13.shape[0]:
+            raise ValueError(f"topk_ids must be -1 or an expert of 0 to {w13.shape[0] - 1}, got {low} to {high}")
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def check_moe_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> None:
+    """ValueError naming the argument whose shape or dtype disagrees with the layout."""
+    if x.dim() != 2 or x.dtype not in MOE_DTYPES:
+        raise ValueError(f"x must be [tokens, hidden] of {', '.join(map(str, MOE_DTYPES))}, not {x.dtype} "
+                         f"{tuple(x.shape)}")
+    tokens, hidden = x.shape
+    if w13.dim() != 3 or w13.shape[1] % 2 or w13.shape[2] != hidden:
+        raise ValueError(f"w13 must be [experts, 2 x intermediate, hidden={hidden}], not {tuple(w13.shape)}")
+    experts, inter = w13.shape[0], w13.shape[1] // 2
+    if w2.shape != (experts, hidden, inter):
+        raise ValueError(f"w2 must be [experts={experts}, hidden={hidden}, intermediate={inter}], "
+                         f"not {tuple(w2.shape)}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} must be x's dtype {x.dtype}, not {w.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 [tokens={tokens}, top_k], not {topk_ids.dtype} "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be float [{tokens}, {topk_ids.shape[1]}] as topk_ids, not "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    devices = {t.device for t in (x, w13, w2, topk_weights, topk_ids)}
+    if len(devices) > 1:
+        raise ValueError(f"x, w13, w2, topk_weights and topk_ids must be on one device, not "
+                         f"{sorted(map(str, devices))}")

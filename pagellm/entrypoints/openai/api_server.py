@@ -16,7 +16,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
@@ -61,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 ENGINE_DEAD_EXIT_CODE = 1
 """The server's exit status after its engine core died, froze or stalled: a supervisor should restart it."""
+CUT_REQUESTS_GRACE_S = 5.0
+"""How long the requests cut at --shutdown-timeout have to end their responses before the engine stops."""
+HEALTHY = {"status": "ok"}
+"""The body of a probe's 200 (a 503's is an error in OpenAI's shape)."""
 
 
 def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedModels, api_key: str | None = None,
@@ -103,7 +107,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
         if not engine.is_running:
             return error_response(APIError("the engine core is not running (it died, froze or stalled)", 503),
                                   request_id_of(request.scope))
-        return Response(status_code=200)
+        return JSONResponse(HEALTHY)
 
     app.add_api_route("/health", liveness, methods=["GET"])
     app.add_api_route("/health/live", liveness, methods=["GET"])
@@ -114,7 +118,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
         problem = "the engine core is not running" if not engine.is_running else traffic.not_ready_reason()
         if problem is not None:
             return error_response(APIError(problem, 503), request_id_of(request.scope))
-        return Response(status_code=200)
+        return JSONResponse(HEALTHY)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -129,7 +133,7 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
         max_model_len = engine.config.model.max_model_len
         lora = model.lora_request
         if lora is None:
-            return ModelCard(id=model.name, root=engine.config.model.source.path, max_model_len=max_model_len)
+            return ModelCard(id=model.name, root=models.base_names[0], max_model_len=max_model_len)
         return ModelCard(id=model.name, root=lora.lora_path, parent=lora.base_model_name or models.base_names[0],
                          max_model_len=max_model_len)
 
@@ -324,6 +328,16 @@ class _DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.traffic.draining = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # uvicorn cancels the requests still running when --shutdown-timeout passes, without
+        # waiting for them: let them end their responses (TrafficMiddleware) and abort their engine
+        # requests before the engine stops. Bounded, as a client that stopped reading could block
+        # that last write. (After a second signal uvicorn cancels nothing: nothing to wait for.)
+        cut = set(self.server_state.tasks)
+        if cut and not self.force_exit:
+            await asyncio.wait(cut, timeout=CUT_REQUESTS_GRACE_S)
 
 
 async def _stop_when_engine_dies(engine: AsyncLLM, server: uvicorn.Server) -> None:

@@ -5,16 +5,17 @@ OpenAI clients parse into `BadRequestError`; the published OpenAPI schema says s
 message ends with the request's id (`X-Request-Id`, set by middleware.py), and each error is
 logged with it, so a user can quote the id and an operator can find the request.
 
-The Anthropic Messages routes (ANTHROPIC_PATHS) answer in Anthropic's shape instead,
-`{"type": "error", "error": {"type", "message"}}`, with the same status codes: the shape is chosen
-by path here, so errors raised by the middleware (401, 413, 503) get it too.
+The Anthropic Messages routes (ANTHROPIC_PATHS) answer in Anthropic's documented shape instead,
+`{"type": "error", "error": {"type", "message"}, "request_id"}`, with the same status codes: the
+shape is chosen by path here, so errors raised by the middleware (401, 413, 503) get it too, and
+the OpenAPI schema documents each route's.
 """
 from __future__ import annotations
 
 import json
 import logging
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -70,6 +71,22 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    """invalid_request_error, authentication_error, not_found_error, overloaded_error, ..."""
+    message: str
+    """What went wrong and how to fix it, ending with `(request id: ...)`."""
+
+
+class AnthropicErrorResponse(BaseModel):
+    """The body of every error response on ANTHROPIC_PATHS (Anthropic's shape)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorInfo
+    request_id: str | None
+    """The request's id, as in the X-Request-Id header."""
+
+
 def request_id_of(scope: Scope) -> str | None:
     """The id RequestIdMiddleware gave this request (None outside it)."""
     return scope.get(REQUEST_ID_SCOPE_KEY)
@@ -82,7 +99,7 @@ def error_body(message: str, status_code: int, param: str | None = None, request
         message = f"{message} (request id: {request_id})"
     if path in ANTHROPIC_PATHS:
         return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status_code, "api_error"),
-                                           "message": message}}
+                                           "message": message}, "request_id": request_id}
     error_type = _ERROR_TYPES.get(status_code) or HTTPStatus(status_code).phrase.replace(" ", "") + "Error"
     return {"error": {"message": message, "type": error_type, "param": param, "code": status_code}}
 
@@ -169,12 +186,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def _openapi_with_error_shapes(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema, with OpenAI's error shape instead of its 422 validation error: 400 for
-    invalid requests, 404 for an unknown model, 413 for a body over the limit."""
+    """FastAPI's schema, with the route's error shape (OpenAI's, or Anthropic's on ANTHROPIC_PATHS)
+    instead of its 422 validation error: 400 for invalid requests, 404 for an unknown model, 413 for
+    a body over the limit."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
-        for path_item in schema["paths"].values():
+        for path, path_item in schema["paths"].items():
+            shape = AnthropicErrorResponse if path in ANTHROPIC_PATHS else ErrorResponse
+            error_ref = {"$ref": f"#/components/schemas/{shape.__name__}"}
             for operation in path_item.values():
                 responses = operation["responses"]
                 if responses.pop("422", None) is None:
@@ -183,7 +202,8 @@ def _openapi_with_error_shapes(app: FastAPI) -> dict[str, Any]:
                                             ("413", "Request body too large")):
                     responses[status] = {"description": description,
                                          "content": {"application/json": {"schema": error_ref}}}
-        _, definitions = models_json_schema([(ErrorResponse, "serialization")],
+        _, definitions = models_json_schema([(ErrorResponse, "serialization"),
+                                             (AnthropicErrorResponse, "serialization")],
                                             ref_template="#/components/schemas/{model}")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):

@@ -30,7 +30,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagellm.entrypoints.openai.errors import APIError
-from pagellm.entrypoints.openai.protocol_base import REQUEST_ID_PATTERN, Int64, StrictModel
+from pagellm.entrypoints.openai.protocol_base import REQUEST_ID_PATTERN, STRICT_TYPES, Int64, StrictModel
 from pagellm.entrypoints.openai.protocol_tools import (
     MessageToolCall,
     ResponseFormat,
@@ -68,7 +68,7 @@ class TextPart(StrictModel):
 class ChatMessage(BaseModel):
     """One message; the fields it was sent with reach the chat template (content as text)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(**STRICT_TYPES, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -148,7 +148,10 @@ class GenerationRequest(StrictModel):
     n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: Int64 | None = None
+    seed: Int64 | None = Field(default=None, ge=0)
+    """Not negative: the sampler keys its draws by the seed modulo 2**63, so a negative seed would only
+    repeat the stream of seed + 2**63, and -1, which means "random" to some servers, would silently
+    give the same output every time; omit the seed for unseeded sampling."""
     stop: list[str] | None = None
     user: str | None = None
     """An end-user id for the caller's own bookkeeping; it does not change generation."""
@@ -531,7 +534,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagellm"
     root: str
-    """The model's path (or preset name); a LoRA adapter's folder, as it was given."""
+    """The base model's first served name (its path on the server is not shown); a LoRA adapter's
+    folder, as it was given."""
     parent: str | None = None
     """A LoRA adapter's base model (its served name); None for the base model."""
     max_model_len: int

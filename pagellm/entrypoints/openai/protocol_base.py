@@ -1,5 +1,5 @@
-"""The base of every request model: unknown fields, non-finite numbers and invalid Unicode are
-refused, naming the field; `null` means a field's default."""
+"""The base of every request model: unknown fields, values of the wrong JSON type, non-finite
+numbers and invalid Unicode are refused, naming the field; `null` means a field's default."""
 from __future__ import annotations
 
 import json
@@ -15,11 +15,16 @@ REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,128}$"
 """A client-chosen request id: 1 to 128 visible ASCII characters, so it is safe in headers and logs."""
 
 
-class StrictModel(BaseModel):
-    """Unknown fields, NaN / infinite numbers and text with lone surrogates are refused; `null` for a
-    field that cannot be None means its default."""
+STRICT_TYPES = ConfigDict(strict=True)
+"""A JSON string is never a boolean or a number ("yes", "10"), nor a float an integer (1.5, 2.0), as
+OpenAI's API answers; a float field still takes a JSON integer."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+class StrictModel(BaseModel):
+    """Unknown fields, values of another JSON type, NaN / infinite numbers and text with lone
+    surrogates are refused; `null` for a field that cannot be None means its default."""
+
+    model_config = ConfigDict(**STRICT_TYPES, extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from pagellm.entrypoints.openai.protocol_base import StrictModel
+from pagellm.entrypoints.openai.protocol_base import STRICT_TYPES, StrictModel
 from pagellm.entrypoints.openai.tool_parsers import tool_call_id
 from pagellm.sampling_params import StructuredOutputsParams
 
@@ -62,6 +62,8 @@ def validate_tool_choice(value: Any) -> Any:
 
 
 class MessageFunctionCall(BaseModel):
+    model_config = STRICT_TYPES
+
     name: str
     arguments: str | dict[str, Any]
     """The arguments' JSON text (OpenAI's form) or the object itself."""
@@ -70,7 +72,7 @@ class MessageFunctionCall(BaseModel):
 class MessageToolCall(BaseModel):
     """A call in an earlier assistant message of the conversation."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(**STRICT_TYPES, extra="allow")
 
     id: str | None = None
     type: Literal["function"] = "function"

@@ -43,9 +43,10 @@ T = TypeVar("T")
 Started = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]
 """A submitted request: its first output and the stream of the rest."""
 
-# Names the template renderer itself binds; a chat_template_kwargs key among them would clash.
+# Names the template renderer itself binds, or render_chat passes from the request's own fields; a
+# chat_template_kwargs key among them would clash.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "chat_template",
-                                       "source", "special_tokens"})
+                                       "source", "special_tokens", "tools"})
 
 
 @dataclass
@@ -108,15 +109,26 @@ class OpenAIServing:
         messages = [m.for_template() for m in request.messages]
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         tokenizer = self.tokenizer()
+
+        def render(template_kwargs: dict[str, Any]) -> str:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
+                                                 chat_template=self.chat_template, tools=tools, **template_kwargs)
+
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt,
-                                                 chat_template=self.chat_template, tools=tools, **kwargs)
+            text = render(kwargs)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         except (TypeError, LookupError, AttributeError) as e:
-            # The template met input it cannot handle (e.g. an extra message field of the wrong type).
-            raise APIError(f"the chat template cannot render these messages: {type(e).__name__}: {e}",
-                           param="messages") from None
+            # The template met a value of a type it does not expect: in an extra message field, or in
+            # chat_template_kwargs if it renders without them.
+            param, what = "messages", "these messages"
+            if kwargs:
+                with contextlib.suppress(ValueError, TypeError, LookupError, AttributeError):
+                    render({})
+                    param, what = "chat_template_kwargs", "with these chat_template_kwargs"
+            raise APIError(f"the chat template cannot render {what} (a value of a type it does not expect: {e})",
+                           param=param) from None
+        _check_late_system_messages(text, messages)
         if request.continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
         # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
@@ -262,11 +274,16 @@ class OpenAIServing:
     @staticmethod
     async def follow(first: RequestOutput,
                      outputs: AsyncGenerator[RequestOutput, None]) -> AsyncIterator[RequestOutput]:
-        """`first`, then the rest; closing the engine's stream early (client gone) aborts the request."""
+        """`first`, then the rest; closing the engine's stream early (client gone) aborts the request.
+        An engine that dies meanwhile makes the server unavailable (503, also as a stream's error
+        event): no fault of the request's, nor a bug (500)."""
         async with contextlib.aclosing(outputs):
             yield first
-            async for out in outputs:
-                yield out
+            try:
+                async for out in outputs:
+                    yield out
+            except EngineDeadError as e:
+                raise APIError(str(e), 503) from None
 
     async def finals(self, started: Sequence[Started], raw_request: Request) -> list[RequestOutput]:
         """Each request's final output; if the client disconnects first, all are aborted (499)."""
@@ -286,6 +303,9 @@ class OpenAIServing:
         finally:
             disconnected.cancel()
             result.cancel()  # a no-op once done; else cancelling the drains aborts the engine requests
+            # Awaited, also when this handler is cancelled (a 504): the aborts are sent before the
+            # answer, and the gathering future's cancellation is retrieved, not logged as lost.
+            await asyncio.gather(result, disconnected, return_exceptions=True)
 
     async def deltas(self, started: Sequence[Started], num_tokens: dict[int, int],
                      choices_per_prompt: int = 0) -> AsyncIterator[tuple[int, RequestOutput, CompletionOutput]]:
@@ -380,6 +400,33 @@ async def _wait_for_disconnect(raw_request: Request) -> None:
     # The body has been read, so the next ASGI message is the disconnect.
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _check_late_system_messages(prompt: str, messages: Sequence[Mapping[str, Any]]) -> None:
+    """400 for a system (or developer) message after the conversation's first turn that the chat
+    template drops or moves ahead of the messages it follows (many place a system prompt only
+    first): the model would silently be told something else. Each message's text is looked for in
+    the prompt in order; a template that changes the text of other messages too (beyond trimming)
+    is not judged."""
+    system = ("system", "developer")
+    first_turn = next((i for i, m in enumerate(messages) if m["role"] not in system), len(messages))
+    late = {i for i in range(first_turn + 1, len(messages)) if messages[i]["role"] in system}
+    if not late:
+        return
+    position, missing = 0, []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        text = content.strip() if isinstance(content, str) else ""
+        found = prompt.find(text, position)
+        if found < 0:
+            missing.append(i)
+        else:
+            position = found + len(text)
+    if missing and late.issuperset(missing):
+        i = missing[0]
+        raise APIError(f"messages[{i}] ({messages[i]['role']}) follows the conversation's first turn, and this "
+                       "model's chat template drops it or moves it ahead of the messages before it; send "
+                       "system messages first", param="messages")
 
 
 def _cut_after_final_message(prompt: str, content: Any) -> str:

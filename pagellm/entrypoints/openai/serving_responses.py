@@ -72,7 +72,8 @@ class OpenAIServingResponses(OpenAIServing):
             self.stored.move_to_end(request.previous_response_id)
             history = list(stored)
         if isinstance(request.input, str):
-            history.append({"role": "user", "content": request.input})
+            # An empty text is no input, as an empty list is.
+            history += [{"role": "user", "content": request.input}] if request.input else []
         else:
             history += [{"role": m.role, "content": m.text_parts()} for m in request.input]
         if not history:

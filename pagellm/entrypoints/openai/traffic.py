@@ -143,8 +143,17 @@ class TrafficMiddleware:
             await log_and_respond(scope, error)(scope, receive, send)
             return
         self.state.in_flight += 1
+        response = _ResponseProgress(send)
         try:
-            await self._run_with_deadline(scope, receive, send, timeout_s, source)
+            await self._run_with_deadline(scope, receive, response, timeout_s, source)
+        except asyncio.CancelledError:
+            if not self.state.draining:
+                raise
+            # uvicorn cancels what still runs once --shutdown-timeout has passed: end the response
+            # validly rather than with a bare EOF, and let no cancellation reach uvicorn, which logs
+            # it as a traceback.
+            await response.finish_with(APIError("the server shut down before the request finished (its "
+                                                "--shutdown-timeout passed); retry it", 503), scope, receive)
         finally:
             self.state.in_flight -= 1
 
@@ -165,12 +174,11 @@ class TrafficMiddleware:
             return server_s, "this server's --request-timeout"
         return client_s, "the request's X-Request-Timeout"
 
-    async def _run_with_deadline(self, scope: Scope, receive: Receive, send: Send, timeout_s: float | None,
-                                 source: str) -> None:
+    async def _run_with_deadline(self, scope: Scope, receive: Receive, response: _ResponseProgress,
+                                 timeout_s: float | None, source: str) -> None:
         if timeout_s is None:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, response.send)
             return
-        response = _ResponseProgress(send)
         # A task of its own, rather than asyncio.wait_for, so that a TimeoutError raised inside the
         # app is never mistaken for this deadline.
         task = asyncio.ensure_future(self.app(scope, receive, response.send))
@@ -179,12 +187,12 @@ class TrafficMiddleware:
         finally:
             if not task.done():  # the deadline passed, or this request was cancelled (server stop)
                 task.cancel()
+                # Cancelling the handler closes the engine's output stream, which aborts the request
+                # and frees its KV blocks: done before this request's response ends.
+                await asyncio.gather(task, return_exceptions=True)
         if done:
             task.result()
             return
-        # Cancelling the handler closes the engine's output stream, which aborts the request and
-        # frees its KV blocks.
-        await asyncio.gather(task, return_exceptions=True)
         error = APIError(f"the request did not finish within {source} of {timeout_s:g} s "
                          "and was aborted; ask for fewer tokens or retry later", 504)
         logger.warning("%s %s -> 504 [request id %s]: %s", scope["method"], scope["path"], request_id_of(scope),

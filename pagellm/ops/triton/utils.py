@@ -69,3 +69,17 @@ def pdl_start(PDL: tl.constexpr):
     """`pdl_release` then `pdl_wait`: for a kernel with nothing to read ahead."""
     pdl_release(PDL)
     pdl_wait(PDL)
+
+
+@triton.jit
+def dot_f32(a, b, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+    """a @ b summed in float32; float32 inputs exactly (IEEE, not TF32). Triton's interpreter multiplies
+    bfloat16 tensors as the integers that hold their bits: there the same values' products in float32
+    (exact, as the tensor cores')."""
+    if INTERPRET:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    elif IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
