@@ -19,18 +19,12 @@ from torch import nn
 
 from pagellm.distributed import parallel_state
 from pagellm.layers.linear import copy_weight, divide
-from pagellm.ops.moe import Scoring, fused_moe_ref, select_experts
+from pagellm.ops.moe import Scoring, fused_moe, select_experts
 
 EXPERT_PARTS = ("w1", "w3", "w2")
 """One expert's projections as the weight loader names them (Mixtral's names): gate, up, down."""
 STACKED = None
 """The expert of a shard id that stands for every expert at once (a 3-D checkpoint tensor)."""
-
-
-def apply_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """The experts' MLPs over the routed tokens (`pagellm.ops.moe`): the one call site of the kernel."""
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
 class FusedMoE(nn.Module):
@@ -124,4 +118,5 @@ class FusedMoE(nn.Module):
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, self.scoring)
         if self.expert_map is not None:
             topk_ids = self.expert_map[topk_ids.long()]
-        return apply_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        # Triton on a GPU (graph-safe: no host sync), the torch oracle elsewhere.
+        return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
