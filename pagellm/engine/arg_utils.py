@@ -343,7 +343,9 @@ def _resolve_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.dev
                              f"available")
     backend = args.distributed_executor_backend or ("uni" if world_size == 1 else "mp")
     cpu_threads, why = resolve_cpu_threads(args.cpu_threads, world_size * dp)
-    logger.info("each rank computes with %d CPU thread(s): %s", cpu_threads, why)
+    # Debug, not info: a command that fails on a later flag prints its error alone (the worker says
+    # how many threads it took).
+    logger.debug("each rank computes with %d CPU thread(s): %s", cpu_threads, why)
     return ParallelConfig(tp, pp, dp, backend, cpu_threads=cpu_threads,
                           step_timeout_s=args.engine_step_timeout or None,
                           step_timeout_per_token_s=STEP_TIMEOUT_PER_TOKEN_S[device.type],

@@ -36,6 +36,8 @@ class Worker:
         if parallel.cpu_threads is not None:
             # Steps run on this thread, so the C kernels' OpenMP loops (torch's libgomp) take it too.
             torch.set_num_threads(parallel.cpu_threads)
+            if rank == 0:
+                logger.info("each rank computes with %d CPU thread(s) (set with --cpu-threads)", parallel.cpu_threads)
         if config.device.type == "cuda":
             index = config.device.index + rank if gpu_index is None else gpu_index
             config = dataclasses.replace(config, device=torch.device("cuda", index))
