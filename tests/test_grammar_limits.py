@@ -4,6 +4,7 @@ schemas) pass; a compile past its time limit does not hold up later ones."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -13,8 +14,12 @@ import time
 
 import httpx
 import pytest
+from conftest import SHARED_SERVER_FLAGS
 from conftest import SHARED_SERVER_NAME as MODEL_NAME
+from engine_utils import wait_for
+from server_utils import RemoteServer
 
+from pagellm import LLM, SamplingParams
 from pagellm.config import GrammarLimits, StructuredOutputsConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.sampling_params import StructuredOutputsParams
@@ -216,27 +221,28 @@ def test_a_written_off_compile_gives_its_thread_back():
     """A compile past its limit keeps running (xgrammar cannot stop it), but a fresh thread takes
     its place: later compiles run at once. One at a time: a second overdue compile keeps its thread."""
     pool = CompilePool(threads=1, max_written_off=1, name="test-compile")
-    release = threading.Event()
-    stuck = pool.submit(release.wait, 30)
-    second = pool.submit(lambda: "done")
-    while not stuck.running():
-        concurrent.futures.wait([stuck], timeout=0.01)
-    assert not second.done(), "one thread, busy: the next compile queues"
+
+    def held() -> tuple[concurrent.futures.Future, threading.Event]:
+        started, release = threading.Event(), threading.Event()
+        future = pool.submit(lambda: started.set() or release.wait(30))
+        assert started.wait(10)
+        return future, release
+
+    stuck, release = held()
+    queued = pool.submit(lambda: "done")
+    assert not queued.done(), "one thread, busy: the next compile queues"
     assert pool.write_off(stuck) and pool.written_off == 1
-    assert second.result(timeout=10) == "done", "the fresh thread runs it while the stuck one goes on"
+    assert queued.result(timeout=10) == "done", "the fresh thread runs it while the stuck one goes on"
     assert not stuck.done()
-    other = threading.Event()
-    also_stuck = pool.submit(other.wait, 30)
-    while not also_stuck.running():
-        concurrent.futures.wait([also_stuck], timeout=0.01)
+    also_stuck, also_release = held()
     assert not pool.write_off(also_stuck), "at most one written off at once"
     release.set()
     assert stuck.result(timeout=10) is True
-    while pool.written_off:  # its thread ends once its compile does
-        concurrent.futures.wait([stuck], timeout=0.01)
-    other.set()
-    assert also_stuck.result(timeout=10) is True
+    asyncio.run(wait_for(lambda: pool.written_off == 0))  # its thread ended with its compile
+    assert pool.write_off(also_stuck), "the next overdue compile may be written off"
     assert pool.submit(lambda: 7).result(timeout=10) == 7
+    also_release.set()
+    assert also_stuck.result(timeout=10) is True
     pool.shutdown()
 
 
@@ -310,3 +316,55 @@ def test_the_server_refuses_each_finding_at_once_naming_the_field(smollm2_server
             assert elapsed < QUICK_S, f"{param}: refused after {elapsed:.2f} s"
         fine = client.post(f"{url}{cmpl_path}", json={**cmpl, "guided_regex": "(yes|no)"})
     assert fine.status_code == 200 and fine.json()["choices"][0]["text"] in ("yes", "no"), fine.text
+
+
+@pytest.mark.slow
+def test_offline_each_finding_is_a_value_error_naming_the_field_at_once(smollm2_path):
+    llm = LLM(smollm2_path, device="cpu", dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    try:
+        for params, limit in FINDINGS.values():
+            start = time.monotonic()
+            with pytest.raises(ValueError) as e:
+                llm.generate(["Hi"], SamplingParams(max_tokens=8, structured_outputs=params), use_tqdm=False)
+            assert time.monotonic() - start < QUICK_S
+            assert str(e.value).startswith(f"structured_outputs.{params.kind}: ") and limit in str(e.value)
+        assert not llm.llm_engine.has_unfinished_requests()
+        fine = llm.generate(["Answer:"], SamplingParams(temperature=0, max_tokens=4, structured_outputs=(
+            StructuredOutputsParams(choice=["yes", "no"]))), use_tqdm=False)
+        assert fine[0].outputs[0].text in ("yes", "no")
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def slow_to_compile() -> dict:
+    """Within every static limit, but several seconds of xgrammar's compile (7 s on a 2-core
+    machine): objects of 500 optional properties, any of four."""
+    return {"anyOf": [{"type": "object", "properties": {f"p{k}_{i}": {"type": "string"} for i in range(500)}}
+                      for k in range(4)]}
+
+
+@pytest.mark.slow
+def test_the_server_refuses_a_compile_past_its_time_limit_and_serves_on(smollm2_path):
+    """Past --structured-outputs-compile-timeout: a 400 naming the field; the same spec again is
+    refused at once while its compile runs on; another grammar request is served meanwhile."""
+    server = RemoteServer(smollm2_path, *SHARED_SERVER_FLAGS, "--structured-outputs-compile-timeout", "1")
+    try:
+        check_limits(StructuredOutputsParams(json=slow_to_compile()), GrammarLimits())
+        cmpl = {"model": MODEL_NAME, "prompt": "Answer:", "max_tokens": 4, "temperature": 0}
+        slow = {**cmpl, "guided_json": slow_to_compile()}
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            warm = client.post("/v1/completions", json={**cmpl, "guided_regex": "(yes|no)"})
+            assert warm.status_code == 200, "the first grammar builds the vocabulary table: out of the way"
+            first = client.post("/v1/completions", json=slow)
+            error = first.json()["error"]
+            assert (first.status_code, error["param"]) == (400, "guided_json")
+            assert "took longer than 1 s to compile" in error["message"]
+            start = time.monotonic()
+            again = client.post("/v1/completions", json=slow)
+            assert again.status_code == 400 and "is compiling still" in again.json()["error"]["message"]
+            other = client.post("/v1/completions", json={**cmpl, "guided_regex": "(no|yes)"})
+            assert other.status_code == 200 and other.json()["choices"][0]["text"] in ("yes", "no")
+            assert time.monotonic() - start < 5 * QUICK_S, "nothing waited for the overdue compile"
+        assert "goes on in a thread of its own" in server.log_tail(100_000)
+    finally:
+        assert server.stop() == 0

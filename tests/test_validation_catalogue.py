@@ -196,7 +196,8 @@ CATALOGUE = [
     Case("functions (deprecated)", CHAT, chat(functions=[FUNCTION]), 400, "send `tools`", "functions"),
     Case("tool parameters that no grammar can follow", CHAT,
          chat(tools=[tool_with({"type": "object", "properties": {"a": {"type": 5}}})],
-              tool_choice=named("get_weather")), 400, "parameters of function 'get_weather' is not supported", "tools"),
+              tool_choice=named("get_weather")), 400, "parameters of function 'get_weather' is not supported",
+         "tools[0].function.parameters"),
     Case("assistant message without content or tool calls", CHAT, {"messages": [
         {"role": "assistant", "content": None, "tool_calls": []}]}, 400, "got nothing", "messages.0.content"),
     Case("response_format type", CHAT, chat(response_format={"type": "xml"}), 400, "'json_schema'",

@@ -201,7 +201,7 @@ class _Parser:
             return charset.char(_CONTROL[c])
         if c == "b":  # in a class: backspace
             return charset.char("\b")
-        if c in "pPk" and self.peek() in "{<":  # a Unicode property or a named backreference
+        if c in "pPk" and self.peek() in ("{", "<"):  # a Unicode property or a named backreference
             self.skip_past("}" if self.peek() == "{" else ">")
             return charset.ANY
         if c.isdigit():  # a backreference
