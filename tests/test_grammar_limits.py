@@ -79,6 +79,7 @@ REFUSED = {
     "grammar count": (StructuredOutputsParams(grammar='root ::= ("ab"{100}){100}'), "max_regex_expansion"),
     "grammar regex macro": (StructuredOutputsParams(grammar='root ::= Regex("(a+)+")'), "allow_ambiguous_repetition"),
     "grammar nesting": (StructuredOutputsParams(grammar="root ::= " + "(" * 40 + '"a"' + ")" * 40), "max_depth"),
+    "stacked repetitions": (StructuredOutputsParams(grammar='root ::= "a"' + "?" * 60000), "max_depth"),
     "structural tag schema": (StructuredOutputsParams(structural_tag={
         "structures": [{"begin": "<f>", "schema": nested(40), "end": "</f>"}], "triggers": ["<f>"]}), "max_depth"),
     "structural tag regex": (StructuredOutputsParams(structural_tag={"type": "structural_tag", "format": {

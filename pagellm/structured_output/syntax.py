@@ -120,7 +120,7 @@ class _Parser:
         return node
 
     def quantified(self, atom: Node, start: int) -> Node:
-        while True:
+        for stacked in range(self.max_depth + 1):
             self.skip_space()
             c = self.peek()
             if c in ("*", "+", "?"):
@@ -137,6 +137,7 @@ class _Parser:
                 if self.peek() in ("?", "+"):
                     self.pos += 1
                 return atom
+        raise LimitExceeded(f"stacks more than {self.max_depth} repetitions on one part", "max_depth")
 
     def atom(self) -> Node:
         raise NotImplementedError
