@@ -59,16 +59,19 @@ def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int,
 class RequestGrammar:
     """One request's grammar: compiling, then a matcher that follows its output tokens."""
 
-    __slots__ = ("_future", "_started", "_kind", "_timeout_s", "_on_timeout", "_matcher", "waiting_for_token",
-                 "_may_open")
+    __slots__ = ("_future", "_started", "_kind", "_timeout_s", "_on_timeout", "_timing", "_matcher",
+                 "waiting_for_token", "_may_open")
 
     def __init__(self, future: "concurrent.futures.Future", kind: str, timeout_s: float,
-                 on_timeout: Callable[[], None] = lambda: None) -> None:
+                 on_timeout: Callable[[], None] = lambda: None, timing: Callable[[], bool] = lambda: True) -> None:
         self._future = future
         self._kind = kind
         self._timeout_s = timeout_s
         self._on_timeout = on_timeout
         """Called once the compile has run past `timeout_s`."""
+        self._timing = timing
+        """Whether a running compile's time counts: not while the vocabulary table is built (once, by
+        the first grammar: seconds, the import of xgrammar included)."""
         self._started: float | None = None
         """When the compile was first seen running: its time limit counts from there, not from the
         time it queued behind others."""
@@ -84,7 +87,7 @@ class RequestGrammar:
         if self._matcher is not None:
             return True
         if not self._future.done():
-            if self._future.running():
+            if self._future.running() and self._timing():
                 now = time.monotonic()
                 self._started = self._started or now
                 if now - self._started > self._timeout_s:
@@ -173,7 +176,8 @@ class GrammarManager:
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._discard)
-        return RequestGrammar(future, source.kind, self._timeout_s, lambda: self._overran(future, source))
+        return RequestGrammar(future, source.kind, self._timeout_s, lambda: self._overran(future, source),
+                              lambda: self._compiler is not None)
 
     def wait(self, timeout_s: float) -> None:
         """Block until some compile finishes or `timeout_s` passes: the core has nothing else to do."""
