@@ -59,8 +59,13 @@ def test_named_function_constrains_to_its_arguments():
     no_parameters = plan_tools(chat(tools=[tool("now")], tool_choice={"type": "function", "function": {"name": "now"}}),
                                None)
     assert no_parameters.constraint.params.json == {"type": "object", "properties": {}}
-    message = no_parameters.constraint.error("is not supported: Unsupported type").message
-    assert message == "tools: the parameters of function 'now' is not supported: Unsupported type"
+    error = no_parameters.constraint.error("is not supported: Unsupported type")
+    assert error.message == "tools[0].function.parameters: the parameters of function 'now' is not supported: " \
+                            "Unsupported type"
+    assert error.param == "tools[0].function.parameters"
+    second = plan_tools(chat(tools=[WEATHER, tool("now")],
+                             tool_choice={"type": "function", "function": {"name": "now"}}), None)
+    assert second.constraint.error("x").param == "tools[1].function.parameters"
 
 
 def test_tool_choice_defaults_and_auto():
@@ -88,20 +93,25 @@ def test_tool_refusals_name_the_field(fields, param, message):
 
 
 def test_each_constraint_field_maps_to_the_engine_params():
+    """Each field gives its kind of spec, and errors about the spec name where in the request it is."""
     schema = {"type": "object"}
     cases = [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
-              "response_format", "json", schema),
-             ({"response_format": {"type": "json_object"}}, "response_format", "json_object", True),
-             ({"structured_outputs": {"json": schema}}, "structured_outputs", "json", schema),
-             ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs", "grammar", 'root ::= "a"'),
-             ({"guided_json": json.dumps(schema)}, "guided_json", "json", json.dumps(schema)),
-             ({"guided_regex": "a+"}, "guided_regex", "regex", "a+"),
-             ({"guided_choice": ["a", "b"]}, "guided_choice", "choice", ["a", "b"]),
-             ({"guided_grammar": "root ::= \"a\""}, "guided_grammar", "grammar", 'root ::= "a"')]
-    for fields, field, kind, value in cases:
+              "response_format", "json", schema, "response_format.json_schema.schema"),
+             ({"response_format": {"type": "json_object"}}, "response_format", "json_object", True,
+              "response_format"),
+             ({"structured_outputs": {"json": schema}}, "structured_outputs", "json", schema,
+              "structured_outputs.json"),
+             ({"structured_outputs": {"grammar": "root ::= \"a\""}}, "structured_outputs", "grammar", 'root ::= "a"',
+              "structured_outputs.grammar"),
+             ({"guided_json": json.dumps(schema)}, "guided_json", "json", json.dumps(schema), "guided_json"),
+             ({"guided_regex": "a+"}, "guided_regex", "regex", "a+", "guided_regex"),
+             ({"guided_choice": ["a", "b"]}, "guided_choice", "choice", ["a", "b"], "guided_choice"),
+             ({"guided_grammar": "root ::= \"a\""}, "guided_grammar", "grammar", 'root ::= "a"', "guided_grammar")]
+    for fields, field, kind, value, param in cases:
         for request in (CompletionRequest(prompt="x", **fields), chat(**fields)):
             constraint = one_constraint(request_constraints(request))
             assert (constraint.field, constraint.params.kind, getattr(constraint.params, kind)) == (field, kind, value)
+            assert constraint.error("is not supported").param == param
     assert one_constraint(request_constraints(chat(response_format={"type": "text"}))) is None
     compact = request_constraints(chat(structured_outputs={"regex": "a", "disable_any_whitespace": True}))
     assert compact[0].params.disable_any_whitespace

@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 import tokenizers
+from engine_utils import wait_for
+from server_utils import RemoteServer, is_idle, metric_samples
 from starlette.testclient import TestClient
 
 from pagellm.entrypoints.openai.errors import APIError
@@ -26,8 +28,6 @@ from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, Reque
 from pagellm.entrypoints.openai.protocol import ChatPromptFields
 from pagellm.entrypoints.openai.serving_base import OpenAIServing
 from pagellm.tokenizer import Tokenizer
-from engine_utils import wait_for
-from server_utils import RemoteServer, is_idle, metric_samples
 
 MODEL = "smollm2"
 MAX_LEN = 256
@@ -221,7 +221,8 @@ CATALOGUE = [
     Case("functions (deprecated)", CHAT, chat(functions=[FUNCTION]), 400, "send `tools`", "functions"),
     Case("tool parameters that no grammar can follow", CHAT,
          chat(tools=[tool_with({"type": "object", "properties": {"a": {"type": 5}}})],
-              tool_choice=named("get_weather")), 400, "parameters of function 'get_weather' is not supported", "tools"),
+              tool_choice=named("get_weather")), 400, "parameters of function 'get_weather' is not supported",
+         "tools[0].function.parameters"),
     Case("assistant message without content or tool calls", CHAT, {"messages": [
         {"role": "assistant", "content": None, "tool_calls": []}]}, 400, "got nothing", "messages.0.content"),
     Case("response_format type", CHAT, chat(response_format={"type": "xml"}), 400, "'json_schema'",
@@ -230,14 +231,14 @@ CATALOGUE = [
          chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "Field required",
          "response_format.json_schema.schema"),
     Case("invalid JSON schema", CHAT, chat(response_format=json_schema({"type": "nonsense"})), 400,
-         "the JSON schema is not supported", "response_format"),
+         "the JSON schema is not supported", "response_format.json_schema.schema"),
     Case("JSON schema over --structured-outputs-max-bytes", CMPL,
          cmpl(guided_json={"enum": ["x" * 100] * (MAX_GRAMMAR // 100)}), 400,
          "--structured-outputs-max-bytes", "guided_json"),
     Case("guided_regex that does not parse", CMPL, cmpl(guided_regex="(a"), 400, "regular expression is not supported",
          "guided_regex"),
     Case("grammar that does not parse", CMPL, cmpl(structured_outputs={"grammar": "root ::= x"}), 400,
-         "grammar is not supported", "structured_outputs"),
+         "grammar is not supported", "structured_outputs.grammar"),
     Case("structured_outputs with two kinds", CMPL, cmpl(structured_outputs={"regex": "a", "choice": ["a"]}), 400,
          "exactly one of", "structured_outputs"),
     Case("structured_outputs unknown key", CMPL, cmpl(structured_outputs={"regexp": "a"}), 400, "Extra inputs",

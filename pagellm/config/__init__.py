@@ -4,11 +4,12 @@
 """
 from pagellm.config.arch import ModelArchConfig
 from pagellm.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig, StructuredOutputsConfig
+from pagellm.config.grammar_limits import GrammarLimits
 from pagellm.config.lora import LoRAConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig, ModelSource, PoolerConfig
 from pagellm.config.speculative import SpeculativeConfig
 
 __all__ = [
-    "CacheConfig", "DraftModelConfig", "EngineConfig", "LoRAConfig", "ModelArchConfig", "ModelConfig", "ModelSource",
-    "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
+    "CacheConfig", "DraftModelConfig", "EngineConfig", "GrammarLimits", "LoRAConfig", "ModelArchConfig", "ModelConfig",
+    "ModelSource", "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

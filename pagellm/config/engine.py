@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.config.grammar_limits import GrammarLimits
 from pagellm.config.lora import LoRAConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig
 from pagellm.config.speculative import SpeculativeConfig
@@ -79,6 +80,8 @@ class StructuredOutputsConfig:
     """Seconds a request's grammar may take to compile before the request is refused."""
     max_bytes: int = 65536
     """Largest schema, regex, grammar or choice list a request may send (bytes of its JSON text)."""
+    limits: GrammarLimits = field(default_factory=GrammarLimits)
+    """How complex a spec may be (depth, enum values, regex expansion, ...)."""
     reasoning_parser: str | None = None
     """How the model marks its reasoning (`pagellm.reasoning`); None: it does not."""
 

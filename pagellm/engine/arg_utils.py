@@ -3,11 +3,12 @@ checked and resolved into an `EngineConfig` against the model and the machine.""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import types
 import typing
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -16,6 +17,7 @@ from pagellm.config import (
     CacheConfig,
     DraftModelConfig,
     EngineConfig,
+    GrammarLimits,
     LoRAConfig,
     ModelArchConfig,
     ModelConfig,
@@ -101,6 +103,10 @@ class EngineArgs:
     reasoning_parser: str | None = _arg(None, lambda: f"How the model marks its reasoning: {REASONING_PARSER_REGISTRY.describe()}. Structured output (JSON schemas, tools) is enforced only after the reasoning ends, and the server returns the reasoning as reasoning_content.")
     structured_outputs_compile_timeout: float = _arg(10.0, "Seconds a request's JSON schema, regex or grammar may take to compile (off the step loop, in a thread pool) before the request is refused (HTTP 400).")
     structured_outputs_max_bytes: int = _arg(65536, "Largest JSON schema, regex, grammar or choice list a request may send, in bytes of its JSON text; larger ones are refused (HTTP 400).")
+    structured_outputs_limits: str | dict | None = _arg(None, lambda: (
+        "How complex a JSON schema, regex, grammar or choice list may be; more complex ones are refused before "
+        "they compile (HTTP 400). JSON setting some of the limits, whose defaults are "
+        f"{json.dumps(asdict(GrammarLimits()))} (docs/structured-output.md#limits)."))
     speculative_config: str | dict | None = _arg(None, 'Speculative decoding, as vLLM: JSON like \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (the defaults of both; prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens) or \'{"model": "draft.gguf", "num_speculative_tokens": 4}\' (a smaller model with the same vocabulary proposes greedily, with its own KV cache in the same blocks; optional "quantization" for its weights). The drafts are verified in one step: greedy output is unchanged, sampled output keeps its distribution. Optional "disable_by_batch_size": N (no speculation while N or more requests run). One rank only; steps that propose run without async scheduling. None: off.')
     enable_lora: bool = _arg(False, "Serve LoRA adapters (PEFT's format) on the base model: requests name one (LLM.generate(..., lora_request=LoRARequest(name, id, path)); on the server the request's model field, with --lora-modules); one step mixes requests of different adapters and of the base model. One tensor-parallel rank (pipeline stages may be several).")
     max_loras: int = _arg(1, "With enable_lora: most distinct adapters in one step (each adapted layer holds this many device slots); requests of further adapters wait.")
@@ -175,6 +181,7 @@ class EngineArgs:
             raise ValueError("structured_outputs_compile_timeout (--structured-outputs-compile-timeout) must be a "
                              f"number of seconds > 0, got {self.structured_outputs_compile_timeout!r}")
         _check_positive("structured_outputs_max_bytes", self.structured_outputs_max_bytes)
+        GrammarLimits.parse(self.structured_outputs_limits)
         world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         if executor is not None and executor.max_world_size is not None and world_size > executor.max_world_size:
             fits = [repr(e.name) for e in EXECUTOR_REGISTRY.entries()
@@ -273,6 +280,7 @@ class EngineArgs:
             structured_outputs=StructuredOutputsConfig(
                 compile_timeout_s=self.structured_outputs_compile_timeout,
                 max_bytes=self.structured_outputs_max_bytes,
+                limits=GrammarLimits.parse(self.structured_outputs_limits),
                 reasoning_parser=self.reasoning_parser,
             ),
             speculative=speculative,

@@ -31,7 +31,7 @@ class InputProcessor:
         self.generation_config = config.model.source.generation_config
         self.vocab_size = config.model.source.arch.vocab_size
         self.eos_token_ids = frozenset(_eos_ids(config, tokenizer))
-        self.grammar_checker = GrammarChecker(config.structured_outputs.max_bytes)
+        self.grammar_checker = GrammarChecker(config.structured_outputs)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text if any, prompt token ids)."""
@@ -145,8 +145,9 @@ class InputProcessor:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
-        """A GrammarError if the request's structured-output spec is too large or does not parse (cached
-        per spec; the first check imports xgrammar, so the server runs it off its event loop)."""
+        """A GrammarError if the request's structured-output spec is too large, too complex or does not
+        parse (cached per spec; the first check imports xgrammar, so the server runs it off its event
+        loop)."""
         if params.structured_outputs is None:
             return
         if self.tokenizer is None:

@@ -23,3 +23,13 @@ class GrammarError(ValueError):
         """Rebuilt from its message on the other side of the process boundary."""
         prefix, _, reason = message.partition(": ")
         return cls(prefix.removeprefix(_PREFIX), reason)
+
+
+class LimitExceeded(Exception):
+    """A spec is more complex than the `GrammarLimits` field `limit` allows; `reason` says how (the
+    check wraps it in a GrammarError naming the spec's kind)."""
+
+    def __init__(self, reason: str, limit: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.limit = limit

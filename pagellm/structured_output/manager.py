@@ -1,9 +1,11 @@
 """The engine core's grammars: compiled off the step loop, one matcher per request, the step's bitmask.
 
 A request with a grammar waits (without holding up others) until its compile finishes; past the
-compile time limit it is rejected. The matcher advances with each token the scheduler appends;
-the bitmask the scheduler sends with a step allows, for each grammar row, exactly the tokens that
-keep the output a prefix of the language (and the stop tokens once it is complete).
+compile time limit it is rejected and its compile thread written off (`compile_pool`), and a
+request for the same spec is rejected at once while that compile still runs. The matcher advances
+with each token the scheduler appends; the bitmask the scheduler sends with a step allows, for
+each grammar row, exactly the tokens that keep the output a prefix of the language (and the stop
+tokens once it is complete).
 """
 from __future__ import annotations
 
@@ -11,12 +13,14 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagellm.reasoning import get_reasoning_tags
 from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.structured_output.compile_pool import CompilePool
 from pagellm.structured_output.errors import GrammarError
 from pagellm.structured_output.source import GrammarSource
 from pagellm.tokenizer import load_tokenizer
@@ -30,11 +34,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _COMPILE_THREADS = 2
+_MAX_WRITTEN_OFF = 1
+"""Compiles past their time limit whose threads are replaced at once (see compile_pool)."""
 _CACHE_LIMIT_BYTES = 512 << 20
 """xgrammar's compiled-grammar cache (LRU): distinct schemas must not grow the core's memory forever."""
 
 
-def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids: list[int]) -> "xgrammar.TokenizerInfo":
+def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int,
+                         stop_token_ids: list[int]) -> "xgrammar.TokenizerInfo":
     """xgrammar's view of the vocabulary: each id's token string, how strings encode bytes (byte-level
     BPE, byte fallback or raw), the logits' width and the stop tokens."""
     import xgrammar as xgr
@@ -52,12 +59,19 @@ def build_tokenizer_info(tokenizer: "Tokenizer", vocab_size: int, stop_token_ids
 class RequestGrammar:
     """One request's grammar: compiling, then a matcher that follows its output tokens."""
 
-    __slots__ = ("_future", "_started", "_kind", "_timeout_s", "_matcher", "waiting_for_token", "_may_open")
+    __slots__ = ("_future", "_started", "_kind", "_timeout_s", "_on_timeout", "_timing", "_matcher",
+                 "waiting_for_token", "_may_open")
 
-    def __init__(self, future: "concurrent.futures.Future", kind: str, timeout_s: float) -> None:
+    def __init__(self, future: "concurrent.futures.Future", kind: str, timeout_s: float,
+                 on_timeout: Callable[[], None] = lambda: None, timing: Callable[[], bool] = lambda: True) -> None:
         self._future = future
         self._kind = kind
         self._timeout_s = timeout_s
+        self._on_timeout = on_timeout
+        """Called once the compile has run past `timeout_s`."""
+        self._timing = timing
+        """Whether a running compile's time counts: not while the vocabulary table is built (once, by
+        the first grammar: seconds, the import of xgrammar included)."""
         self._started: float | None = None
         """When the compile was first seen running: its time limit counts from there, not from the
         time it queued behind others."""
@@ -73,10 +87,11 @@ class RequestGrammar:
         if self._matcher is not None:
             return True
         if not self._future.done():
-            if self._future.running():
+            if self._future.running() and self._timing():
                 now = time.monotonic()
                 self._started = self._started or now
                 if now - self._started > self._timeout_s:
+                    self._on_timeout()
                     raise GrammarError(self._kind, f"took longer than {self._timeout_s:g} s to compile "
                                                    "(--structured-outputs-compile-timeout); simplify it")
             return False
@@ -135,23 +150,34 @@ class GrammarManager:
         self._vocab_size = vocab_size
         self._timeout_s = timeout_s
         self._reasoning = get_reasoning_tags(reasoning_parser) if reasoning_parser else None
-        self._pool = concurrent.futures.ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        self._pool = CompilePool(_COMPILE_THREADS, _MAX_WRITTEN_OFF, "grammar")
         self._lock = threading.Lock()
-        """Guards `_pending` (the step loop and the pool's callbacks)."""
+        """Guards `_pending` and `_overdue` (the step loop and the pool's callbacks)."""
         self._init_lock = threading.Lock()
         self._compiler: "xgrammar.GrammarCompiler | None" = None
         self._reasoning_ids: tuple[int | None, int | None] = (None, None)
         self._pending: set[concurrent.futures.Future] = set()
+        self._overdue: set[str] = set()
+        """Keys of the specs whose compile ran past the time limit and still runs."""
 
     def start(self, params: StructuredOutputsParams, prompt_token_ids: list[int],
               eos_token_ids: frozenset[int]) -> RequestGrammar:
         """Begin compiling a request's grammar (the frontend already checked that it parses)."""
         source = GrammarSource.of(params)
+        with self._lock:
+            overdue = source.key in self._overdue
+        if overdue:  # a second thread on it would run as long
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_exception(GrammarError(source.kind, f"took longer than {self._timeout_s:g} s to compile "
+                                                           "(--structured-outputs-compile-timeout) for an earlier "
+                                                           "request, and is compiling still; simplify it"))
+            return RequestGrammar(future, source.kind, self._timeout_s)
         future = self._pool.submit(self._build, source, prompt_token_ids, eos_token_ids)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._discard)
-        return RequestGrammar(future, source.kind, self._timeout_s)
+        return RequestGrammar(future, source.kind, self._timeout_s, lambda: self._overran(future, source),
+                              lambda: self._compiler is not None)
 
     def wait(self, timeout_s: float) -> None:
         """Block until some compile finishes or `timeout_s` passes: the core has nothing else to do."""
@@ -168,11 +194,32 @@ class GrammarManager:
         return bits
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def _discard(self, future: concurrent.futures.Future) -> None:
         with self._lock:
             self._pending.discard(future)
+
+    def _overran(self, future: concurrent.futures.Future, source: GrammarSource) -> None:
+        """A compile ran past the time limit: its request is refused; it cannot be stopped."""
+        with self._lock:
+            if source.key in self._overdue or future.done():
+                return
+            self._overdue.add(source.key)
+        future.add_done_callback(lambda _: self._forget_overdue(source.key))
+        if self._pool.write_off(future):
+            logger.warning("a %s grammar took longer than %g s to compile; its request is refused, and the compile "
+                           "goes on in a thread of its own until it ends (xgrammar cannot stop it)",
+                           source.kind, self._timeout_s)
+        else:
+            logger.warning("a %s grammar took longer than %g s to compile; its request is refused, and the compile "
+                           "keeps its thread until it ends (another overdue compile has a thread of its own "
+                           "already): grammars compile on one thread fewer meanwhile", source.kind, self._timeout_s)
+
+    def _forget_overdue(self, key: str) -> None:
+        """The overdue compile ended: the spec may be compiled again (xgrammar cached it if it succeeded)."""
+        with self._lock:
+            self._overdue.discard(key)
 
     def _build(self, source: GrammarSource, prompt_token_ids: list[int],
                eos_token_ids: frozenset[int]) -> tuple["xgrammar.GrammarMatcher", tuple]:

@@ -1,9 +1,9 @@
 """A structured-output spec as the text xgrammar compiles, and the frontend's check of it.
 
-The check (size limit, then xgrammar parses the spec into a grammar: milliseconds, no vocabulary
-involved) refuses an invalid schema, regex or grammar before the request reaches the engine core;
-what is left for the core is the compile against the vocabulary, which cannot fail on a parsed
-spec, only take long.
+The check (size limit, complexity limits (`limits.py`), then xgrammar parses the spec into a
+grammar: milliseconds, no vocabulary involved) refuses an invalid or too complex schema, regex or
+grammar before the request reaches the engine core; what is left for the core is the compile
+against the vocabulary, which cannot fail on a parsed spec, only take long.
 """
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.config import StructuredOutputsConfig
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.errors import GrammarError
+from pagellm.structured_output.errors import GrammarError, LimitExceeded
+from pagellm.structured_output.limits import check_limits
 
 _MAX_REASON_CHARS = 400
 _CHECKED_ENTRIES = 1024
@@ -90,14 +92,15 @@ class GrammarSource:
 class GrammarChecker:
     """The frontend's check of each spec, remembered (a client sends the same schema again and again)."""
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, config: StructuredOutputsConfig) -> None:
+        self.max_bytes = config.max_bytes
+        self.limits = config.limits
         self._lock = threading.Lock()
         self._checked: OrderedDict[str, str | None] = OrderedDict()
         """Spec key -> None if it parses, else the reason it does not."""
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Raise a GrammarError naming the kind if the spec is too large or does not parse."""
+        """Raise a GrammarError naming the kind if the spec is too large, too complex or does not parse."""
         source = GrammarSource.of(params)
         size = len(source.text.encode())
         if size > self.max_bytes:
@@ -109,10 +112,15 @@ class GrammarChecker:
             reason = self._checked.get(key)
         if not known:
             try:
+                check_limits(params, self.limits)
                 source.parse()
                 reason = None
+            except LimitExceeded as e:
+                reason = f"{e.reason} ({e.limit} of --structured-outputs-limits)"
             except GrammarError as e:
                 reason = e.reason
+            except RecursionError:  # only with a max_depth raised far beyond its default
+                reason = "is nested too deeply"
             with self._lock:
                 self._checked[key] = reason
                 if len(self._checked) > _CHECKED_ENTRIES:

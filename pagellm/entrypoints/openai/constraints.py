@@ -21,12 +21,15 @@ class OutputConstraint:
     """The request field it came from."""
     description: str | None = None
     """What the field holds, for error messages; None: named after the params' kind."""
+    location: str | None = None
+    """Where in the request the spec itself is (`response_format.json_schema.schema`), which errors
+    about it name; None: `field`."""
 
     def error(self, reason: str) -> APIError:
         """The 400 for a constraint the engine cannot use (a GrammarError's reason: "is not
         supported: ...", "is 70000 bytes, more than the limit ...")."""
-        return APIError(f"{self.field}: the {self.description or _KIND_NAMES[self.params.kind]} {reason}",
-                        param=self.field)
+        where = self.location or self.field
+        return APIError(f"{where}: the {self.description or _KIND_NAMES[self.params.kind]} {reason}", param=where)
 
 
 def request_constraints(request: GenerationRequest) -> list[OutputConstraint]:
@@ -35,7 +38,7 @@ def request_constraints(request: GenerationRequest) -> list[OutputConstraint]:
     response_format = request.response_format
     if response_format is not None and response_format.json_schema is not None:
         found.append(OutputConstraint(StructuredOutputsParams(json=response_format.json_schema.json_schema),
-                                      "response_format"))
+                                      "response_format", location="response_format.json_schema.schema"))
     elif response_format is not None and response_format.type == "json_object":
         found.append(OutputConstraint(StructuredOutputsParams(json_object=True), "response_format"))
     if request.structured_outputs is not None:
@@ -43,7 +46,7 @@ def request_constraints(request: GenerationRequest) -> list[OutputConstraint]:
             params = request.structured_outputs.to_params()
         except ValueError as e:
             raise APIError(str(e), param="structured_outputs") from None
-        found.append(OutputConstraint(params, "structured_outputs"))
+        found.append(OutputConstraint(params, "structured_outputs", location=f"structured_outputs.{params.kind}"))
     for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                        ("guided_grammar", "grammar")):
         value = getattr(request, name)

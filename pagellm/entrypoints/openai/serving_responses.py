@@ -27,7 +27,8 @@ from pagellm.entrypoints.openai.serving_base import ChatRun, OpenAIServing
 
 MAX_STORED_RESPONSES = 1000
 """How many stored responses (the most recently used) can be continued by previous_response_id."""
-_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+          "response_format.json_schema.schema": "text.format.schema"}
 """Chat request fields -> the Responses API's names for them, for error messages."""
 
 Message = dict[str, Any]

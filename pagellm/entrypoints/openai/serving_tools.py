@@ -62,13 +62,14 @@ def plan_tools(request: ChatCompletionRequest, auto_parser: ToolParser | None) -
         return ToolPlan(OutputConstraint(StructuredOutputsParams(json=schema), "tools",
                                          "JSON schema of the calls (from the tools' parameters)"),
                         JsonArrayToolParser())
-    tool = next((t for t in tools if t.function.name == choice.function.name), None)
+    index, tool = next(((i, t) for i, t in enumerate(tools) if t.function.name == choice.function.name), (0, None))
     if tool is None:
         raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not among tools "
                        f"({', '.join(map(repr, names))})", param="tool_choice")
     schema = tool.function.parameters if tool.function.parameters is not None else _NO_PARAMETERS
     return ToolPlan(OutputConstraint(StructuredOutputsParams(json=schema), "tools",
-                                     f"parameters of function {tool.function.name!r}"),
+                                     f"parameters of function {tool.function.name!r}",
+                                     f"tools[{index}].function.parameters"),
                     NamedToolParser(tool.function.name))
 
 
