@@ -151,6 +151,13 @@ def test_the_traffic_middleware_admits_by_work_and_gives_it_back_when_the_respon
     asyncio.run(run())
 
 
+def test_defaults_bound_the_work_and_every_wait():
+    limits = TrafficLimits.for_engine(max_num_seqs=256)
+    assert (limits.max_seqs_in_flight, limits.max_waiting_requests, limits.max_tokens_in_flight) == (512, 1024, None)
+    assert (limits.queue_timeout_s, limits.request_timeout_s) == (30.0, 600.0), "no request waits without end"
+    assert TrafficLimits.for_engine(4, max_seqs_in_flight=3, queue_timeout_s=None).queue_timeout_s is None
+
+
 def test_work_counts_sequences_per_prompt_and_the_tokens_they_may_reach():
     assert Work.of([10, 20], SamplingParams(n=3, max_tokens=5), max_model_len=100) == Work(6, 3 * (15 + 25))
     assert Work.of([10], SamplingParams(n=2, best_of=4, max_tokens=5), 100) == Work(4, 4 * 15), "best_of runs"
