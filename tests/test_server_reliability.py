@@ -190,7 +190,7 @@ def test_request_cut_at_shutdown_ends_its_response_with_an_error(stream):
     """uvicorn cancels what still runs when --shutdown-timeout has passed: a stream ends with an error
     event and [DONE] (not a bare EOF), a response not yet begun is a 503, and the cancellation goes
     no further (uvicorn would log it as a traceback)."""
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0))
+    state = TrafficState(TrafficLimits(max_seqs_in_flight=2, max_waiting_requests=0))
     release, cancelled, sent = asyncio.Event(), [], []
 
     async def send(message) -> None:

@@ -108,7 +108,15 @@ class OpenAIServing:
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
     async def render_chat(self, request: ChatPromptFields, truncating: bool = False) -> tuple[str, list[int]]:
-        """The conversation's prompt text and token ids, as `LLM.chat` builds them (`token_ids_of`)."""
+        """The conversation's prompt text (`chat_text`) and its token ids (`token_ids_of`), as `LLM.chat`
+        builds them."""
+        text = self.chat_text(request)
+        # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
+        [token_ids] = await self.token_ids_of([text], request.add_special_tokens, "messages", truncating)
+        return text, token_ids
+
+    def chat_text(self, request: ChatPromptFields) -> str:
+        """The conversation rendered through the chat template: the prompt's text."""
         if request.continue_final_message and request.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt cannot both be true; "
                            "set add_generation_prompt to false to continue the final message",
@@ -143,9 +151,7 @@ class OpenAIServing:
         _check_late_system_messages(text, messages)
         if request.continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
-        # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
-        [token_ids] = await self.token_ids_of([text], request.add_special_tokens, "messages", truncating)
-        return text, token_ids
+        return text
 
     def sampling_params(self, request: GenerationRequest, max_tokens: int | None,
                         constraint: OutputConstraint | None = None) -> SamplingParams:
