@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from pagellm.benchmarks.server_process import ServerProcess
+from pagellm.cli import main
 from pagellm.engine.core import EngineCore
 from pagellm.engine.core_client import CoreClient
-from pagellm.cli import main
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256, "hidden_size": 32,
@@ -131,7 +131,10 @@ COMMAND_CASES = [
     (["serve", "--bogus-flag"], "--bogus-flag"),
     (["serve", "--port", "0", "/no/such/model.gguf"], "model"),
     (["serve", "--max-waiting-requests", "-1"], "--max-waiting-requests"),
-    (["serve", "--request-timeout", "0"], "--request-timeout"),
+    (["serve", "--request-timeout", "-1"], "--request-timeout"),
+    (["serve", "--queue-timeout", "-1"], "--queue-timeout"),
+    (["serve", "--max-seqs-in-flight", "0"], "--max-seqs-in-flight"),
+    (["serve", "--max-tokens-in-flight", "0"], "--max-tokens-in-flight"),
     (["serve", "--engine-stall-timeout", "-1"], "--engine-stall-timeout"),
     (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout"),
     (["serve", "--uvicorn-log-level", "loud"], "--uvicorn-log-level"),
@@ -144,6 +147,8 @@ COMMAND_CASES = [
     (["serve", "--port", "0", "--max-n", "0"], "--max-n"),
     (["serve", "--port", "0", "--max-stop-sequences", "0"], "--max-stop-sequences"),
     (["serve", "--port", "0", "--max-prompts", "0"], "--max-prompts"),
+    (["serve", "--port", "0", "--max-request-seqs", "0"], "--max-request-seqs"),
+    (["serve", "--port", "0", "--max-request-tokens", "0"], "--max-request-tokens"),
     (["serve", "--lora-modules", "sql"], "--lora-modules"),
     (["serve", "--lora-modules", '{"name": "sql"}'], "--lora-modules"),
     (["serve", "--lora-modules", '{"name": "sql", "path": "/a", "rank": 8}'], "--lora-modules"),
@@ -309,7 +314,8 @@ def _engine_flag_cases() -> list:
     cases = []
     for command in ENGINE_COMMANDS:
         for args, flag in ENGINE_CASES + CONFIG_CASES:
-            reads_model = (args, flag) in MODEL_CASES or ((args, flag) in DEVICE_CASES and command == "bench throughput")
+            reads_model = (args, flag) in MODEL_CASES or ((args, flag) in DEVICE_CASES
+                                                          and command == "bench throughput")
             cases.append(pytest.param(command, args, flag, id=f"{command}-{_case_id(args)}-{flag}",
                                       marks=[pytest.mark.slow] if reads_model else []))
     return cases

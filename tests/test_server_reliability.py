@@ -16,12 +16,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-
 from engine_utils import wait_for
+from server_utils import RemoteServer, is_idle, metric_samples
+
 from pagellm.engine.liveness import LivenessMonitor
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
-from server_utils import RemoteServer, is_idle, metric_samples
 
 MODEL_NAME = "smollm2"
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str(64 << 20),
@@ -104,7 +104,7 @@ def _traffic_client(state: TrafficState, release: asyncio.Event, cancelled: list
 
 def test_requests_past_capacity_get_503_with_retry_after_at_once():
     turned_away: list[str] = []
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=1), on_turned_away=turned_away.append)
+    state = TrafficState(TrafficLimits(max_seqs_in_flight=2, max_waiting_requests=1), on_turned_away=turned_away.append)
 
     async def run() -> None:
         release = asyncio.Event()
@@ -115,7 +115,7 @@ def test_requests_past_capacity_get_503_with_retry_after_at_once():
             assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
             error = refused.json()["error"]
             assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
-            assert "--max-num-seqs 2 + --max-waiting-requests 1" in error["message"]
+            assert "--max-seqs-in-flight 2 + --max-waiting-requests 1" in error["message"]
             assert state.not_ready_reason() is not None
             assert (await client.post("/tokenize")).status_code == 200, "only generation is bounded"
             release.set()
@@ -128,7 +128,7 @@ def test_requests_past_capacity_get_503_with_retry_after_at_once():
 
 def test_request_timeout_cancels_the_handler_and_answers_504():
     turned_away: list[str] = []
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0, request_timeout_s=0.3),
+    state = TrafficState(TrafficLimits(max_seqs_in_flight=2, max_waiting_requests=0, request_timeout_s=0.3),
                          on_turned_away=turned_away.append)
 
     async def run() -> None:
@@ -150,7 +150,7 @@ def test_request_timeout_cancels_the_handler_and_answers_504():
 
 
 def test_request_timeout_header_shortens_the_limit_and_is_validated():
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0, request_timeout_s=60.0))
+    state = TrafficState(TrafficLimits(max_seqs_in_flight=2, max_waiting_requests=0, request_timeout_s=60.0))
 
     async def run() -> None:
         cancelled: list[str] = []
@@ -170,7 +170,7 @@ def test_request_timeout_header_shortens_the_limit_and_is_validated():
 
 def test_draining_refuses_everything_but_probes():
     turned_away: list[str] = []
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=2), draining=True,
+    state = TrafficState(TrafficLimits(max_seqs_in_flight=2, max_waiting_requests=2), draining=True,
                          on_turned_away=turned_away.append)
 
     async def run() -> None:
@@ -190,7 +190,7 @@ def test_request_cut_at_shutdown_ends_its_response_with_an_error(stream):
     """uvicorn cancels what still runs when --shutdown-timeout has passed: a stream ends with an error
     event and [DONE] (not a bare EOF), a response not yet begun is a 503, and the cancellation goes
     no further (uvicorn would log it as a traceback)."""
-    state = TrafficState(TrafficLimits(max_num_seqs=2, max_waiting_requests=0))
+    state = TrafficState(TrafficLimits(max_seqs_in_flight=2, max_waiting_requests=0))
     release, cancelled, sent = asyncio.Event(), [], []
 
     async def send(message) -> None:

@@ -475,15 +475,15 @@ def serving_with(template: str) -> OpenAIServing:
 def test_a_late_system_message_is_refused_where_the_template_drops_or_moves_it(template, placed):
     serving = serving_with(template)
     system_first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert "be brief." in serving.render_chat(ChatPromptFields(messages=system_first))[0].lower()
+    assert "be brief." in serving.chat_text(ChatPromptFields(messages=system_first)).lower()
     late = ChatPromptFields(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"},
                                       {"role": "system", "content": "Answer in French."}])
     if placed:
-        text = serving.render_chat(late)[0].lower()
+        text = serving.chat_text(late).lower()
         assert text.index("hello!") < text.index("answer in french.")
         return
     with pytest.raises(APIError) as refused:
-        serving.render_chat(late)
+        serving.chat_text(late)
     assert refused.value.param == "messages" and "messages[2] (system)" in refused.value.message
 
 
@@ -496,7 +496,7 @@ def test_a_late_system_message_is_refused_where_the_template_drops_or_moves_it(t
 def test_a_template_failing_on_a_value_is_a_400_naming_the_field_that_holds_it(fields, param):
     serving = serving_with(DOCUMENTS)
     docs = ChatPromptFields(messages=HI, chat_template_kwargs={"documents": [{"title": "A", "text": "b"}]})
-    assert serving.render_chat(docs)[0].startswith("A: b\n")
+    assert serving.chat_text(docs).startswith("A: b\n")
     with pytest.raises(APIError) as refused:
-        serving.render_chat(ChatPromptFields(**{"messages": HI, **fields}))
+        serving.chat_text(ChatPromptFields(**{"messages": HI, **fields}))
     assert refused.value.param == param and "TypeError" not in refused.value.message, refused.value.message

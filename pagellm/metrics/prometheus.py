@@ -1,6 +1,8 @@
 """Prometheus metrics under the names vLLM users already chart, with the `pagellm:` prefix."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagellm.core.outputs import LoRAStats, SchedulerStats, SpecDecodeStats
@@ -9,8 +11,8 @@ from pagellm.metrics.stats import IterationStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Created up front so every reason's series exists (at 0) before its first request ends."""
-TURNED_AWAY_REASONS = ("at_capacity", "draining", "timed_out")
-"""Why the server answered a generation request without running it to its end (503, 503, 504)."""
+TURNED_AWAY_REASONS = ("at_capacity", "queue_timeout", "draining", "timed_out")
+"""Why the server answered a generation request without running it to its end (503, 503, 503, 504)."""
 
 # Seconds. First tokens range from a few ms (short cached prompt on a GPU) to minutes (long
 # prompts queued behind others on a CPU); token gaps are usually tens of ms; whole requests can
@@ -98,7 +100,8 @@ class PrometheusStatLogger:
 
         self.http_turned_away = Counter(
             "pagellm:http_requests_turned_away",
-            "Generation requests answered 503 (at capacity, draining) or 504 (past their time limit).",
+            "Generation requests answered 503 (at capacity, past their queue time, draining) or 504 (past their "
+            "time limit).",
             ["model_name", "reason"], registry=self.registry)
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
@@ -179,6 +182,16 @@ class PrometheusStatLogger:
             self.request_queue_time.labels(*labels).observe(finished.queued_time)
             self.request_prompt_tokens.labels(*labels).observe(finished.num_prompt_tokens)
             self.request_generation_tokens.labels(*labels).observe(finished.num_generation_tokens)
+
+    def watch_admission(self, seqs: Callable[[], float], tokens: Callable[[], float],
+                        waiting: Callable[[], float]) -> None:
+        """Gauges of the server's admission by work, read at each scrape: the sequences and tokens
+        admitted to the engine, and the requests waiting for room."""
+        for name, doc, read in (
+                ("pagellm:admitted_sequences", "Sequences of generation requests admitted to the engine.", seqs),
+                ("pagellm:admitted_tokens", "Tokens (prompt + max_tokens) of the sequences admitted.", tokens),
+                ("pagellm:requests_waiting_for_admission", "Generation requests waiting for room.", waiting)):
+            Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name).set_function(read)
 
     def record_turned_away(self, reason: str) -> None:
         """One generation request the server's edge answered without running it to its end."""

@@ -22,7 +22,7 @@ class Tokenizer:
     """Encode, decode (whole or streamed) and render chat prompts for one model."""
 
     __slots__ = ("backend", "vocab_size", "bos_token", "eos_token", "unk_token", "pad_token",
-                 "bos_token_id", "eos_token_id", "all_special_ids", "chat_template")
+                 "bos_token_id", "eos_token_id", "all_special_ids", "chat_template", "max_token_chars")
 
     def __init__(
         self,
@@ -43,6 +43,13 @@ class Tokenizer:
         added = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
         self.all_special_ids: set[int] = named | added
         self.chat_template = chat_template
+        # A vocabulary entry has a character per byte it stands for (byte-level BPE: a character of
+        # the text is at least a byte) or per character (SentencePiece, whose byte-fallback entries
+        # stand for less), so no token covers more characters of a text than the longest entry has,
+        # and a text of more than max_token_chars * N characters is more than N tokens. (Not so for
+        # a normalizer that drops text, as BERT's drops whitespace; no model served here has one.)
+        self.max_token_chars: int = max(map(len, backend.get_vocab(with_added_tokens=True)))
+        """The most characters of a text one token covers: bounds a text's token count before tokenizing it."""
 
     def _token_id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -50,6 +57,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text map to their ids."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, as `encode` gives them. Unlike `encode`, it lets go of the GIL while
+        it works, so that run on a worker thread it does not hold up the caller's other threads."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

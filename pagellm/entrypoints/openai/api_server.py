@@ -75,8 +75,8 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
     """The app serving `engine`; requests may name any of the served names (the first is the default),
     or, given ServedModels, one of its LoRA adapters too.
 
-    `traffic` bounds requests in flight (default: TrafficLimits.for_engine) and may carry a request
-    timeout; with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`.
+    `traffic` bounds requests and their work in flight, and their time (default:
+    TrafficLimits.for_engine); with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`.
     `auto_tool_parser` (a TOOL_PARSER_REGISTRY name) enables tool_choice "auto" on chat completions.
     `allow_runtime_lora_updating` adds the routes that load and unload adapters."""
     if isinstance(served_model_name, ServedModels):
@@ -187,11 +187,11 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: CountTokensRequest) -> CountTokensResponse:
-        return messages.count_tokens(request)
+        return await messages.count_tokens(request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
-        return tokens.tokenize(request)
+        return await tokens.tokenize(request)
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
@@ -269,9 +269,10 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     allow_lora_updating = runtime_lora_updating_allowed(ns)
     api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
     limits = ServerLimits.from_namespace(ns)
-    # Every data-parallel replica runs max_num_seqs sequences.
-    traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs * args.data_parallel_size,
-                                                    ns.max_waiting_requests, ns.request_timeout))
+    # Every data-parallel replica runs max_num_seqs sequences. A timeout of 0 is none.
+    traffic = TrafficState(TrafficLimits.for_engine(
+        args.max_num_seqs * args.data_parallel_size, ns.max_seqs_in_flight, ns.max_waiting_requests,
+        ns.max_tokens_in_flight, ns.queue_timeout or None, ns.request_timeout or None))
     config = args.create_engine_config()
     models = ServedModels.for_engine(names, config)
     await _load_lora_modules(models, ns.lora_modules or ())  # before the engine starts: a bad one fails fast
@@ -279,6 +280,8 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size,
                                    max_loras=config.lora.max_loras if config.lora is not None else None)
     traffic.on_turned_away = metrics.record_turned_away
+    admission = traffic.admission
+    metrics.watch_admission(lambda: admission.seqs, lambda: admission.tokens, lambda: admission.num_waiting)
     engine = AsyncLLM(config, stat_loggers=[metrics, LoggingStatLogger(num_engines=args.data_parallel_size)],
                       stall_timeout_s=ns.engine_stall_timeout or None)
     try:

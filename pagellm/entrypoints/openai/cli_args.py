@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pagellm.config.json_flags import json_object
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.liveness import DEFAULT_STALL_TIMEOUT_S
-from pagellm.entrypoints.arg_types import non_negative_float, non_negative_int, port, positive_float
-from pagellm.entrypoints.openai.limits import add_limit_args
+from pagellm.entrypoints.arg_types import non_negative_float, non_negative_int, port, positive_int
+from pagellm.entrypoints.openai.limits import DEFAULT_QUEUE_TIMEOUT_S, DEFAULT_REQUEST_TIMEOUT_S, add_limit_args
 from pagellm.entrypoints.openai.tool_parsers import TOOL_PARSER_REGISTRY
 
 API_KEY_ENV = "PAGELLM_API_KEY"
@@ -104,12 +104,21 @@ def runtime_lora_updating_allowed(ns: argparse.Namespace, environ: Mapping[str, 
 
 def _add_reliability_args(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("overload, timeouts and shutdown")
+    group.add_argument("--max-seqs-in-flight", type=positive_int, default=None,
+                       help="sequences (prompts x n) of generation requests admitted to the engine at once; a "
+                            "request that does not fit waits for room. None: 2 per --max-num-seqs")
+    group.add_argument("--max-tokens-in-flight", type=positive_int, default=None,
+                       help="tokens (prompt + max_tokens of each sequence) admitted to the engine at once; a "
+                            "request that does not fit waits for room. None: no bound")
     group.add_argument("--max-waiting-requests", type=non_negative_int, default=None,
-                       help="generation requests that may wait beyond the --max-num-seqs the engine runs; past "
-                            "that, new ones get 503 with Retry-After at once. None: 4 per --max-num-seqs")
-    group.add_argument("--request-timeout", type=positive_float, default=None,
+                       help="generation requests that may wait for room; past that, a request that does not fit "
+                            "gets 503 with Retry-After at once. None: 4 per --max-num-seqs")
+    group.add_argument("--queue-timeout", type=non_negative_float, default=DEFAULT_QUEUE_TIMEOUT_S,
+                       help="seconds a generation request may wait for room before it gets 503 with Retry-After; "
+                            "0: no limit")
+    group.add_argument("--request-timeout", type=non_negative_float, default=DEFAULT_REQUEST_TIMEOUT_S,
                        help="seconds after which an unfinished generation request is aborted with a 504 (a stream "
-                            "gets an error event); None: no limit. A client may set a shorter limit for one "
+                            "gets an error event); 0: no limit. A client may set a shorter limit for one "
                             "request with the header X-Request-Timeout: <seconds>")
     group.add_argument("--engine-stall-timeout", type=non_negative_float, default=DEFAULT_STALL_TIMEOUT_S,
                        help="seconds one engine step may run before the engine counts as stalled and the server "

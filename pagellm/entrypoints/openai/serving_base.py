@@ -15,10 +15,12 @@ from pydantic import BaseModel
 
 from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.entrypoints.openai.admission import Work, ticket_of
 from pagellm.entrypoints.openai.chat_output import ChatOutput
 from pagellm.entrypoints.openai.constraints import OutputConstraint, one_constraint, request_constraints
 from pagellm.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, request_id_of, sse_error
 from pagellm.entrypoints.openai.limits import ServerLimits
+from pagellm.entrypoints.openai.prompt_encoding import encode_texts
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatPromptFields,
@@ -95,8 +97,26 @@ class OpenAIServing:
             raise APIError("this model has no tokenizer (dummy weights): send the prompt as token ids")
         return self.engine.tokenizer
 
-    def render_chat(self, request: ChatPromptFields) -> tuple[str, list[int]]:
-        """The conversation's prompt text and token ids, as `LLM.chat` builds them."""
+    async def token_ids_of(self, prompts: Sequence[str | list[int]], add_special_tokens: bool, param: str,
+                           truncating: bool = False) -> list[list[int]]:
+        """Each of a request's prompts (the field `param`) as token ids: texts tokenized off the event
+        loop, after a text that cannot fit max_model_len is refused by its length (unless the request
+        is `truncating` its prompts: prompt_encoding.py); token-id lists as they are."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(await encode_texts(self.tokenizer(), texts, add_special_tokens, self.max_model_len, param,
+                                          truncating) if texts else ())
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+    async def render_chat(self, request: ChatPromptFields, truncating: bool = False) -> tuple[str, list[int]]:
+        """The conversation's prompt text (`chat_text`) and its token ids (`token_ids_of`), as `LLM.chat`
+        builds them."""
+        text = self.chat_text(request)
+        # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
+        [token_ids] = await self.token_ids_of([text], request.add_special_tokens, "messages", truncating)
+        return text, token_ids
+
+    def chat_text(self, request: ChatPromptFields) -> str:
+        """The conversation rendered through the chat template: the prompt's text."""
         if request.continue_final_message and request.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt cannot both be true; "
                            "set add_generation_prompt to false to continue the final message",
@@ -131,8 +151,7 @@ class OpenAIServing:
         _check_late_system_messages(text, messages)
         if request.continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content"))
-        # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
-        return text, tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        return text
 
     def sampling_params(self, request: GenerationRequest, max_tokens: int | None,
                         constraint: OutputConstraint | None = None) -> SamplingParams:
@@ -202,6 +221,26 @@ class OpenAIServing:
                 f"(max_model_len); set {param} to at most {self.max_model_len - num_prompt_tokens} or shorten "
                 "the prompt", param=param)
 
+    async def admit(self, raw_request: Request, prompt_lens: Sequence[int], params: SamplingParams | PoolingParams,
+                    prompt_param: str, max_tokens_param: str | None = None) -> None:
+        """Take the request's place among the work in flight (admission.py), by the sequences and
+        tokens its prompts (of `prompt_lens` tokens, from the field `prompt_param`) ask for; 400
+        naming a field when the request alone asks for more than --max-request-seqs or
+        --max-request-tokens allow, 503 when no room comes in time."""
+        work = Work.of(prompt_lens, params, self.max_model_len)
+        per_prompt = work.seqs // len(prompt_lens)
+        if work.seqs > self.limits.max_request_seqs:
+            seq_param = prompt_param if per_prompt == 1 else "best_of" if getattr(params, "best_of", None) else "n"
+            raise APIError(f"this request asks for {work.seqs} sequences ({len(prompt_lens)} prompts x {per_prompt}), "
+                           f"more than this server's --max-request-seqs ({self.limits.max_request_seqs}); send fewer "
+                           "prompts or ask for fewer sequences each", param=seq_param)
+        max_tokens = self.limits.max_request_tokens
+        if max_tokens is not None and work.tokens > max_tokens:
+            raise APIError(f"this request's {work.seqs} sequences may reach {work.tokens} tokens in all (prompt + "
+                           f"{max_tokens_param or 'output'} each), more than this server's --max-request-tokens "
+                           f"({max_tokens}); ask for fewer tokens or sequences", param=max_tokens_param or prompt_param)
+        await ticket_of(raw_request.scope).admit(work)
+
     @staticmethod
     def make_request_id(prefix: str, requested: str | None, raw_request: Request) -> str:
         """The engine's id for a request: the body's `request_id`, else its X-Request-Id, so that the
@@ -244,9 +283,10 @@ class OpenAIServing:
             raise failure
         return results
 
-    async def start_chat(self, request: ChatCompletionRequest, request_id: str,
+    async def start_chat(self, request: ChatCompletionRequest, request_id: str, raw_request: Request,
                          names: Mapping[str, str] | None = None) -> ChatRun:
-        """Render `request`'s conversation through the chat template, check it fits, and submit it:
+        """Render `request`'s conversation through the chat template, check it fits, admit it (the
+        work of `raw_request`) and submit it:
         the one path from a conversation to the engine, for chat completions and for the APIs that
         translate their requests into one (Responses, Anthropic Messages). `names` maps chat fields
         to the calling API's names for them, so that errors name the field the client sent."""
@@ -256,13 +296,14 @@ class OpenAIServing:
             tools = plan_tools(request, self.auto_tool_parser)
             tool_constraints = [tools.constraint] if tools.constraint is not None else []
             constraint = one_constraint([*request_constraints(request), *tool_constraints])
-            text, token_ids = self.render_chat(request)
+            text, token_ids = await self.render_chat(request, request.truncate_prompt_tokens is not None)
             max_tokens, param = request.max_tokens_field()
             self.check_fits(request, len(token_ids), names.get("messages", "messages"), max_tokens,
                             names.get(param, param))
             params = self.sampling_params(request, max_tokens, constraint)
             if tools.parser is not None and tools.parser.needs_special_tokens:
                 params.skip_special_tokens = False  # the parser's marker is one
+            await self.admit(raw_request, [len(token_ids)], params, "messages", param)
             prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
             started = await self.start(prompt, params, request_id, constraint, model.lora_request)
         except APIError as e:

@@ -25,7 +25,7 @@ from pagellm.outputs import CompletionOutput
 class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         request_id = self.make_request_id("chatcmpl", request.request_id, raw_request)
-        run = await self.start_chat(request, request_id)
+        run = await self.start_chat(request, request_id, raw_request)
         model, started = run.model, run.started
         if request.stream:
             return self.event_stream(self._chunks(started, run.output, request, request_id, model), raw_request)

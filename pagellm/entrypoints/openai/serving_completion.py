@@ -41,13 +41,12 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         prompts = self.prompt_list(request.prompt, "prompt")
         engine_prompts = []
-        for prompt in prompts:
-            if isinstance(prompt, str):
-                ids = self.tokenizer().encode(prompt, add_special_tokens=request.add_special_tokens)
-                engine_prompts.append({"prompt": prompt, "prompt_token_ids": ids, "cache_salt": request.cache_salt})
-            else:
-                engine_prompts.append({"prompt_token_ids": prompt, "cache_salt": request.cache_salt})
-            self.check_prompt_ids(engine_prompts[-1]["prompt_token_ids"], "prompt")
+        token_ids = await self.token_ids_of(prompts, request.add_special_tokens, "prompt",
+                                            request.truncate_prompt_tokens is not None)
+        for prompt, ids in zip(prompts, token_ids):
+            self.check_prompt_ids(ids, "prompt")
+            text = {"prompt": prompt} if isinstance(prompt, str) else {}
+            engine_prompts.append({**text, "prompt_token_ids": ids, "cache_salt": request.cache_salt})
         # max_tokens 0 with echo scores the prompt: one token is generated (the engine needs one
         # step past the prompt) and left out of the response.
         prompt_only = request.max_tokens == 0
@@ -59,6 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.check_fits(request, len(p["prompt_token_ids"]), "prompt", max_tokens, "max_tokens")
         constraint = one_constraint(request_constraints(request))
         params = self.sampling_params(request, max_tokens, constraint)
+        await self.admit(raw_request, [len(p["prompt_token_ids"]) for p in engine_prompts], params, "prompt",
+                         "max_tokens")
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
         started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
 
 import numpy as np
 from fastapi import Request
@@ -34,8 +33,14 @@ class OpenAIServingEmbedding(OpenAIServing):
         if request.dimensions is not None and request.dimensions != hidden_size:
             raise APIError(f"dimensions must be this model's hidden size ({hidden_size}) or left out: the model does "
                            f"not support shorter (Matryoshka) embeddings, got {request.dimensions}", param="dimensions")
-        prompts = [self._prompt(p, request) for p in self.prompt_list(request.input, "input")]
+        inputs = self.prompt_list(request.input, "input")
+        prompts = []
+        for token_ids in await self.token_ids_of(inputs, request.add_special_tokens, "input",
+                                                 request.truncate_prompt_tokens is not None):
+            self.check_prompt_ids(token_ids, "input")
+            prompts.append({"prompt_token_ids": token_ids})
         params = PoolingParams(normalize=request.normalize, truncate_prompt_tokens=request.truncate_prompt_tokens)
+        await self.admit(raw_request, [len(p["prompt_token_ids"]) for p in prompts], params, "input")
         request_id = self.make_request_id("embd", request.request_id, raw_request)
         started = await self.start_all(prompts, params, request_id, lora_request=model.lora_request)
         outputs = await self.finals(started, raw_request)
@@ -47,14 +52,6 @@ class OpenAIServingEmbedding(OpenAIServing):
         response = EmbeddingResponse(id=request_id, model=model.name, data=data,
                                      usage=EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens))
         return JSONResponse(response.model_dump())
-
-    def _prompt(self, prompt: str | list[int], request: EmbeddingRequest) -> dict[str, Any]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer().encode(prompt, add_special_tokens=request.add_special_tokens)
-        else:
-            token_ids = prompt
-        self.check_prompt_ids(token_ids, "input")
-        return {"prompt_token_ids": token_ids}
 
 
 def _encode(embedding: list[float], encoding_format: str) -> list[float] | str:

@@ -33,7 +33,7 @@ class AnthropicServingMessages(OpenAIServing):
         chat = ChatCompletionRequest(model=request.model, messages=_conversation(request), stream=request.stream,
                                      max_tokens=request.max_tokens, stop=request.stop_sequences,
                                      temperature=request.temperature, top_p=request.top_p, top_k=request.top_k)
-        run = await self.start_chat(chat, self.make_request_id("msg", None, raw_request), _NAMES)
+        run = await self.start_chat(chat, self.make_request_id("msg", None, raw_request), raw_request, _NAMES)
         message_id = f"msg_{uuid.uuid4().hex}"
         if request.stream:
             return self.event_stream(self._events(run, message_id), raw_request, named=True)
@@ -47,10 +47,10 @@ class AnthropicServingMessages(OpenAIServing):
                                    usage=_usage(self.usage([final])))
         return JSONResponse(message.model_dump())
 
-    def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
+    async def count_tokens(self, request: CountTokensRequest) -> CountTokensResponse:
         """The prompt's length in tokens, as /v1/messages would render it."""
         self.check_model(request.model)
-        _, token_ids = self.render_chat(ChatPromptFields(messages=_conversation(request)))
+        _, token_ids = await self.render_chat(ChatPromptFields(messages=_conversation(request)))
         return CountTokensResponse(input_tokens=len(token_ids))
 
     async def _events(self, run: ChatRun, message_id: str) -> AsyncGenerator[MessagesEvent, None]:

@@ -49,7 +49,7 @@ class OpenAIServingResponses(OpenAIServing):
                                      max_completion_tokens=request.max_output_tokens,
                                      temperature=request.temperature, top_p=request.top_p, user=request.user,
                                      response_format=response_format(request))
-        run = await self.start_chat(chat, self.make_request_id("resp", None, raw_request), _NAMES)
+        run = await self.start_chat(chat, self.make_request_id("resp", None, raw_request), raw_request, _NAMES)
         response = _response_object(request, run.model)
         if request.stream:
             return self.event_stream(self._events(run, response, history, request.store),

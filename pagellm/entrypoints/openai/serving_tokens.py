@@ -13,13 +13,13 @@ from pagellm.entrypoints.openai.serving_base import OpenAIServing
 
 
 class OpenAIServingTokens(OpenAIServing):
-    def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         """The token ids a completion (`prompt`) or chat (`messages`) request would send to the model."""
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            _, token_ids = self.render_chat(request)
+            _, token_ids = await self.render_chat(request)
         else:
-            token_ids = self.tokenizer().encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            [token_ids] = await self.token_ids_of([request.prompt], request.add_special_tokens, "prompt")
         return TokenizeResponse(count=len(token_ids), max_model_len=self.max_model_len, tokens=token_ids)
 
     def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
