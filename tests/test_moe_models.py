@@ -16,10 +16,10 @@ import torch
 import transformers
 from attn_utils import build_metadata
 from engine_utils import assert_no_leak
+from family_utils import assert_matches_hf, save_with_tokenizer
 from lora_utils import greedy_reference
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagellm import LLM, LoRARequest, SamplingParams
 from pagellm.attention import get_attn_backend
@@ -74,10 +74,7 @@ def save_tiny(folder: Path, family: str):
     """`hf_model(family)` saved as safetensors (one tensor per expert and projection, as
     transformers writes them) with a word-level tokenizer; returns the model."""
     model = hf_model(family)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
+    save_with_tokenizer(model, folder)
     return model
 
 
@@ -96,21 +93,6 @@ def run(folder: Path, prompts: list[list[int]], **kwargs) -> tuple[list, LLM]:
     llm = LLM(str(folder), **{**CPU, **kwargs})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return outs, llm
-
-
-def assert_matches_hf(model, outs, prompts: list[list[int]]) -> None:
-    """Each output is Hugging Face's greedy continuation: at every position the token is the argmax of
-    HF's logits over the prompt and the tokens before it, and its logprob HF's (one HF forward pass
-    per sequence, the same logits its greedy generation computes step by step)."""
-    for prompt, out in zip(prompts, outs):
-        seq = out.outputs[0]
-        assert len(seq.token_ids) == NEW_TOKENS
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + seq.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-        assert logits.argmax(dim=-1).tolist() == seq.token_ids, f"prompt of {len(prompt)} tokens"
-        ref_logprobs = logits.log_softmax(dim=-1).gather(1, torch.tensor(seq.token_ids)[:, None])[:, 0]
-        logprobs = torch.tensor([lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids)])
-        torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -136,7 +118,7 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
               "preempted": {"num_gpu_blocks_override": 12, "max_model_len": 128, "enable_prefix_caching": False},
               }[variant]
     outs, llm = run(folder, PROMPTS, **kwargs)
-    assert_matches_hf(model, outs, PROMPTS)
+    assert_matches_hf(model, outs, PROMPTS, NEW_TOKENS)
     if variant == "preempted":
         assert llm.llm_engine.engine_core.stats().num_preemptions > 0
     assert_no_leak(llm.llm_engine)
@@ -149,7 +131,7 @@ def test_prefix_cache_hits_keep_the_tokens(tiny):
     outs = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
     outs += llm.generate([{"prompt_token_ids": p} for p in rest], GREEDY, use_tqdm=False)
     assert llm.llm_engine.get_stats().prefix_cache_hits >= 2 * 32
-    assert_matches_hf(model, outs, prefix_prompts())
+    assert_matches_hf(model, outs, prefix_prompts(), NEW_TOKENS)
 
 
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds
@@ -160,7 +142,7 @@ def test_two_ranks_over_processes_match_hf(tiny, split):
     _, folder, model = tiny
     outs, llm = run(folder, PROMPTS + prefix_prompts(), max_num_batched_tokens=32, max_num_seqs=4, **split)
     try:
-        assert_matches_hf(model, outs, PROMPTS + prefix_prompts())
+        assert_matches_hf(model, outs, PROMPTS + prefix_prompts(), NEW_TOKENS)
         assert llm.llm_engine.get_stats().prefix_cache_hits > 0
     finally:
         llm.llm_engine.shutdown()
