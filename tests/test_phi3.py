@@ -10,21 +10,25 @@ import json
 import logging
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
 from attn_utils import build_metadata
 from engine_utils import assert_no_leak
 from family_utils import assert_matches_hf, save_with_tokenizer
+from lora_utils import greedy_reference, save_adapter
 from safetensors.torch import load_file, save_file
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, LoRARequest, SamplingParams
 from pagellm.attention import get_attn_backend
 from pagellm.config.arch import ModelArchConfig
 from pagellm.engine.arg_utils import EngineArgs
-from pagellm.layers.rotary import RotaryEmbedding, uses_long_factors
+from pagellm.layers.rotary import RotaryEmbedding, rope_attention_scale, uses_long_factors
 from pagellm.models import get_model_class
+from pagellm.worker.loading import build_model, prompt_hidden_states
 
 NEW_TOKENS = 32
 VOCAB = 256
@@ -206,6 +210,21 @@ def test_sliding_window_not_applied_is_said(tmp_path, caplog):
     assert "sliding window (48 tokens) is not applied" in caplog.text and "--max-model-len 48" in caplog.text
 
 
+def test_adapters_of_the_unfused_projections_are_served(phi3_dir, tmp_path):
+    base = hf_model("rope")
+    served = save_adapter(base, tmp_path / "served", r=8, alpha=16, targets=["o_proj", "down_proj"], seed=1)
+    save_adapter(base, tmp_path / "fused", r=8, alpha=16, targets=["qkv_proj"], seed=2)
+    llm = LLM(str(phi3_dir), max_model_len=256, enable_lora=True, max_lora_rank=8, **CPU)
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                       lora_request=LoRARequest("served", 1, str(tmp_path / "served")))[0]
+    assert out.outputs[0].token_ids == greedy_reference(served, prompt, 8)[0]
+    with pytest.raises(ValueError, match="qkv_proj is not an adaptable module"):
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                     lora_request=LoRARequest("fused", 2, str(tmp_path / "fused")))
+
+
 def _rewrite(src: Path, dst: Path, config_change=None, tensors_change=None) -> str:
     dst.mkdir()
     config = json.loads((src / "config.json").read_text())
@@ -239,3 +258,84 @@ def test_what_is_refused(phi3_dir, tmp_path):
     partial = _rewrite(phi3_dir, tmp_path / "partial", config_change=lambda c: {**c, "partial_rotary_factor": 0.75})
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 .* is not supported"):
         LLM(partial, **CPU)
+
+
+GGUF_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+              "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_gguf(path: str, model, qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> None:
+    """`model` as llama.cpp's converter writes a Phi-3 (arch phi3): q/k/v fused in attn_qkv, gate and
+    up in ffn_up, LongRoPE's factors as rope_factors_long / _short tensors beside its original context
+    and attention factor; the projections' blocks of `qtype`."""
+    config = model.config
+    rope = config.rope_parameters
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_name("tiny phi3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(VOCAB)
+    writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+    if rope["rope_type"] == "longrope":
+        scaling = ModelArchConfig.from_hf_dict(config.to_dict()).rope_scaling
+        writer.add_rope_scaling_attn_factors(rope_attention_scale(scaling, config.max_position_embeddings))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    for name, tensor in model.state_dict().items():
+        data = tensor.numpy()
+        if name in top:
+            writer.add_tensor(top[name], data)
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, _, suffix = rest.rpartition(".")
+        if module in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj", "mlp.down_proj"):
+            data = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(f"blk.{layer}.{GGUF_LAYER[module]}.{suffix}", data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(f"blk.{layer}.{GGUF_LAYER[module]}.{suffix}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gguf_files_match_hf(case, tmp_path):
+    """llama.cpp's phi3 files: fused tensors split as the safetensors', LongRoPE from the file."""
+    hf = hf_model(case)
+    path = str(tmp_path / "phi3.gguf")
+    write_gguf(path, hf)
+    config = EngineArgs(path, device="cpu", dtype="float32", max_model_len=CASES[case][1]).create_engine_config()
+    assert config.model.source.arch.architecture == "Phi3ForCausalLM"
+    model = build_model(config.model.source, config.model.quantization, torch.float32, torch.device("cpu"), "torch", 0)
+    tokens = PROMPTS[3]
+    with torch.no_grad():
+        ours = model.compute_logits(prompt_hidden_states(model, tokens))
+        torch.testing.assert_close(ours, hf(torch.tensor([tokens])).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_blocks_kept_quantized_split_by_rows(tmp_path):
+    """Q8_0 blocks of the fused projections kept as blocks on the CPU, each part's rows its own:
+    the logits are those of the same blocks dequantized at load (up to the kernels' rounding)."""
+    hf = hf_model("longrope-long")
+    path = str(tmp_path / "phi3-q8.gguf")
+    write_gguf(path, hf, gguf.GGMLQuantizationType.Q8_0)
+    logits = {}
+    for quantization in ("gguf", "none"):
+        config = EngineArgs(path, device="cpu", dtype="float32", quantization=quantization).create_engine_config()
+        model = build_model(config.model.source, config.model.quantization, torch.float32, torch.device("cpu"),
+                            "torch", 0)
+        kept = type(model.model.layers[0].self_attn.qkv_proj.quant_method).__name__
+        assert kept == ("GGUFLinearMethod" if quantization == "gguf" else "UnquantizedLinearMethod")
+        with torch.no_grad():
+            logits[quantization] = model.compute_logits(prompt_hidden_states(model, PROMPTS[3]))
+    torch.testing.assert_close(logits["gguf"], logits["none"], atol=2e-2, rtol=2e-2)
