@@ -206,6 +206,74 @@ def test_weight_loader_refuses_wrong_shapes_and_experts():
         moe.weight_loader(moe.w2_weight, down[:4], (STACKED, "w2"))
 
 
+def _gpt_oss_mlp():
+    """transformers' GptOssMLP (router and experts) at a tiny size, random weights."""
+    config = transformers.GptOssConfig(hidden_size=16, intermediate_size=24, num_local_experts=6,
+                                       num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    mlp = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (2.0 if name.startswith("router") else 0.5))
+    return mlp
+
+
+def _gpt_oss_experts_as_rank(rank: int, world: int, expert_parallel: bool, mlp) -> FusedMoE:
+    """GPT-OSS's experts in the engine: their checkpoint layout (gate/up interleaved; transformers'
+    parameters transposed back) loaded as this rank's share."""
+    init_tensor_parallel(rank, world, expert_parallel=expert_parallel)
+    try:
+        moe = FusedMoE(6, 2, 16, 24, renormalize=False, scoring="topk_softmax", activation="swigluoai", bias=True)
+        experts = mlp.experts
+        for param, tensor, part in ((moe.w13_weight, experts.gate_up_proj.transpose(1, 2), "w13_interleaved"),
+                                    (moe.w13_bias, experts.gate_up_proj_bias, "w13_interleaved"),
+                                    (moe.w2_weight, experts.down_proj.transpose(1, 2), "w2"),
+                                    (moe.w2_bias, experts.down_proj_bias, "w2")):
+            param.weight_loader(param, tensor.detach(), (STACKED, part))
+    finally:
+        init_tensor_parallel(0, 1)
+    return moe
+
+
+@pytest.mark.parametrize("split", [None, "tp", "ep"])
+def test_gpt_oss_experts_load_and_match_hf(split):
+    """GPT-OSS's MoE block (its router's top-k softmax, biased experts, clamped SwiGLU) over one rank,
+    or as two ranks' partial sums: the gate/up biases split as their rows, the down bias added once."""
+    mlp = _gpt_oss_mlp()
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected, _ = mlp(x[None])
+        logits = torch.nn.functional.linear(x, mlp.router.weight, mlp.router.bias)
+    ranks = ([_gpt_oss_experts_as_rank(0, 1, False, mlp)] if split is None
+             else [_gpt_oss_experts_as_rank(r, 2, split == "ep", mlp) for r in range(2)])
+    out = sum(moe(x, logits) for moe in ranks)
+    torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+    if split == "tp":  # rank 1: the second half of every expert's gate and up biases; no down bias added
+        bias = mlp.experts.gate_up_proj_bias.detach()
+        assert torch.equal(ranks[1].w13_bias[2], torch.cat([bias[2, 0::2][12:], bias[2, 1::2][12:]]))
+        assert [moe.adds_down_bias for moe in ranks] == [True, False]
+    if split == "ep":  # rank 1: experts 3-5 whole, each adding its own down bias
+        assert torch.equal(ranks[1].w2_bias[0], mlp.experts.down_proj_bias.detach()[3])
+        assert [moe.adds_down_bias for moe in ranks] == [True, True]
+
+
+def test_expert_biases_load_one_expert_at_a_time():
+    mlp = _gpt_oss_mlp()
+    whole = _gpt_oss_experts_as_rank(0, 1, False, mlp)
+    moe = FusedMoE(6, 2, 16, 24, renormalize=False, activation="swigluoai", bias=True)
+    bias, down_bias = whole.w13_bias.detach(), whole.w2_bias.detach()
+    for e in range(6):
+        moe.weight_loader(moe.w13_bias, bias[e, :24], (e, "w1"))
+        moe.weight_loader(moe.w13_bias, bias[e, 24:], (e, "w3"))
+        moe.weight_loader(moe.w2_bias, down_bias[e], (e, "w2"))
+    assert torch.equal(moe.w13_bias, whole.w13_bias) and torch.equal(moe.w2_bias, whole.w2_bias)
+    with pytest.raises(ValueError, match=r"expert 1's w2 bias has shape \(15,\), expected \(16,\)"):
+        moe.weight_loader(moe.w2_bias, down_bias[1, :15], (1, "w2"))
+    with pytest.raises(ValueError, match=r"stacked expert bias of shape \(6, 16, 1\): expected \[6 experts, out\]"):
+        moe.weight_loader(moe.w2_bias, down_bias[..., None], (STACKED, "w2"))
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_state_dict_with_stacked_experts_loads_and_matches(family):
     """transformers v5 holds experts as 3-D tensors (`mlp.experts.gate_up_proj`), Mixtral's block as
