@@ -81,9 +81,10 @@ def experts_weights(gen: torch.Generator, experts: int, dtype: torch.dtype, hidd
 
 
 def oracle(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-           ids: torch.Tensor) -> torch.Tensor:
-    """`fused_moe_ref` in float32 on the same values."""
-    return fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+           ids: torch.Tensor, **options) -> torch.Tensor:
+    """`fused_moe_ref` in float32 on the same values (`options`: its biases and activation)."""
+    options = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in options.items()}
+    return fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, **options)
 
 
 def other_experts(ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -92,13 +93,13 @@ def other_experts(ids: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 def assert_matches_oracle(out: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          weights: torch.Tensor, ids: torch.Tensor) -> None:
-    ref = oracle(x, w13, w2, weights, ids)
+                          weights: torch.Tensor, ids: torch.Tensor, **options) -> None:
+    ref = oracle(x, w13, w2, weights, ids, **options)
     atol = TOLERANCE[x.dtype] * max(ref.abs().max().item(), 1.0)
     assert out.dtype == x.dtype and out.shape == ref.shape
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=atol)
     if (ids >= 0).any():
-        wrong = oracle(x, w13, w2, weights, other_experts(ids, w13.shape[0]))
+        wrong = oracle(x, w13, w2, weights, other_experts(ids, w13.shape[0]), **options)
         assert not torch.allclose(out.float(), wrong, rtol=0, atol=atol), "the tolerance hides a wrong expert"
 
 
@@ -276,6 +277,11 @@ def test_fused_moe_refuses_ids_past_the_experts_on_the_cpu(gen: torch.Generator)
     (lambda a: {**a, "topk_weights": a["topk_weights"][:, :1]}, "topk_weights must be"),
     (lambda a: {**a, "topk_weights": a["topk_weights"].int()}, "topk_weights must be"),
     (lambda a: {**a, "topk_weights": a["topk_weights"].to("meta")}, "one device"),
+    (lambda a: {**a, "w13_bias": torch.zeros(4, 2 * INTER - 1, device=DEVICE)}, "w13_bias must be"),
+    (lambda a: {**a, "w2_bias": torch.zeros(3, HIDDEN, device=DEVICE)}, "w2_bias must be"),
+    (lambda a: {**a, "w2_bias": torch.zeros(4, HIDDEN, device=DEVICE, dtype=torch.float16)}, "w2_bias must be x's"),
+    (lambda a: {**a, "w13_bias": torch.zeros(4, 2 * INTER, device="meta")}, "one device"),
+    (lambda a: {**a, "activation": "gelu"}, "activation must be one of silu, swigluoai"),
 ])
 def test_bad_inputs_name_the_argument(change, field: str, gen: torch.Generator) -> None:
     w13, w2 = experts_weights(gen, 4, torch.float32)
@@ -318,6 +324,97 @@ def test_benchmark_smoke_checks_and_records_each_case(tmp_path: Path) -> None:
     assert payload["ceilings"]["copy_bytes_per_s"] > 0 and len(list(tmp_path.glob("moe_kernels*.json"))) == 1
 
 
+# Experts with biases and GPT-OSS's clamped SwiGLU.
+
+def expert_biases(gen: torch.Generator, experts: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {"w13_bias": (torch.randn(experts, 2 * INTER, generator=gen) * 0.5).to(DEVICE, dtype),
+            "w2_bias": (torch.randn(experts, HIDDEN, generator=gen) * 0.5).to(DEVICE, dtype)}
+
+
+OPTIONS = {"silu+biases": ("silu", True), "swigluoai": ("swigluoai", False), "swigluoai+biases": ("swigluoai", True)}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (16, 8, 4), (33, 4, 2)])
+def test_fused_moe_with_biases_and_swigluoai_matches_the_oracle(tokens: int, experts: int, top_k: int, options: str,
+                                                                gen: torch.Generator) -> None:
+    activation, biased = OPTIONS[options]
+    w13, w2 = experts_weights(gen, experts, torch.float32)
+    w13 = w13 * 4  # gate and up values past the SwiGLU's clamp at 7
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    weights, ids = routing("uneven", tokens, experts, top_k, gen)
+    extra = {"activation": activation, **(expert_biases(gen, experts, torch.float32) if biased else {})}
+    out = triton_moe.fused_moe(x, w13, w2, weights, ids, **extra)
+    assert_matches_oracle(out, x, w13, w2, weights, ids, **extra)
+    # What the check tells apart: the biases and the activation each change the output.
+    assert (torch.einsum("th,eih->tei", x.cpu(), w13.cpu()).abs() > 7).any()
+    others = [{**extra, "activation": "silu" if activation == "swigluoai" else "swigluoai"}]
+    if biased:
+        others.append({"activation": activation})
+    for other in others:
+        assert not torch.allclose(out.float(), oracle(x, w13, w2, weights, ids, **other), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_moe_with_biases_and_swigluoai_in_16_bits(dtype: torch.dtype, gen: torch.Generator) -> None:
+    w13, w2 = experts_weights(gen, 8, dtype)
+    x = torch.randn(12, HIDDEN, generator=gen).to(DEVICE, dtype)
+    weights, ids = routing("uneven", 12, 8, 4, gen)
+    extra = {"activation": "swigluoai", **expert_biases(gen, 8, dtype)}
+    assert_matches_oracle(triton_moe.fused_moe(x, w13, w2, weights, ids, **extra), x, w13, w2, weights, ids, **extra)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_pairs_of_no_expert_here_add_no_bias(impl: str, gen: torch.Generator) -> None:
+    """Another rank's expert (-1) adds neither its product nor its biases: that rank adds them."""
+    w13, w2 = experts_weights(gen, 4, torch.float32)
+    biases = expert_biases(gen, 4, torch.float32)
+    x = torch.randn(5, HIDDEN, generator=gen).to(DEVICE)
+    weights, ids = routing("random", 5, 4, 2, gen, drop=0.0)
+    ids[1] = -1
+    ids[3, 0] = -1
+    out = fused_moe(x, w13, w2, weights, ids, impl=impl, activation="swigluoai", **biases)
+    assert (out[1] == 0).all()
+    alone = fused_moe(x[3:4], w13, w2, weights[3:4, 1:], ids[3:4, 1:], impl=impl, activation="swigluoai", **biases)
+    torch.testing.assert_close(out[3:4], alone, rtol=1e-5, atol=1e-5)
+
+
+def gpt_oss_experts(gen: torch.Generator, experts: int):
+    """transformers' GptOssExperts with random weights (gate/up columns interleaved, transposed)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = transformers.GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=experts,
+                                       num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    hf = GptOssExperts(config)
+    with torch.no_grad():
+        hf.gate_up_proj.copy_(torch.randn(hf.gate_up_proj.shape, generator=gen) * HIDDEN**-0.5 * 4)
+        hf.down_proj.copy_(torch.randn(hf.down_proj.shape, generator=gen) * INTER**-0.5)
+        hf.gate_up_proj_bias.copy_(torch.randn(hf.gate_up_proj_bias.shape, generator=gen) * 0.5)
+        hf.down_proj_bias.copy_(torch.randn(hf.down_proj_bias.shape, generator=gen) * 0.5)
+    return hf
+
+
+def test_matches_hugging_faces_gpt_oss_experts(gen: torch.Generator) -> None:
+    """GPT-OSS's experts in the engine's layout (gate/up de-interleaved, untransposed): its
+    experts module gives our output, with its biases, clamps and (up + 1)."""
+    hf = gpt_oss_experts(gen, 8)
+    gate_up, bias = hf.gate_up_proj.detach().transpose(1, 2), hf.gate_up_proj_bias.detach()
+    w13 = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1).contiguous()
+    w13_bias = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+    w2 = hf.down_proj.detach().transpose(1, 2).contiguous()
+    x = torch.randn(11, HIDDEN, generator=gen)
+    weights, ids = routing("uneven", 11, 8, 2, gen, drop=0.0)
+    with torch.no_grad():
+        expected = hf(x, ids.cpu().long(), weights.cpu())
+    assert (torch.einsum("th,ehi->tei", x, hf.gate_up_proj.detach()).abs() > 7).any(), "the clamps apply"
+    for impl in ("torch", "triton"):
+        out = fused_moe(x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights, ids, impl=impl, activation="swigluoai",
+                        w13_bias=w13_bias.to(DEVICE), w2_bias=hf.down_proj_bias.detach().to(DEVICE))
+        torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 # The router.
 
 def select_experts_per_token(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str,
@@ -326,6 +423,12 @@ def select_experts_per_token(logits: torch.Tensor, top_k: int, renormalize: bool
     """The router's definition, one token at a time in plain Python: (ids, weights) per token."""
     all_ids, all_weights = [], []
     for row in logits.double().tolist():
+        if scoring == "topk_softmax":  # the k largest logits, a softmax over them alone
+            ids = sorted(range(len(row)), key=lambda e: -row[e])[:top_k]
+            exps = [math.exp(row[e] - row[ids[0]]) for e in ids]
+            all_ids.append(ids)
+            all_weights.append([v / sum(exps) for v in exps])
+            continue
         if scoring == "softmax":
             exps = [math.exp(v - max(row)) for v in row]
             scores = [e / sum(exps) for e in exps]
@@ -354,6 +457,7 @@ def select_experts_per_token(logits: torch.Tensor, top_k: int, renormalize: bool
     ("sigmoid", False, False, (4, 1)),
     ("sigmoid", True, True, None),
     ("softmax", True, False, (4, 4)),  # as many groups kept as there are: no grouping
+    ("topk_softmax", False, False, None),  # GPT-OSS
 ])
 def test_select_experts_matches_its_definition(scoring: str, renormalize: bool, biased: bool,
                                                groups: tuple[int, int] | None, gen: torch.Generator) -> None:
@@ -430,3 +534,19 @@ def test_select_experts_matches_deepseek_v3s_grouped_sigmoid_router(gen: torch.G
     order, hf_order = ids.argsort(dim=1), hf_ids.argsort(dim=1)
     assert ids.gather(1, order).long().tolist() == hf_ids.gather(1, hf_order).tolist()
     torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_oss_router_topk_softmax(gen: torch.Generator) -> None:
+    """GPT-OSS's router (its bias included in the logits): top-k of the logits, a softmax over those;
+    the same weights as the renormalized softmax over every expert."""
+    router = hf_router("gpt_oss", 16, 4)
+    with torch.no_grad():
+        logits, hf_weights, hf_ids = router(torch.randn(13, 32, generator=gen))
+    weights, ids = select_experts(logits, 4, False, "topk_softmax")
+    assert ids.long().tolist() == hf_ids.tolist()
+    torch.testing.assert_close(weights, hf_weights.float(), rtol=1e-6, atol=1e-7)
+    renormalized, same_ids = select_experts(logits, 4, True)
+    assert torch.equal(same_ids, ids)
+    torch.testing.assert_close(weights, renormalized, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="topk_softmax takes no correction_bias"):
+        select_experts(logits, 4, False, "topk_softmax", correction_bias=torch.zeros(16))

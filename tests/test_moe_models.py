@@ -16,10 +16,10 @@ import torch
 import transformers
 from attn_utils import build_metadata
 from engine_utils import assert_no_leak
+from family_utils import assert_matches_hf, save_with_tokenizer
 from lora_utils import greedy_reference
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagellm import LLM, LoRARequest, SamplingParams
 from pagellm.attention import get_attn_backend
@@ -74,10 +74,7 @@ def save_tiny(folder: Path, family: str):
     """`hf_model(family)` saved as safetensors (one tensor per expert and projection, as
     transformers writes them) with a word-level tokenizer; returns the model."""
     model = hf_model(family)
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
+    save_with_tokenizer(model, folder)
     return model
 
 
@@ -96,21 +93,6 @@ def run(folder: Path, prompts: list[list[int]], **kwargs) -> tuple[list, LLM]:
     llm = LLM(str(folder), **{**CPU, **kwargs})
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return outs, llm
-
-
-def assert_matches_hf(model, outs, prompts: list[list[int]]) -> None:
-    """Each output is Hugging Face's greedy continuation: at every position the token is the argmax of
-    HF's logits over the prompt and the tokens before it, and its logprob HF's (one HF forward pass
-    per sequence, the same logits its greedy generation computes step by step)."""
-    for prompt, out in zip(prompts, outs):
-        seq = out.outputs[0]
-        assert len(seq.token_ids) == NEW_TOKENS
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + seq.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-        assert logits.argmax(dim=-1).tolist() == seq.token_ids, f"prompt of {len(prompt)} tokens"
-        ref_logprobs = logits.log_softmax(dim=-1).gather(1, torch.tensor(seq.token_ids)[:, None])[:, 0]
-        logprobs = torch.tensor([lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids)])
-        torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -136,7 +118,7 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
               "preempted": {"num_gpu_blocks_override": 12, "max_model_len": 128, "enable_prefix_caching": False},
               }[variant]
     outs, llm = run(folder, PROMPTS, **kwargs)
-    assert_matches_hf(model, outs, PROMPTS)
+    assert_matches_hf(model, outs, PROMPTS, NEW_TOKENS)
     if variant == "preempted":
         assert llm.llm_engine.engine_core.stats().num_preemptions > 0
     assert_no_leak(llm.llm_engine)
@@ -149,7 +131,7 @@ def test_prefix_cache_hits_keep_the_tokens(tiny):
     outs = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
     outs += llm.generate([{"prompt_token_ids": p} for p in rest], GREEDY, use_tqdm=False)
     assert llm.llm_engine.get_stats().prefix_cache_hits >= 2 * 32
-    assert_matches_hf(model, outs, prefix_prompts())
+    assert_matches_hf(model, outs, prefix_prompts(), NEW_TOKENS)
 
 
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds
@@ -160,7 +142,7 @@ def test_two_ranks_over_processes_match_hf(tiny, split):
     _, folder, model = tiny
     outs, llm = run(folder, PROMPTS + prefix_prompts(), max_num_batched_tokens=32, max_num_seqs=4, **split)
     try:
-        assert_matches_hf(model, outs, PROMPTS + prefix_prompts())
+        assert_matches_hf(model, outs, PROMPTS + prefix_prompts(), NEW_TOKENS)
         assert llm.llm_engine.get_stats().prefix_cache_hits > 0
     finally:
         llm.llm_engine.shutdown()
@@ -222,6 +204,74 @@ def test_weight_loader_refuses_wrong_shapes_and_experts():
         moe.weight_loader(moe.w13_weight, gate[2], (6, "w1"))
     with pytest.raises(ValueError, match=r"\[6 experts, out, in\]"):
         moe.weight_loader(moe.w2_weight, down[:4], (STACKED, "w2"))
+
+
+def _gpt_oss_mlp():
+    """transformers' GptOssMLP (router and experts) at a tiny size, random weights."""
+    config = transformers.GptOssConfig(hidden_size=16, intermediate_size=24, num_local_experts=6,
+                                       num_experts_per_tok=2)
+    config._experts_implementation = "eager"
+    mlp = transformers.models.gpt_oss.modeling_gpt_oss.GptOssMLP(config)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (2.0 if name.startswith("router") else 0.5))
+    return mlp
+
+
+def _gpt_oss_experts_as_rank(rank: int, world: int, expert_parallel: bool, mlp) -> FusedMoE:
+    """GPT-OSS's experts in the engine: their checkpoint layout (gate/up interleaved; transformers'
+    parameters transposed back) loaded as this rank's share."""
+    init_tensor_parallel(rank, world, expert_parallel=expert_parallel)
+    try:
+        moe = FusedMoE(6, 2, 16, 24, renormalize=False, scoring="topk_softmax", activation="swigluoai", bias=True)
+        experts = mlp.experts
+        for param, tensor, part in ((moe.w13_weight, experts.gate_up_proj.transpose(1, 2), "w13_interleaved"),
+                                    (moe.w13_bias, experts.gate_up_proj_bias, "w13_interleaved"),
+                                    (moe.w2_weight, experts.down_proj.transpose(1, 2), "w2"),
+                                    (moe.w2_bias, experts.down_proj_bias, "w2")):
+            param.weight_loader(param, tensor.detach(), (STACKED, part))
+    finally:
+        init_tensor_parallel(0, 1)
+    return moe
+
+
+@pytest.mark.parametrize("split", [None, "tp", "ep"])
+def test_gpt_oss_experts_load_and_match_hf(split):
+    """GPT-OSS's MoE block (its router's top-k softmax, biased experts, clamped SwiGLU) over one rank,
+    or as two ranks' partial sums: the gate/up biases split as their rows, the down bias added once."""
+    mlp = _gpt_oss_mlp()
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected, _ = mlp(x[None])
+        logits = torch.nn.functional.linear(x, mlp.router.weight, mlp.router.bias)
+    ranks = ([_gpt_oss_experts_as_rank(0, 1, False, mlp)] if split is None
+             else [_gpt_oss_experts_as_rank(r, 2, split == "ep", mlp) for r in range(2)])
+    out = sum(moe(x, logits) for moe in ranks)
+    torch.testing.assert_close(out, expected[0], atol=1e-5, rtol=1e-5)
+    if split == "tp":  # rank 1: the second half of every expert's gate and up biases; no down bias added
+        bias = mlp.experts.gate_up_proj_bias.detach()
+        assert torch.equal(ranks[1].w13_bias[2], torch.cat([bias[2, 0::2][12:], bias[2, 1::2][12:]]))
+        assert [moe.adds_down_bias for moe in ranks] == [True, False]
+    if split == "ep":  # rank 1: experts 3-5 whole, each adding its own down bias
+        assert torch.equal(ranks[1].w2_bias[0], mlp.experts.down_proj_bias.detach()[3])
+        assert [moe.adds_down_bias for moe in ranks] == [True, True]
+
+
+def test_expert_biases_load_one_expert_at_a_time():
+    mlp = _gpt_oss_mlp()
+    whole = _gpt_oss_experts_as_rank(0, 1, False, mlp)
+    moe = FusedMoE(6, 2, 16, 24, renormalize=False, activation="swigluoai", bias=True)
+    bias, down_bias = whole.w13_bias.detach(), whole.w2_bias.detach()
+    for e in range(6):
+        moe.weight_loader(moe.w13_bias, bias[e, :24], (e, "w1"))
+        moe.weight_loader(moe.w13_bias, bias[e, 24:], (e, "w3"))
+        moe.weight_loader(moe.w2_bias, down_bias[e], (e, "w2"))
+    assert torch.equal(moe.w13_bias, whole.w13_bias) and torch.equal(moe.w2_bias, whole.w2_bias)
+    with pytest.raises(ValueError, match=r"expert 1's w2 bias has shape \(15,\), expected \(16,\)"):
+        moe.weight_loader(moe.w2_bias, down_bias[1, :15], (1, "w2"))
+    with pytest.raises(ValueError, match=r"stacked expert bias of shape \(6, 16, 1\): expected \[6 experts, out\]"):
+        moe.weight_loader(moe.w2_bias, down_bias[..., None], (STACKED, "w2"))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -37,6 +37,7 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("MixtralForCausalLM", "pagellm.models.mixtral:MixtralForCausalLM", "llama", "mixtral"),
     ArchitectureEntry("Qwen2MoeForCausalLM", "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", "qwen2moe", "qwen2_moe"),
     ArchitectureEntry("Qwen3MoeForCausalLM", "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM", "qwen3moe", "qwen3_moe"),
+    ArchitectureEntry("Phi3ForCausalLM", "pagellm.models.phi3:Phi3ForCausalLM", "phi3", "phi3"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
 
@@ -59,7 +60,7 @@ class ModelArchConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = None
-    """Hugging Face `rope_scaling` dict (`rope_type` / `type`: default, linear, llama3)."""
+    """Hugging Face `rope_scaling` dict (`rope_type` / `type`: default, linear, llama3, longrope)."""
     torch_dtype: str | None = None
     """The dtype the checkpoint was trained/saved in, used by `dtype="auto"`."""
     bos_token_id: int | None = None
@@ -79,6 +80,9 @@ class ModelArchConfig:
     (the family's default applies)."""
     hf_config: dict[str, Any] = field(default_factory=dict)
     """The raw config dict, for architecture-specific fields the model class reads itself."""
+    max_model_len: int | None = None
+    """The longest sequence the engine runs the model for, set when the engine's configuration is
+    resolved (None: max_position_embeddings). LongRoPE chooses its long or short factors by it."""
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` is a mixture of experts (else a dense MLP of
@@ -110,6 +114,8 @@ class ModelArchConfig:
         rope_params = d.get("rope_parameters") or {}
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = rope_params
+        if rope_scaling is not None and "original_max_position_embeddings" in d:  # Phi-3 keeps it outside
+            rope_scaling = {"original_max_position_embeddings": d["original_max_position_embeddings"], **rope_scaling}
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],

@@ -225,6 +225,7 @@ class EngineArgs:
             raise ValueError(
                 f"{_flag('max_model_len')} {max_model_len} is larger than the model's max_position_embeddings "
                 f"({arch.max_position_embeddings})")
+        arch.max_model_len = max_model_len
         parallel = _resolve_parallel(self, arch, device)
         dtype = resolve_dtype(self.dtype, device, arch.torch_dtype)
         kv_cache_dtype = dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
@@ -378,6 +379,7 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     if source.arch.max_position_embeddings < max_model_len:
         raise ValueError(f"{flag} {speculative.model!r} takes at most {source.arch.max_position_embeddings} "
                          f"positions, fewer than max_model_len ({max_model_len}): lower --max-model-len")
+    source.arch.max_model_len = max_model_len
     try:
         quantization = check_experts_dense(source.arch, resolve_quantization(
             speculative.quantization, source.load_format, source.path, device, source.arch.hf_config,

@@ -9,6 +9,9 @@ from torch import nn
 
 from pagellm import ops
 
+LONGROPE_TYPES = ("longrope", "su")
+"""Phi-3's LongRoPE, under its current and its first name."""
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], max_position: int) -> torch.Tensor:
     """Llama 3.1 frequency scaling: stretch long wavelengths by `factor`, keep short ones.
@@ -24,10 +27,52 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positi
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
-def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None, max_position: int) -> torch.Tensor:
-    """Per-pair inverse frequencies [head_dim // 2] in float32, after `rope_scaling` (HF dict)."""
+def _rope_type(rope_scaling: dict[str, Any] | None) -> str:
+    return (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+
+
+def _original_context(scaling: dict[str, Any]) -> int:
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or original < 1:
+        raise ValueError(f"rope_scaling of type longrope needs original_max_position_embeddings (in rope_scaling or "
+                         f"config.json), got {original!r}")
+    return original
+
+
+def uses_long_factors(scaling: dict[str, Any], max_position: int, context_len: int | None) -> bool:
+    """Whether LongRoPE rotates by its long factors: when the engine's context (`context_len`,
+    default `max_position`) exceeds the original one, for every position of every sequence.
+
+    Hugging Face picks the factors per forward pass by the sequence's current length, and recomputes
+    a sequence's cache when it crosses the original context; a paged KV cache shared by sequences of
+    every length cannot, so one choice holds for the engine, as vLLM makes it: a model served within
+    its original context matches Hugging Face exactly, and one served beyond it matches Hugging Face
+    on sequences longer than the original context (shorter ones get the long factors too)."""
+    return (context_len or max_position) > _original_context(scaling)
+
+
+def _longrope_inv_freq(head_dim: int, base: float, scaling: dict[str, Any], max_position: int,
+                       context_len: int | None) -> torch.Tensor:
+    """LongRoPE's frequencies: each one divided by its own factor, the short or the long set."""
+    long = uses_long_factors(scaling, max_position, context_len)
+    key = "long_factor" if long else "short_factor"
+    factors = scaling.get(key)
+    if not isinstance(factors, (list, tuple)) or len(factors) != head_dim // 2:
+        raise ValueError(f"rope_scaling {key} must be a list of head_dim / 2 = {head_dim // 2} numbers, got "
+                         f"{len(factors) if isinstance(factors, (list, tuple)) else factors!r}")
+    # Hugging Face's arithmetic, so that the angles round as its do.
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**exponents)
+
+
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | None, max_position: int,
+                  context_len: int | None = None) -> torch.Tensor:
+    """Per-pair inverse frequencies [head_dim // 2] in float32, after `rope_scaling` (HF dict).
+    `context_len`: the longest sequence the engine runs (LongRoPE chooses its factors by it)."""
+    rope_type = _rope_type(rope_scaling)
+    if rope_type in LONGROPE_TYPES:
+        return _longrope_inv_freq(head_dim, base, rope_scaling, max_position, context_len)
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -36,8 +81,22 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | Non
         return _llama3_inv_freq(inv_freq, rope_scaling, max_position)
     raise ValueError(
         f"rope_scaling type {rope_type!r} is not supported (rope_scaling={rope_scaling}); "
-        "supported: default, linear, llama3"
+        "supported: default, linear, llama3, longrope (su)"
     )
+
+
+def rope_attention_scale(rope_scaling: dict[str, Any] | None, max_position: int) -> float:
+    """What cos and sin are multiplied by (so q.k by its square): 1 but for LongRoPE, whose
+    `attention_factor` defaults to sqrt(1 + ln(factor) / ln(original context)), `factor` to the
+    context's extension max_position / original (1 where it is not extended), for either set of
+    factors (as Hugging Face and vLLM)."""
+    if _rope_type(rope_scaling) not in LONGROPE_TYPES:
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    original = _original_context(rope_scaling)
+    factor = rope_scaling.get("factor") or max_position / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding(nn.Module):
@@ -47,15 +106,18 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None
+        self, head_dim: int, max_position: int, base: float, rope_scaling: dict[str, Any] | None = None,
+        context_len: int | None = None,
     ) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-        inv_freq = rope_inv_freq(head_dim, base, rope_scaling, max_position)
+        inv_freq = rope_inv_freq(head_dim, base, rope_scaling, max_position, context_len)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, head_dim]: cos in the first half, sin in the second.
-        self.register_buffer("cos_sin_cache", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
+        # [max_position, head_dim]: cos in the first half, sin in the second; LongRoPE's attention
+        # factor folded in, where every kernel that reads the table applies it.
+        table = torch.cat((angles.cos(), angles.sin()), dim=-1) * rope_attention_scale(rope_scaling, max_position)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -42,6 +42,11 @@ _LAYER_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+_ARCH_LAYER_TENSORS = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+"""Architectures whose files name some tensors otherwise: Phi-3 keeps q/k/v fused, and gate and up
+fused in ffn_up (gate's rows first)."""
+_ROPE_FACTOR_TENSORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
+"""LongRoPE's per-frequency factors (Phi-3's 128k models), read into the config's rope_scaling."""
 _MOE_DEFAULT_NORM_TOPK = {"qwen3moe": True}
 """Whether llama.cpp renormalizes the chosen experts' weights of a GGUF architecture whose file does
 not say (`expert_weights_norm`): Qwen3-MoE does, Qwen2-MoE does not (Mixtral always does)."""
@@ -99,8 +104,19 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, Any]:
                                  ("shared_expert_intermediate_size", "expert_shared_feed_forward_length")):
             if key(gguf_key):
                 config[hf_key] = key(gguf_key)
+    rope_dims = key("rope.dimension_count")
+    if arch == "phi3" and rope_dims and rope_dims != hidden // num_heads:  # Phi-4-mini rotates part of each head
+        config.update(head_dim=hidden // num_heads, partial_rotary_factor=rope_dims / (hidden // num_heads))
+    if key("attention.sliding_window") is not None:
+        config["sliding_window"] = key("attention.sliding_window")
     scaling_type = key("rope.scaling.type")
-    if scaling_type not in (None, "none"):
+    factors = {field: _dequantize(gguf, t).tolist()
+               for t in gguf.tensors if (field := _ROPE_FACTOR_TENSORS.get(t.name))}
+    if factors:  # LongRoPE: llama.cpp writes no scaling type, but the factors and the original context
+        config["rope_scaling"] = {"rope_type": "longrope", **factors,
+                                  "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+                                  "attention_factor": key("rope.scaling.attn_factor")}
+    elif scaling_type not in (None, "none"):
         rope_scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": key("rope.scaling.factor", 1.0)}
         if key("rope.scaling.original_context_length") is not None:
             rope_scaling["original_max_position_embeddings"] = key("rope.scaling.original_context_length")
@@ -140,15 +156,17 @@ def read_gguf_arch(path: str) -> tuple[ModelArchConfig, dict[str, Any]]:
     return ModelArchConfig.from_hf_dict(config), generation_config
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor, or None for tensors HF does not have."""
+def hf_tensor_name(gguf_name: str, gguf_arch: str | None = None) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor of a `gguf_arch` file, or None for tensors HF
+    does not have."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     match = _LAYER_NAME.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_TENSORS:
+    names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(gguf_arch, {})}
+    if match is None or match.group(2) not in names:
         return None
     layer, kind, suffix = match.groups()
-    return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
+    return f"model.layers.{layer}.{names[kind]}.{suffix}"
 
 
 def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -167,10 +185,13 @@ def iter_gguf_weights(path: str, keep_quantized: Collection[str] = ()) -> Iterat
     or for the names in `keep_quantized` the stored blocks as uint8 [rows, bytes per row]."""
     with GGUFFile(path) as gguf:
         config = gguf_to_hf_config(gguf)
-        permuted = gguf.metadata["general.architecture"] in _PERMUTED_QK_ARCHITECTURES
+        arch = gguf.metadata["general.architecture"]
+        permuted = arch in _PERMUTED_QK_ARCHITECTURES
         heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
         for info in gguf.tensors:
-            name = hf_tensor_name(info.name)
+            if info.name in _ROPE_FACTOR_TENSORS:
+                continue  # in the config's rope_scaling
+            name = hf_tensor_name(info.name, arch)
             if name is None:
                 raise ValueError(f"{path!r}: GGUF tensor {info.name!r} has no Hugging Face counterpart pagellm knows")
             if name in keep_quantized:

@@ -183,7 +183,8 @@ class LlamaModel(nn.Module):
                              if self.is_first_stage else None)
         # One cos/sin table shared by every layer.
         rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            config.max_model_len,
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls, mlp_for_layer(config, i))
@@ -277,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         """The Hugging Face tensor names that parameter `param_name` is loaded from."""
-        return list(self.checkpoint_parts(param_name).values())
+        return list(dict.fromkeys(self.checkpoint_parts(param_name).values()))
 
     def checkpoint_target(self, name: str) -> tuple[str, object]:
         """(the parameter Hugging Face tensor `name` fills, the shard id its weight_loader takes)."""

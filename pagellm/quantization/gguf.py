@@ -157,7 +157,8 @@ class GGUFConfig(QuantizationConfig):
     @classmethod
     def from_file(cls, path: str) -> "GGUFConfig":
         with GGUFFile(path) as gguf:
-            return cls({hf_tensor_name(t.name): t.ggml_type for t in gguf.tensors})
+            arch = gguf.metadata.get("general.architecture")
+            return cls({hf_tensor_name(t.name, arch): t.ggml_type for t in gguf.tensors})
 
     def apply(self, model: QuantizableModel) -> set[str]:
         on_gpu = next(model.parameters()).is_cuda

@@ -6,11 +6,17 @@ The layout and the torch oracle are `pagellm.ops.moe`'s. A call runs
    belong to no block. One planning kernel where the pairs fit one program's one-hot tile (decode),
    else three (count per chunk, scan, scatter);
 2. the gate/up product: a program per (block, BLOCK_N columns of the intermediate size) multiplies
-   the block's tokens by the expert's gate rows and its up rows together and writes only
-   silu(gate) * up, in the activations' dtype, at the block's rows of a [blocks x BLOCK_M, I] buffer;
+   the block's tokens by the expert's gate rows and its up rows together, adds the expert's biases
+   where there are, and writes only the activation of the two (silu(gate) * up, or GPT-OSS's
+   clamped SwiGLU), in the activations' dtype, at the block's rows of a [blocks x BLOCK_M, I] buffer;
 3. the down product: a program per (block, BLOCK_N columns of hidden) multiplies those rows by the
-   expert's down projection and writes each pair's row of [T x k, H] times its routing weight;
+   expert's down projection, adds its bias where there is one, and writes each pair's row of
+   [T x k, H] times its routing weight;
 4. the sum over k of each token's pairs in float32, in a fixed order (deterministic, no atomics).
+
+A pair of no expert here (-1) is in no block, so neither its expert's weights nor its biases are
+read: under expert parallelism another rank adds them. Under tensor parallelism the caller passes
+the down bias on one rank only (`pagellm.layers.moe`), so that the all-reduce sums it in once.
 
 Every buffer's size follows from T, k and the number of experts alone, and unused blocks (an expert
 without tokens gets none; the plan's spare blocks are marked -1) return at once: a CUDA graph
@@ -29,6 +35,7 @@ import triton
 import triton.language as tl
 
 from pagellm.ops.dispatch import triton_interpreting
+from pagellm.ops.numerics import MOE_ACTIVATIONS, SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT, MoEActivation
 from pagellm.ops.triton.utils import dot_f32
 
 
@@ -249,10 +256,13 @@ def _block_pairs(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M: tl.const
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, h_ptr,  # x [T, H], w13 [E, 2 INTER, H], h [blocks x BLOCK_M, INTER]; last dims contiguous
+    b13_ptr,  # w13's bias [E, 2 INTER] (read only if HAS_BIAS)
     sorted_ptr, block_expert_ptr, block_rows_ptr,  # the plan
     H, INTER,
-    stride_xt, stride_we, stride_wn, stride_hm,
+    stride_xt, stride_we, stride_wn, stride_hm, stride_be,
+    alpha, limit,  # the clamped SwiGLU's
     TOP_K: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,  # see `dot_f32`
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,  # an index of MOE_ACTIVATIONS: 0 silu, 1 swigluoai
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, slots, m_ok, pairs = _block_pairs(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
@@ -274,7 +284,16 @@ def _gate_up_kernel(
         w_mask = n_ok[:, None] & k_ok[None, :]
         gate += dot_f32(x, tl.trans(tl.load(gate_rows + rk[None, :], mask=w_mask, other=0.0)), IEEE, INTERPRET)
         up += dot_f32(x, tl.trans(tl.load(up_rows + rk[None, :], mask=w_mask, other=0.0)), IEEE, INTERPRET)
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_BIAS:
+        b_expert = b13_ptr + expert.to(tl.int64) * stride_be
+        gate += tl.load(b_expert + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(b_expert + INTER + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 0:
+        h = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
     tl.store(h_ptr + slots[:, None] * stride_hm + rn[None, :], h.to(h_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -282,10 +301,11 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w2_ptr, weights_ptr, out_ptr,  # h [blocks x BLOCK_M, INTER], w2 [E, H, INTER], weights [T k], out [T k, H]
+    b2_ptr,  # w2's bias [E, H] (read only if HAS_BIAS)
     sorted_ptr, block_expert_ptr, block_rows_ptr,  # the plan
     H, INTER,
-    stride_hm, stride_we, stride_wn, stride_om,
-    IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    stride_hm, stride_we, stride_wn, stride_om, stride_be,
+    IEEE: tl.constexpr, INTERPRET: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, slots, m_ok, pairs = _block_pairs(sorted_ptr, block_expert_ptr, block_rows_ptr, BLOCK_M)
@@ -302,6 +322,8 @@ def _down_kernel(
         h = tl.load(h_rows + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += dot_f32(h, tl.trans(w), IEEE, INTERPRET)
+    if HAS_BIAS:  # before the routing weight, which scales the expert's whole output
+        acc += tl.load(b2_ptr + expert.to(tl.int64) * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(weights_ptr + pairs, mask=m_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
@@ -326,13 +348,14 @@ def _sum_k_kernel(pair_out_ptr, ids_ptr, out_ptr, H, E, stride_pm, stride_om,
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
-    """x [T, H] through the experts of `topk_ids` [T, k] (`pagellm.ops.moe`'s layout; shapes checked
-    there), weighted by `topk_weights` [T, k] and summed over k: [T, H] in x's dtype. An id outside
-    0 .. E - 1 (-1: an expert of another rank) adds nothing. `config`: the tiles (default:
-    `choose_config`'s)."""
-    if any(t.stride(-1) != 1 for t in (w13, w2)):
-        raise ValueError("w13 and w2 need a contiguous last dimension")
+              topk_ids: torch.Tensor, config: MoEConfig | None = None, *, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, activation: MoEActivation = "silu") -> torch.Tensor:
+    """x [T, H] through the experts of `topk_ids` [T, k] (`pagellm.ops.moe`'s layout, biases and
+    activations; shapes checked there), weighted by `topk_weights` [T, k] and summed over k: [T, H]
+    in x's dtype. An id outside 0 .. E - 1 (-1: an expert of another rank) adds nothing.
+    `config`: the tiles (default: `choose_config`'s)."""
+    if any(t.stride(-1) != 1 for t in (w13, w2, *(b for b in (w13_bias, w2_bias) if b is not None))):
+        raise ValueError("w13, w2 and their biases need a contiguous last dimension")
     x = x if x.stride(-1) == 1 else x.contiguous()
     tokens, hidden = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -345,18 +368,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     plan = align_by_expert(ids, num_experts, config.block_m)
     interpret, ieee = triton_interpreting(), x.dtype == torch.float32
     h = torch.empty(plan.sorted_pairs.shape[0], inter, dtype=x.dtype, device=x.device)
+    # Without a bias the kernels never read their bias pointer: the weights stand in for it.
+    b13, b2 = (w if b is None else b for w, b in ((w13, w13_bias), (w2, w2_bias)))
     _gate_up_kernel[(plan.num_blocks, triton.cdiv(inter, config.block_n))](
-        x, w13, h, plan.sorted_pairs, plan.block_expert, plan.block_rows, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=top_k, IEEE=ieee, INTERPRET=interpret,
+        x, w13, h, b13, plan.sorted_pairs, plan.block_expert, plan.block_rows, hidden, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), b13.stride(0), SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT,
+        TOP_K=top_k, IEEE=ieee, INTERPRET=interpret, HAS_BIAS=w13_bias is not None,
+        ACTIVATION=MOE_ACTIVATIONS.index(activation),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     pair_out = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(plan.num_blocks, triton.cdiv(hidden, config.block_n))](
-        h, w2, topk_weights.contiguous(), pair_out, plan.sorted_pairs, plan.block_expert, plan.block_rows,
-        hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        IEEE=ieee, INTERPRET=interpret,
+        h, w2, topk_weights.contiguous(), pair_out, b2, plan.sorted_pairs, plan.block_expert, plan.block_rows,
+        hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), b2.stride(0),
+        IEEE=ieee, INTERPRET=interpret, HAS_BIAS=w2_bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
