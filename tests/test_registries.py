@@ -174,7 +174,7 @@ def test_register_model_checks_the_class_and_feeds_config_and_gguf():
     assert gguf_architecture("f.gguf", "llama", "SmolLM2 135M").name == "LlamaForCausalLM"
     assert gguf_architecture("f.gguf", "llama", "SmolLM2 135M", has_experts=True).name == "MixtralForCausalLM"
     _refused(lambda: gguf_architecture("f.gguf", "gpt2", ""), "GGUF architecture 'gpt2' is not supported",
-             "llama, qwen2, qwen3, qwen2moe, qwen3moe, pluginllama")
+             "llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, pluginllama")
     register_model("PluginLlamaForCausalLM", LlamaForCausalLM, override=True)
     assert get_model_class("PluginLlamaForCausalLM") is LlamaForCausalLM
 
