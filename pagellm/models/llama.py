@@ -10,7 +10,7 @@ from torch import nn
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.layer import Attention
 from pagellm.config.arch import ModelArchConfig
-from pagellm.distributed import parallel_state
+from pagellm.distributed import parallel_state, stage_layers
 from pagellm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -37,13 +37,6 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
                        r"(?:(k_scale|v_scale|kv_scale)|(k_proj\.output_scale|v_proj\.output_scale))$")
 """A float8 KV cache's per-tensor scales as checkpoints store them (llm-compressor's, AutoFP8's older names)."""
-
-def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
-    """The contiguous layers of pipeline stage `pp_rank`; earlier stages take the remainder."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (pp_rank < extra))
-
 
 class OtherStageLayer(nn.Module):
     """Stands in for a layer another pipeline stage holds, so that parameter names stay global."""
