@@ -68,7 +68,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the keys each query sees, itself included (None: all before it)."""
         super().__init__()
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(
@@ -76,9 +78,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim, config.head_dim**-0.5, attn_backend
-        )
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim,
+                              config.head_dim**-0.5, attn_backend, sliding_window)
 
     @staticmethod
     def projection_biases(config: ModelArchConfig) -> tuple[bool, bool]:
@@ -107,9 +108,10 @@ class LlamaDecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         attention_cls: type[LlamaAttention],
         mlp: nn.Module,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, rotary_emb, attn_backend)
+        self.self_attn = attention_cls(config, rotary_emb, attn_backend, sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,7 +181,8 @@ class LlamaModel(nn.Module):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls, mlp_for_layer(config, i))
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls, mlp_for_layer(config, i),
+                              config.sliding_windows[i])
             if i in self.local_layers
             else OtherStageLayer()
             for i in range(config.num_hidden_layers)
