@@ -99,8 +99,8 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
               "chunked": {"max_num_batched_tokens": 8, "max_num_seqs": 4},
               # 8 blocks of 8 tokens for four sequences each holding up to 3 as they decode (a 16-token
               # prompt chunk up to 5): the latest admitted is preempted.
-              "preempted": {"num_gpu_blocks_override": 8, "max_model_len": 96, "max_num_batched_tokens": 16, "max_num_seqs": 4,
-                            "enable_prefix_caching": False},
+              "preempted": {"num_gpu_blocks_override": 8, "max_model_len": 96, "max_num_batched_tokens": 16,
+                            "max_num_seqs": 4, "enable_prefix_caching": False},
               }[variant]
     llm = LLM(str(folder), **{**CPU, **kwargs})
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
