@@ -38,8 +38,13 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("MixtralForCausalLM", "pagellm.models.mixtral:MixtralForCausalLM", "llama", "mixtral"),
     ArchitectureEntry("Qwen2MoeForCausalLM", "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", "qwen2moe", "qwen2_moe"),
     ArchitectureEntry("Qwen3MoeForCausalLM", "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM", "qwen3moe", "qwen3_moe"),
+    ArchitectureEntry("Gemma2ForCausalLM", "pagellm.models.gemma:Gemma2ForCausalLM", model_type="gemma2"),
+    ArchitectureEntry("Gemma3ForCausalLM", "pagellm.models.gemma:Gemma3ForCausalLM", model_type="gemma3_text"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
+
+_TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""Multimodal architectures whose language model alone runs as another one."""
 
 
 @dataclass(slots=True)
@@ -103,6 +108,11 @@ class ModelArchConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelArchConfig":
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in MODEL_REGISTRY), None)
+        text_only = next((_TEXT_ONLY[a] for a in archs if a in _TEXT_ONLY), None)
+        if arch is None and text_only is not None:
+            raise ValueError(f"model architecture {archs!r} (text and images) is not supported; pagellm runs the "
+                             f"text-only {text_only}: a checkpoint of its language model alone, its config.json "
+                             f"the text_config with architectures [{text_only!r}]")
         if arch is None:
             raise ValueError(
                 f"model architecture {archs or d.get('model_type')!r} is not supported; "

@@ -212,16 +212,18 @@ class LlamaForCausalLM(nn.Module):
     (`interface.CausalLM`).
 
     Subclasses change the attention block through `attention_cls`, a layer's MLP through
-    `mlp_for_layer`, and how checkpoint tensors map to parameters through `checkpoint_target` and
-    `checkpoint_parts`.
+    `mlp_for_layer`, the decoder stack through `model_cls` (built alike, with the same parts:
+    `embed_tokens`, `layers`, `norm`, `local_layers`), and how checkpoint tensors map to parameters
+    through `checkpoint_target` and `checkpoint_parts`.
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[nn.Module] = LlamaModel
 
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, self.attention_cls, self.mlp_for_layer)
+        self.model = self.model_cls(config, attn_backend, self.attention_cls, self.mlp_for_layer)
         self.lm_head = None
         if self.model.is_last_stage:
             shares_embedding = config.tie_word_embeddings and self.model.is_first_stage
