@@ -1,8 +1,8 @@
 """Gemma 2 and Gemma 3 (text) against Hugging Face `transformers`: tiny random models built from
 `Gemma2Config` and `Gemma3TextConfig` (sliding and full layers, the window shorter than every
 prompt, soft caps small enough to matter, Gemma 3's two rotary bases), saved as safetensors. Greedy
-tokens and logprobs through the engine (chunked prefill, prefix caching, preemption; TP=2 over
-processes), the blocks each KV cache group holds, and what is refused."""
+tokens and logprobs through the engine (chunked prefill, prefix caching, preemption; TP=2 and PP=2
+over processes), the blocks each KV cache group holds, and what is refused."""
 from __future__ import annotations
 
 import json
@@ -200,10 +200,11 @@ def test_other_activations_are_refused():
 
 
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds
-def test_two_tensor_parallel_ranks_match_hf(tiny):
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_two_ranks_over_processes_match_hf(tiny, split):
     _, folder, model = tiny
     prompts = PROMPTS + prefix_prompts()
-    llm = LLM(str(folder), **CPU, max_num_batched_tokens=32, max_num_seqs=4, tensor_parallel_size=2)
+    llm = LLM(str(folder), **CPU, max_num_batched_tokens=32, max_num_seqs=4, **split)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert_matches_hf(model, outs, prompts)

@@ -1,7 +1,8 @@
 """Mistral with its sliding window against Hugging Face `transformers`: a tiny random model built from
 `MistralConfig` with a window shorter than every prompt, saved as safetensors. Greedy tokens and
 logprobs through the engine (both CPU attention backends, chunked prefill, prefix caching,
-preemption; TP=2 over processes), and the blocks a long sequence holds as it grows."""
+preemption, n-gram speculation; TP=2 and PP=2 over processes), the blocks a long sequence holds as it
+grows, and draft-model speculation refused."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_the_window_changes_hugging_faces_output(tiny):
     assert not torch.allclose(windowed, full, atol=1e-3)
 
 
-@pytest.mark.parametrize("variant", ["cpu", "torch", "chunked", "preempted"])
+@pytest.mark.parametrize("variant", ["cpu", "torch", "chunked", "preempted", "ngram"])
 def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
     folder, model = tiny
     kwargs = {"cpu": {},  # the C attention kernel
@@ -101,6 +102,9 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
               # prompt chunk up to 5): the latest admitted is preempted.
               "preempted": {"num_gpu_blocks_override": 8, "max_model_len": 96, "max_num_batched_tokens": 16,
                             "max_num_seqs": 4, "enable_prefix_caching": False},
+              # Drafts verified, the rejected ones' KV rolled back within the window.
+              "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_min": 1}},
               }[variant]
     llm = LLM(str(folder), **{**CPU, **kwargs})
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
@@ -138,11 +142,18 @@ def test_a_long_sequence_holds_only_its_windows_blocks(tiny):
     assert_no_leak(engine)
 
 
+def test_a_draft_model_is_refused_for_windowed_layers(tiny):
+    folder, _ = tiny
+    with pytest.raises(ValueError, match="draft model keeps its KV cache in the target's blocks.*ngram"):
+        LLM(str(folder), **CPU, speculative_config={"model": str(folder), "num_speculative_tokens": 2})
+
+
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds
-def test_two_tensor_parallel_ranks_match_hf(tiny):
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_two_ranks_over_processes_match_hf(tiny, split):
     folder, model = tiny
     prompts = PROMPTS + prefix_prompts()
-    llm = LLM(str(folder), **CPU, max_num_batched_tokens=32, max_num_seqs=4, tensor_parallel_size=2)
+    llm = LLM(str(folder), **CPU, max_num_batched_tokens=32, max_num_seqs=4, **split)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         assert_matches_hf(model, outs, prompts)

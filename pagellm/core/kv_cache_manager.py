@@ -207,7 +207,7 @@ class KVCacheManager:
         """Per group, the request's block ids (`SKIPPED_BLOCK_ID` for blocks a window gave back)."""
         groups = self.req_to_blocks.get(request_id)
         if groups is None:
-            return tuple([] for _ in self.windows)
+            return self.empty_block_ids()
         return tuple([SKIPPED_BLOCK_ID if b is None else b.block_id for b in blocks] for blocks in groups)
 
     def num_blocks_held(self, request_id: str) -> list[int]:

@@ -113,7 +113,7 @@ def _local_slots(model: CausalLM, groups: Sequence[KVCacheGroup]) -> list[tuple[
     local = [slots[i] for i in stage_layers(model.config.num_hidden_layers, ps.pp_rank, ps.pp_size)]
     if len(local) != len(model.attention_layers()):
         raise ValueError(f"{type(model).__name__} has {len(model.attention_layers())} attention layers on this "
-                         f"stage, its KV cache groups {len(local)}")
+                         f"pipeline stage, not the {len(local)} decoder layers its config gives the stage")
     return local
 
 
