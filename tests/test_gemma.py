@@ -6,6 +6,7 @@ over processes), the blocks each KV cache group holds, and what is refused."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -183,6 +184,19 @@ def test_each_group_holds_its_blocks(tiny):
     assert full == 13 and sliding == [window_blocks(WINDOW, 8)] * len(sliding)
     assert all(max(h[1:]) <= window_blocks(WINDOW, 8) for h in held[1:])
     assert_no_leak(engine)
+
+
+def test_the_engine_reports_its_groups_and_a_full_length_sequences_blocks(tiny, caplog):
+    family, folder, _ = tiny
+    with caplog.at_level(logging.INFO, logger="pagellm.engine.core"):
+        LLM(str(folder), **CPU).llm_engine.shutdown()
+    # 256 tokens: 32 blocks of 8 in a full group, 3 in a window's (12 positions span at most 3).
+    expected = {"gemma2": "KV cache groups: 2 layers of full attention, 2 layers of sliding window 12; a decoding "
+                          "sequence of max_model_len (256) tokens holds 35 of the",
+                "gemma3": "KV cache groups: 1 layer of full attention, 1 layer of sliding window 12, 1 layer of "
+                          "sliding window 12, 1 layer of sliding window 12; a decoding sequence of max_model_len "
+                          "(256) tokens holds 41 of the"}[family]
+    assert expected in caplog.text
 
 
 def test_gemma3_with_its_vision_tower_is_refused_naming_the_text_only_class(tmp_path):

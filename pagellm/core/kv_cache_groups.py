@@ -28,7 +28,7 @@ class KVCacheGroup:
 
     def describe(self) -> str:
         kind = "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window}"
-        return f"{len(self.layers)} layers of {kind}"
+        return f"{len(self.layers)} layer{'s' if len(self.layers) != 1 else ''} of {kind}"
 
 
 def kv_cache_groups(layer_windows: Sequence[int | None], max_model_len: int | None = None) -> tuple[KVCacheGroup, ...]:
