@@ -19,6 +19,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.attention import get_attn_backend
 from pagellm.config.arch import ModelArchConfig
 from pagellm.core.kv_cache_groups import window_blocks
+from pagellm.eval.quality import bind_window_cache
 from pagellm.models import get_model_class
 from pagellm.models.cpu_layer import why_not_fused
 from pagellm.worker.loading import prompt_hidden_states
@@ -123,6 +124,21 @@ def test_logits_match_hf_and_every_difference_from_llama_matters(family):
         for changes in DIFFERENCES[family]:
             assert not torch.allclose(hf_variant(hf, **changes)(tokens[None]).logits[0], reference, atol=1e-3), changes
     assert why_not_fused(model.decoder_layers()[0]) == "GemmaDecoderLayer is not a Llama decoder layer"
+
+
+def test_a_bound_cache_of_four_groups_gives_the_same_hidden_states():
+    """Bound to a KV cache (eval's: one window of blocks per group), each layer stores in its group's
+    blocks, the full layer's in group 0, and the hidden states are those computed without a cache."""
+    hf = hf_model("gemma3")
+    config = ModelArchConfig.from_hf_dict(hf.config.to_dict())
+    model = get_model_class(config.architecture)(config, get_attn_backend("cpu"))
+    model.load_weights(hf.state_dict().items())
+    tokens = PROMPTS[2]
+    without = prompt_hidden_states(model, tokens)
+    bind_window_cache(model, 64, torch.float32, torch.device("cpu"))
+    assert [a.kv_group for a in model.attention_layers()] == [1, 2, 0, 3]
+    assert len({a.kv_cache[0].data_ptr() for a in model.attention_layers()}) == 1  # one slot: groups of one layer
+    torch.testing.assert_close(prompt_hidden_states(model, tokens), without, atol=1e-5, rtol=1e-5)
 
 
 def test_gemma3_layers_take_their_windows_and_rotary_bases():

@@ -468,7 +468,8 @@ class StepInFlight:
         host = self._copy.arrays()
         if self._pooled:
             vectors = host[0].astype("<f4", copy=False)
-            return ModelRunnerOutput([], [], pooler_output={r: vectors[i].tobytes() for i, r in enumerate(self._req_ids)})
+            return ModelRunnerOutput([], [], pooler_output={r: vectors[i].tobytes()
+                                                            for i, r in enumerate(self._req_ids)})
         if self._plan is not None:
             self._runner.stash_prompt_logprobs(self._plan, host[:3])
             host = host[3:]
