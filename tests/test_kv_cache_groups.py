@@ -63,7 +63,8 @@ def test_gemma3_12b_at_8k_holds_the_window_arithmetic():
 
 def test_a_pool_too_small_for_one_request_names_the_longest_that_fits():
     # 512 blocks of the full group and 9 of the window's (a 64-token chunk after 63 tokens of window).
-    with pytest.raises(ValueError, match=r"holds 500 blocks .* fewer than the 521 that one request .* at most 7856"):
+    with pytest.raises(ValueError, match=r"holds 500 blocks x 16 tokens = 8000 tokens; one request of max_model_len "
+                                         r"\(8192\) tokens needs 521 blocks.* at most 7856"):
         SchedulerLimits(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=8192, block_size=16,
                         num_blocks=500, enable_prefix_caching=True, sliding_windows=(None, 64))
     SchedulerLimits(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=7856, block_size=16,

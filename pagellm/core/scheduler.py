@@ -59,8 +59,9 @@ class SchedulerLimits:
                 longest, too_long = (middle, too_long) if self.blocks_per_request(middle) <= self.num_blocks \
                     else (longest, middle)
             raise ValueError(
-                f"the KV cache holds {self.num_blocks} blocks of {self.block_size} tokens, fewer than the {needed} "
-                f"that one request of max_model_len ({self.max_model_len}) tokens needs, so it could never run. "
+                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens; one request of max_model_len ({self.max_model_len}) "
+                f"tokens needs {needed} blocks, so it could never run. "
                 f"Lower max_model_len (--max-model-len) to at most {longest}, or give the cache more memory "
                 f"(--gpu-memory-utilization on GPU, kv_cache_memory_bytes on CPU, num_gpu_blocks_override).")
 
