@@ -1,4 +1,5 @@
-"""Test helper: build `AttentionMetadata` for a flat batch from a plain description."""
+"""Test helpers: build `AttentionMetadata` for a flat batch from a plain description; make the blocks
+before sliding windows unreadable."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,3 +39,14 @@ def build_metadata(
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )
+
+
+def poison_blocks_before_windows(md: AttentionMetadata, shapes: list[tuple[int, int]], window: int, block_size: int,
+                                 caches: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """`caches` with one more block, all NaN, at which every block-table entry wholly before a
+    sequence's first query's window now points: a backend that reads such a block (freed, maybe
+    another request's now) returns NaN."""
+    poisoned = tuple(torch.cat([c, torch.full_like(c[:1], float("nan"))]) for c in caches)
+    for i, (cached, _) in enumerate(shapes):
+        md.block_table[i, :max(cached - window + 1, 0) // block_size] = caches[0].shape[0]
+    return poisoned

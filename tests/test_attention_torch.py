@@ -3,22 +3,29 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attn_utils import build_metadata, poison_blocks_before_windows
 
-from attn_utils import build_metadata
 from pagellm.attention import get_attn_backend
 from pagellm.attention.layer import Attention
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float,
+    window: int | None = None, soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """q [n, H, D] at positions first_pos.. ; k, v [L, Hkv, D] for positions 0..L-1 -> [n, H, D]."""
+    """q [n, H, D] at positions first_pos.. ; k, v [L, Hkv, D] for positions 0..L-1 -> [n, H, D];
+    the query at p sees the keys p - window < j <= p (all j <= p without a window), its scores
+    capped to soft_cap * tanh(s / soft_cap)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     q_pos = torch.arange(first_pos, first_pos + q.shape[0])[:, None]
-    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > q_pos, float("-inf"))
+    key_pos = torch.arange(k.shape[0])[None, :]
+    hidden = (key_pos > q_pos) | (key_pos <= q_pos - window if window is not None else False)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -93,6 +100,67 @@ def test_no_cache_is_causal_within_each_prompt(num_heads: int, num_kv_heads: int
         rows = slice(int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1]))
         ref = reference_attention(query[rows], key[rows], value[rows], 0, 0.125)
         torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_sliding_window_and_soft_cap_match_reference(window: int, soft_cap: float | None, num_heads: int,
+                                                     num_kv_heads: int) -> None:
+    """Decodes and prompt chunks (some longer than the window) over a paged cache whose blocks before
+    each window are unreadable; and the same prompts from position 0 without a cache."""
+    gen = torch.Generator().manual_seed(window * 10 + num_heads)
+    block_size, head_dim = 16, 64
+    shapes = [(37, 1), (70, 1), (50, 23), (0, 41), (16, 16), (100, 3)]
+    needed = [-(-(c + n) // block_size) for c, n in shapes]
+    num_blocks = sum(needed)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []
+    for (cached, new), n in zip(shapes, needed):
+        seqs.append((cached, new, perm[:n]))
+        perm = perm[n:]
+    md = build_metadata(seqs, block_size)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(cache_shape), torch.zeros(cache_shape)
+    full_k = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen) for c, n in shapes]
+    full_v = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen) for c, n in shapes]
+    for (cached, _, blocks), k, v in zip(seqs, full_k, full_v):
+        for pos in range(cached):
+            k_cache[blocks[pos // block_size], pos % block_size] = k[pos]
+            v_cache[blocks[pos // block_size], pos % block_size] = v[pos]
+    k_cache, v_cache = poison_blocks_before_windows(md, shapes, window, block_size, (k_cache, v_cache))
+    key = torch.cat([k[c:] for (c, _), k in zip(shapes, full_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(shapes, full_v)])
+    query = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen) * 3
+    scale = head_dim**-0.5
+
+    out = get_attn_backend("torch").forward(query, key, value, (k_cache, v_cache), md, scale, window, soft_cap)
+
+    for i, (cached, new) in enumerate(shapes):
+        rows = slice(int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1]))
+        ref = reference_attention(query[rows], full_k[i], full_v[i], cached, scale, window, soft_cap)
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+    prompts = build_metadata([(0, c + n, [0]) for c, n in shapes], 1000)
+    query = torch.randn(prompts.num_tokens, num_heads, head_dim, generator=gen) * 3
+    key, value = torch.cat(full_k), torch.cat(full_v)
+    out = get_attn_backend("torch").forward(query, key, value, None, prompts, scale, window, soft_cap)
+    for i, k in enumerate(full_k):
+        rows = slice(int(prompts.query_start_loc_cpu[i]), int(prompts.query_start_loc_cpu[i + 1]))
+        ref = reference_attention(query[rows], k, full_v[i], 0, scale, window, soft_cap)
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_layers_of_two_windows_share_one_steps_metadata() -> None:
+    """A full layer and a windowed one over the same metadata: each plans its own groups."""
+    md = build_metadata([(40, 2, [0, 1, 2])], block_size=16)
+    cache = (torch.randn(3, 16, 2, 64), torch.randn(3, 16, 2, 64))
+    query, key, value = torch.randn(2, 4, 64), torch.randn(2, 2, 64), torch.randn(2, 2, 64)
+    backend = get_attn_backend("torch")
+    full = backend.forward(query, key, value, cache, md, 0.125)
+    windowed = backend.forward(query, key, value, cache, md, 0.125, 4)
+    k, v = cache[0].view(-1, 2, 64)[:42], cache[1].view(-1, 2, 64)[:42]
+    torch.testing.assert_close(full, reference_attention(query, k, v, 40, 0.125))
+    torch.testing.assert_close(windowed, reference_attention(query, k, v, 40, 0.125, 4))
 
 
 def test_padding_rows_past_num_tokens_are_zero() -> None:

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from attn_utils import build_metadata  # noqa: E402
+from attn_utils import build_metadata, poison_blocks_before_windows  # noqa: E402
+
 from pagellm.attention import get_attn_backend  # noqa: E402
 from pagellm.attention.triton_backend import decode_splits  # noqa: E402
 from pagellm.ops.triton import attention as triton_kernels  # noqa: E402
@@ -109,6 +110,43 @@ def test_no_cache_is_causal_within_each_prompt(dtype, num_heads: int, num_kv_hea
     out = get_attn_backend("triton").forward(query, key, value, None, md, 0.125)
     ref = get_attn_backend("torch").forward(query, key, value, None, md, 0.125)
 
+    check(out, ref, dtype)
+
+
+WINDOWED = [(37, 1), (70, 1), (50, 23), (0, 41), (100, 3), (5, 2)]
+"""Decodes past and within their windows, chunks over a cached prefix, a prompt longer than the window."""
+
+
+SLOW = pytest.mark.slow  # interpreted: seconds a case
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,soft_cap,num_heads,num_kv_heads", [
+    (20, None, 8, 2), (20, 3.0, 8, 2), (1, None, 4, 4),
+    pytest.param(64, None, 4, 4, marks=SLOW), pytest.param(64, 3.0, 8, 2, marks=SLOW),
+    pytest.param(1, 3.0, 8, 2, marks=SLOW)])
+def test_sliding_window_and_soft_cap_match_torch_backend(dtype, window, soft_cap, num_heads, num_kv_heads) -> None:
+    """The blocks before each window hold NaN: the kernel must not read them."""
+    md, query, key, value, cache = random_paged_batch(WINDOWED, 16, num_heads, num_kv_heads, 64, dtype, seed=window)
+    cache = poison_blocks_before_windows(md, WINDOWED, window, 16, cache)
+    query = query * 3
+    out = get_attn_backend("triton").forward(query, key, value, tuple(c.clone() for c in cache), md, 0.125,
+                                             window, soft_cap)
+    ref = get_attn_backend("torch").forward(query, key, value, tuple(c.clone() for c in cache), md, 0.125,
+                                            window, soft_cap)
+    check(out, ref, dtype)
+    if soft_cap is None:  # decodes split over programs
+        decodes = [(n, 1) for n in (0, 63, 300, 129, 20)]
+        md, query, key, value, cache = random_paged_batch(decodes, 16, num_heads, num_kv_heads, 64, dtype, seed=3)
+        cache = poison_blocks_before_windows(md, decodes, window, 16, cache)
+        ref = get_attn_backend("torch").forward(query, key, value, cache, md, 0.125, window)
+        out = torch.full_like(query, float("nan"))
+        paged_attention(out, query, *cache, md.block_table, md.seq_lens, md.query_start_loc, 1, 0.125, 4, window)
+        check(out, ref, dtype)
+    prompts = [(0, 5), (0, 37), (0, 1)]
+    md, query, key, value, _ = random_paged_batch(prompts, 16, num_heads, num_kv_heads, 64, dtype, seed=window + 1)
+    out = get_attn_backend("triton").forward(query, key, value, None, md, 0.125, window, soft_cap)
+    ref = get_attn_backend("torch").forward(query, key, value, None, md, 0.125, window, soft_cap)
     check(out, ref, dtype)
 
 

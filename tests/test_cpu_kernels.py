@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from attn_utils import build_metadata, poison_blocks_before_windows
 
-from attn_utils import build_metadata
 from pagellm import ops
 from pagellm.attention import get_attn_backend
 from pagellm.layers import RotaryEmbedding
@@ -95,6 +95,20 @@ def test_cpu_backend_matches_torch_backend(shapes, heads, kv_heads, head_dim, bl
     for a, b in zip(*caches):
         assert torch.equal(a, b)
     assert torch.equal(caches[0][0], cache[0]) == (md.num_tokens == 1)  # only the -1 row: nothing written
+
+
+@pytest.mark.parametrize("window", [1, 20, 64])
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+def test_sliding_window_and_soft_cap_match_torch_backend(window, soft_cap):
+    """The blocks before each window hold NaN: the kernel must not read them."""
+    shapes = [(37, 1), (70, 1), (50, 23), (0, 41), (100, 3)]
+    md, q, k, v, cache = paged_batch(shapes, 16, 9, 3, 64, seed=window)
+    cache = poison_blocks_before_windows(md, shapes, window, 16, cache)
+    q = q * 3
+    got = get_attn_backend("cpu").forward(q, k, v, tuple(c.clone() for c in cache), md, 0.125, window, soft_cap)
+    md.backend_plan = None
+    want = get_attn_backend("torch").forward(q, k, v, tuple(c.clone() for c in cache), md, 0.125, window, soft_cap)
+    torch.testing.assert_close(got, want, **CLOSE)
 
 
 def test_a_querys_result_does_not_depend_on_its_batch():

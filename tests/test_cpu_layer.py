@@ -7,7 +7,7 @@ import pytest
 from pagellm import LLM, SamplingParams
 from pagellm.models import cpu_layer
 from pagellm.ops.c import build as native
-from pagellm.worker import loading
+from pagellm.worker import loading, model_runner
 
 pytestmark = [pytest.mark.slow,  # engines on the real model
               pytest.mark.skipif(native.unavailable_reason() is not None, reason=str(native.unavailable_reason()))]
@@ -42,6 +42,31 @@ def test_fused_layers_give_the_modules_results_bit_for_bit(smollm2_path, monkeyp
     layers = decoder_layers(modules)
     assert all(layer.fused is None and cpu_layer.why_not_fused(layer) is None for layer in layers)
     assert got == results(modules)  # exact floats: the same kernels in the same order
+
+
+def test_fused_layers_keep_a_sliding_window_bit_for_bit(smollm2_path, monkeypatch):
+    """Every attention layer given a 24-token window (shorter than the 90-token prompt): the fused
+    layers attend within it as the modules do, and the window changes the results."""
+    plain = LLM(smollm2_path, **ENGINE)
+    unwindowed = results(plain)
+    plain.llm_engine.shutdown()
+    build = model_runner.build_model
+
+    def windowed(*args, **kwargs):
+        model = build(*args, **kwargs)
+        for attn in model.attention_layers():
+            attn.sliding_window = 24
+        return model
+
+    monkeypatch.setattr(model_runner, "build_model", windowed)
+    fused = LLM(smollm2_path, **ENGINE)
+    assert all(isinstance(layer.fused, cpu_layer.FusedDecoderLayer) for layer in decoder_layers(fused))
+    got = results(fused)
+    fused.llm_engine.shutdown()
+    monkeypatch.setattr(loading, "fuse_decoder_layers", lambda layers: False)
+    modules = LLM(smollm2_path, **ENGINE)
+    assert got == results(modules)
+    assert got[0] != unwindowed[0]
 
 
 def test_dense_weights_keep_the_modules(smollm2_path):

@@ -17,15 +17,15 @@ import time
 import httpx
 import pytest
 import torch
+from server_utils import RemoteServer
+from test_greedy_vs_hf import CONVERSATIONS
 
 from pagellm import LLM, SamplingParams
+from pagellm.distributed import stage_layers
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.executor.base import WorkerFailedError
 from pagellm.loader import resolve_model
-from pagellm.models.llama import stage_layers
 from pagellm.tokenizer import load_tokenizer
-from server_utils import RemoteServer
-from test_greedy_vs_hf import CONVERSATIONS
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)

@@ -44,7 +44,8 @@ def snapshot(kv: KVCacheManager):
         [b.ref_cnt for b in pool.blocks],
         [b.block_hash for b in pool.blocks],
         dict(pool.cached),
-        {rid: [b.block_id for b in bl] for rid, bl in kv.req_to_blocks.items() if bl},
+        {rid: [[b.block_id for b in blocks] for blocks in groups] for rid, groups in kv.req_to_blocks.items()
+         if any(groups)},
     )
 
 
@@ -66,23 +67,23 @@ def test_block_count_follows_computed_tokens_across_chunks(block_size, chunk):
     first = True
     while req.num_computed_tokens < req.num_tokens:
         n = min(chunk, req.num_tokens - req.num_computed_tokens)
-        before = len(kv.get_block_ids("r"))
+        before = len(kv.get_block_ids("r")[0])
         new = admit(kv, req, n)[1] if first else extend(kv, req, n)
         first = False
         assert new is not None
-        total_new += len(new)
-        blocks = kv.get_block_ids("r")
+        total_new += len(new[0])
+        blocks = kv.get_block_ids("r")[0]
         assert len(blocks) == math.ceil(req.num_computed_tokens / block_size)
-        assert len(blocks) - before == len(new)
+        assert len(blocks) - before == len(new[0])
         assert len(set(blocks)) == len(blocks)
     # Decode tokens: a new block exactly when a block boundary is crossed.
     for step in range(2 * block_size):
         req.all_token_ids.append(7)
         new = extend(kv, req, 1)
         crossed = (req.num_computed_tokens - 1) % block_size == 0
-        assert len(new) == (1 if crossed else 0)
-        assert len(kv.get_block_ids("r")) == math.ceil(req.num_computed_tokens / block_size)
-    assert kv.pool.num_free_blocks == 64 - len(kv.get_block_ids("r"))
+        assert len(new[0]) == (1 if crossed else 0)
+        assert len(kv.get_block_ids("r")[0]) == math.ceil(req.num_computed_tokens / block_size)
+    assert kv.pool.num_free_blocks == 64 - len(kv.get_block_ids("r")[0])
     kv.free(req)
     assert_no_leak(kv)
 
@@ -90,11 +91,11 @@ def test_block_count_follows_computed_tokens_across_chunks(block_size, chunk):
 def test_allocate_exact_boundaries_block_size_4():
     kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
     req = make_req("r", range(20))
-    assert len(admit(kv, req, 4)[1]) == 1    # tokens 0..3: one full block
-    assert len(extend(kv, req, 1)) == 1      # token 4 opens block 2
-    assert len(extend(kv, req, 3)) == 0      # tokens 5..7 fill it
-    assert len(extend(kv, req, 9)) == 3      # tokens 8..16: blocks 3, 4, and 5 (one token)
-    assert len(kv.get_block_ids("r")) == 5
+    assert len(admit(kv, req, 4)[1][0]) == 1    # tokens 0..3: one full block
+    assert len(extend(kv, req, 1)[0]) == 1      # token 4 opens block 2
+    assert len(extend(kv, req, 3)[0]) == 0      # tokens 5..7 fill it
+    assert len(extend(kv, req, 9)[0]) == 3      # tokens 8..16: blocks 3, 4, and 5 (one token)
+    assert len(kv.get_block_ids("r")[0]) == 5
     kv.free(req)
     assert_no_leak(kv)
 
@@ -107,7 +108,7 @@ def test_allocate_returns_none_and_changes_nothing_when_pool_short():
     before = snapshot(kv)
     assert admit(kv, b)[1] is None
     assert snapshot(kv) == before
-    assert kv.get_block_ids("b") == []
+    assert kv.get_block_ids("b")[0] == []
     assert b.num_computed_tokens == 0
     # A running request that needs more than what is free also gets None and keeps its blocks.
     a.all_token_ids.append(1)
@@ -119,7 +120,7 @@ def test_allocate_returns_none_and_changes_nothing_when_pool_short():
     before = snapshot(kv)
     assert extend(kv, a, 4) is None          # token 17 needs a 5th block
     assert snapshot(kv) == before
-    assert len(kv.get_block_ids("a")) == 4
+    assert len(kv.get_block_ids("a")[0]) == 4
     kv.free(a)
     kv.free(b)
     assert_no_leak(kv)
@@ -129,11 +130,11 @@ def test_free_returns_blocks_tail_first():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     req = make_req("r", range(12))
     admit(kv, req)
-    held = kv.get_block_ids("r")
+    held = kv.get_block_ids("r")[0]
     kv.free(req)
     queue = [b.block_id for b in kv.pool.free_queue]
     assert queue[-3:] == list(reversed(held)), "the prefix must be the last to be evicted"
-    assert kv.get_block_ids("r") == []
+    assert kv.get_block_ids("r")[0] == []
     assert_no_leak(kv)
 
 
@@ -143,20 +144,20 @@ def test_prefix_hits_are_whole_blocks_only():
     kv = KVCacheManager(num_blocks=16, block_size=4, enable_caching=True)
     a = make_req("a", range(10))  # blocks [0..3] [4..7] full, [8, 9] partial
     assert admit(kv, a)[0] == 0
-    a_blocks = kv.get_block_ids("a")
+    a_blocks = kv.get_block_ids("a")[0]
 
     # Shares 9 tokens (2 full blocks and one more token): 8 tokens hit.
     b = make_req("b", list(range(9)) + [555, 556, 557])
     num_hit, _ = admit(kv, b)
     assert num_hit == 8
-    assert kv.get_block_ids("b")[:2] == a_blocks[:2]
+    assert kv.get_block_ids("b")[0][:2] == a_blocks[:2]
     assert b.num_computed_tokens == b.num_tokens
 
     # Shares 6 tokens: only the first block.
     c = make_req("c", list(range(6)) + [900, 901, 902, 903])
     assert admit(kv, c)[0] == 4
-    assert kv.get_block_ids("c")[0] == a_blocks[0]
-    assert kv.get_block_ids("c")[1] != a_blocks[1]
+    assert kv.get_block_ids("c")[0][0] == a_blocks[0]
+    assert kv.get_block_ids("c")[0][1] != a_blocks[1]
 
     # Shares 3 tokens: nothing.
     d = make_req("d", [0, 1, 2, 777, 778])
@@ -187,7 +188,7 @@ def test_last_prompt_token_is_never_served_from_cache(block_size, k):
     num_hit, new = admit(kv, b)
     assert num_hit == (k - 1) * block_size
     assert num_hit < b.num_tokens
-    assert new is not None and len(new) == 1
+    assert new is not None and len(new[0]) == 1
     # One token longer: now all k blocks may be hit.
     c = make_req("c", tokens + [1])
     assert admit(kv, c)[0] == k * block_size
@@ -200,15 +201,15 @@ def test_hits_on_free_cached_blocks_reclaim_them():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=True)
     a = make_req("a", range(100, 113))  # 13 tokens: 4 blocks, 3 full and cached
     admit(kv, a)
-    a_blocks = kv.get_block_ids("a")
+    a_blocks = kv.get_block_ids("a")[0]
     kv.free(a)
     assert kv.pool.num_free_blocks == 6
 
     b = make_req("b", list(range(100, 112)) + [1, 2, 3, 4, 5])  # 17 tokens: 5 blocks, 3 hits
     num_hit, new = admit(kv, b)
     assert num_hit == 12
-    assert len(new) == 2
-    assert kv.get_block_ids("b")[:3] == a_blocks[:3]
+    assert len(new[0]) == 2
+    assert kv.get_block_ids("b")[0][:3] == a_blocks[:3]
     # Three reclaimed from the free queue plus two new: one block left.
     assert kv.pool.num_free_blocks == 1
     for bid in a_blocks[:3]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 from pathlib import Path
 
 import gguf
@@ -201,13 +200,15 @@ def test_dummy_presets_resolve():
                                          short.model.source.arch.max_model_len)
 
 
-def test_sliding_window_not_applied_is_said(tmp_path, caplog):
+def test_the_sliding_window_is_applied_as_hugging_face_does(tmp_path):
+    """Prompts and continuations past a window of 12 tokens (as Phi-3-mini-4k's 2047 on every layer)."""
     hf = hf_model("rope")
-    hf.config.sliding_window = 48
+    hf.config.sliding_window = 12
     save_with_tokenizer(hf, tmp_path)
-    with caplog.at_level(logging.WARNING):
-        LLM(str(tmp_path), max_model_len=256, **CPU)
-    assert "sliding window (48 tokens) is not applied" in caplog.text and "--max-model-len 48" in caplog.text
+    outs, llm = run(tmp_path, PROMPTS, max_model_len=256, max_num_batched_tokens=8, max_num_seqs=4)
+    assert llm.llm_engine.config.model.source.arch.sliding_windows == (12,) * COMMON["num_hidden_layers"]
+    assert_matches_hf(hf, outs, PROMPTS, NEW_TOKENS)
+    assert_no_leak(llm.llm_engine)
 
 
 def test_adapters_of_the_unfused_projections_are_served(phi3_dir, tmp_path):

@@ -12,11 +12,11 @@ import torch
 from benchmarks.kv_sizing_gpu import SMOLLM2_135M
 from pagellm.attention import get_attn_backend
 from pagellm.benchmarks.memory import PlanSpec, compute_ledger, cuda_allocated_bytes
-from pagellm.engine.arg_utils import EngineArgs
 from pagellm.cli import main as cli_main
+from pagellm.config.arch import ModelArchConfig
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.loader import resolve_model
 from pagellm.models import get_model_class
-from pagellm.config.arch import ModelArchConfig
 from pagellm.worker.worker import Worker
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
@@ -108,6 +108,44 @@ def test_mixture_of_experts_weights_held_and_read_per_decode_step(capsys):
     assert "mixture of experts" in capsys.readouterr().err
 
 
+def test_gemma3_blocks_per_sequence_follow_the_window_arithmetic(capsys):
+    """Gemma-3-12B at 8k context: 8 full-attention layers keep 8192 / 16 = 512 blocks, 40 sliding layers
+    (window 1024) in 5 groups of 8 keep 65 each (the 1024 positions a decode's window spans reach
+    over 65 blocks at most): 837 blocks of 8 layers, a quarter of what 48 full layers would hold."""
+    plan = _plan_json(["google/gemma-3-12b-it", "--gpu-memory-gib", "80", "--max-model-len", "8192",
+                       "--input-len", "8000", "--output-len", "192"], capsys)
+    assert [(g["sliding_window"], len(g["layers"]), g["blocks_per_seq"]) for g in plan["kv_cache_groups"]] == \
+        [(None, 8, 512)] + [(1024, 8, 65)] * 5
+    assert plan["blocks_per_seq"] == 512 + 5 * 65 == 837
+    assert plan["kv_bytes_per_block"] == 2 * 8 * 16 * 8 * 256 * 2  # a block: 8 layers' keys and values
+    assert plan["kv_bytes_per_token"] == 2 * 48 * 8 * 256 * 2
+    assert plan["kv_limited_seqs"] == plan["num_kv_blocks"] // 837
+    assert cli_main(["plan", "google/gemma-3-12b-it", "--gpu-memory-gib", "80", "--max-model-len", "8192",
+                     "--input-len", "8000", "--output-len", "192"]) == 0
+    assert "837 blocks each of 8 layers: 1 group (8 layers) of full attention: 512 each; 5 groups (40 layers) " \
+           "of window 1024: 65 each" in capsys.readouterr().out
+    # Gemma 2: two groups of 21; its 4096 window reaches the whole of a 4096-token context.
+    gemma2 = _plan_json(["google/gemma-2-9b-it", "--gpu-memory-gib", "80", "--input-len", "8000",
+                         "--output-len", "192"], capsys)
+    assert [g["blocks_per_seq"] for g in gemma2["kv_cache_groups"]] == [512, 257]
+    short = _plan_json(["google/gemma-2-9b-it", "--gpu-memory-gib", "80", "--max-model-len", "4096"], capsys)
+    assert [(g["sliding_window"], len(g["layers"])) for g in short["kv_cache_groups"]] == [(None, 42)]
+
+
+def test_the_engines_block_size_is_the_plans_for_windowed_layers():
+    """The worker sizes Gemma-3-12B's blocks (model on the meta device) as the plan does."""
+    config = EngineArgs("google/gemma-3-12b-it", load_format="dummy", device="cpu", dtype="float32",
+                        max_model_len=8192, kv_cache_memory_bytes=1 << 30).create_engine_config()
+    worker = Worker(config)
+    with torch.device("meta"):
+        worker.runner.model = get_model_class(config.model.source.arch.architecture)(config.model.source.arch,
+                                                                                get_attn_backend("torch"))
+    ledger = compute_ledger(PlanSpec(config.model.source.arch, "cpu", 4, 8192, 8, 2048, 8000, 192,
+                                     kv_cache_memory_bytes=1 << 30))
+    assert worker.runner.kv_bytes_per_block() == ledger.kv_bytes_per_block == 2 * 8 * 16 * 8 * 256 * 4
+    assert worker.determine_num_blocks() == ledger.num_kv_blocks == 512
+
+
 def test_what_if_sizes_follow_the_byte_counts():
     arch = resolve_model("llama-3.1-8b", "dummy").arch
     base = PlanSpec(arch, "cuda", 2, 4096, 256, 8192, 1024, 128, total_memory_bytes=80 << 30)
@@ -173,7 +211,8 @@ def test_gguf_weights_count_the_blocks_the_engine_keeps(tmp_path, capsys):
 
     engine = EngineArgs(path, device="cpu").create_engine_config()
     assert engine.model.quantization == "gguf"
-    model = build_model(engine.model.source, engine.model.quantization, engine.model.dtype, torch.device("cpu"), "torch", 0)
+    model = build_model(engine.model.source, engine.model.quantization, engine.model.dtype, torch.device("cpu"),
+                        "torch", 0)
     loaded = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     cpu = _plan_json([path, "--device", "cpu"], capsys)
     assert cpu["weights_bytes"] == loaded

@@ -41,7 +41,7 @@ def test_the_record_crosses_the_wire_and_pickle_unchanged():
         assert pickle.loads(pickle.dumps(record)) == record
     # As a worker process receives it (mp and Ray executors pickle scheduler outputs).
     record = make_record()
-    so = SchedulerOutput([NewRequestData(record=record, output_token_ids=[20], block_ids=[1, 2],
+    so = SchedulerOutput([NewRequestData(record=record, output_token_ids=[20], block_ids=([1, 2],),
                                          num_computed_tokens=0)], [], {"r": 6}, 6, set())
     [new] = pickle.loads(pickle.dumps(so)).scheduled_new_reqs
     assert new.record == record and new.req_id == "r" and new.output_token_ids == [20]
@@ -68,16 +68,16 @@ def test_states_derived_from_the_record_see_its_fields():
     assert record.prompt_token_ids == [5, 6, 7, 8, 9], "the scheduler's tokens are its own list"
 
     resumed = CachedRequestState.from_new(
-        NewRequestData(record=record, output_token_ids=[20, 21], block_ids=[1, 2], num_computed_tokens=4), row=3)
+        NewRequestData(record=record, output_token_ids=[20, 21], block_ids=([1, 2],), num_computed_tokens=4), row=3)
     assert resumed.record is record
     assert (resumed.request_id, resumed.sampling_params, resumed.eos_token_ids, resumed.pooling_params) == (
         "r", record.sampling_params, {2, 3}, None)
     assert (resumed.token_ids, resumed.num_prompt_tokens, resumed.block_ids, resumed.num_computed_tokens,
-            resumed.row) == ([5, 6, 7, 8, 9, 20, 21], 5, [1, 2], 4, 3)
+            resumed.row) == ([5, 6, 7, 8, 9, 20, 21], 5, [[1, 2]], 4, 3)
     assert resumed.uses_processors, "bad words need the logits processors"
     assert resumed.prompt_logprobs_parts is None, "a resumed request delivered its prompt logprobs already"
     fresh = CachedRequestState.from_new(
-        NewRequestData(record=record, output_token_ids=[], block_ids=[4], num_computed_tokens=0), row=0)
+        NewRequestData(record=record, output_token_ids=[], block_ids=([4],), num_computed_tokens=0), row=0)
     assert fresh.prompt_logprobs_parts == [] and fresh.token_ids == [5, 6, 7, 8, 9]
 
     state = _RequestState.from_request(record, prompt="text", tokenizer=None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from pagellm.core.kv_cache_groups import window_blocks
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
@@ -46,7 +47,8 @@ class WorkerState:
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """Per KV cache group."""
 
 
 @dataclass
@@ -62,25 +64,34 @@ class FakeWorker:
             assert nr.req_id not in self.reqs, f"{nr.req_id!r} sent as new twice"
             self.reqs[nr.req_id] = WorkerState(
                 [*nr.record.prompt_token_ids, *nr.output_token_ids], len(nr.record.prompt_token_ids),
-                nr.num_computed_tokens, list(nr.block_ids))
+                nr.num_computed_tokens, [list(ids) for ids in nr.block_ids])
         for cr in out.scheduled_cached_reqs:
             st = self.reqs[cr.req_id]
             assert st.num_computed == cr.num_computed_tokens
-            st.block_ids += cr.new_block_ids
+            for table, ids in zip(st.block_ids, cr.new_block_ids, strict=True):
+                table += ids
         # A request the worker holds comes again only when more than its progress changed (new
         # blocks); the worker advances the others by their scheduled tokens (checked below).
         assert {cr.req_id for cr in out.scheduled_cached_reqs} <= set(out.num_scheduled_tokens)
         assert all(rid in self.reqs for rid in out.num_scheduled_tokens)
-        assert all(cr.new_block_ids for cr in out.scheduled_cached_reqs)
+        assert all(any(cr.new_block_ids) for cr in out.scheduled_cached_reqs)
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             assert n > 0
             st = self.reqs[rid]
-            # The worker's block table is the scheduler's, and holds every token to be computed.
-            assert st.block_ids == sched.kv.get_block_ids(rid)
+            # The worker's block tables are the scheduler's where it still holds the blocks (a sliding
+            # window gave the others back, unread), and hold every token to be computed.
+            size = sched.limits.block_size
+            for table, held, window in zip(st.block_ids, sched.kv.req_to_blocks[rid], sched.limits.sliding_windows,
+                                           strict=True):
+                assert len(table) == len(held)
+                assert [i for i, b in zip(table, held) if b is not None] == [b.block_id for b in held if b is not None]
+                # Every block the step's queries read is held: all, or from the first one's window on.
+                first = 0 if window is None else max(st.num_computed - window + 1, 0) // size
+                assert None not in held[first:-(-(st.num_computed + n) // size)]
             st.num_computed += n
             assert st.num_computed <= len(st.token_ids)
-            assert len(st.block_ids) * sched.limits.block_size >= st.num_computed
+            assert len(st.block_ids[0]) * sched.limits.block_size >= st.num_computed
             req = sched.requests[rid]
             assert req.num_computed_tokens == st.num_computed
             assert st.token_ids == req.all_token_ids
@@ -295,7 +306,7 @@ def test_preemption_picks_latest_admitted_and_recomputes_same_tokens(caching):
     assert req.status == RequestStatus.PREEMPTED
     assert req.num_computed_tokens == 0
     assert req.num_preemptions == 1
-    assert d.s.kv.get_block_ids(victim) == []
+    assert d.s.kv.get_block_ids(victim) == ([],)
     assert d.s.make_stats().num_preemptions >= 1
 
     res = d.run()
@@ -429,11 +440,11 @@ def test_abort_running_request_frees_blocks_and_tells_workers():
     d.step()
     d.step()
     free_before = d.s.kv.pool.num_free_blocks
-    held = len(d.s.kv.get_block_ids("b"))
+    held = len(d.s.kv.get_block_ids("b")[0])
     assert held > 0
     d.s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
     assert d.s.kv.pool.num_free_blocks == free_before + held
-    assert d.s.kv.get_block_ids("b") == []
+    assert d.s.kv.get_block_ids("b") == ([],)
     assert [r.request_id for r in d.s.running] == ["a"]
     out = d.step()
     assert out.freed_req_ids == {"b"}
@@ -511,7 +522,7 @@ def test_identical_prompts_in_one_step_share_blocks():
     out = d.step()
     # b is admitted in the same step and hits a's 4 full blocks (registered at allocation).
     assert out.num_scheduled_tokens == {"a": 17, "b": 1}
-    assert d.s.kv.get_block_ids("a")[:4] == d.s.kv.get_block_ids("b")[:4]
+    assert d.s.kv.get_block_ids("a")[0][:4] == d.s.kv.get_block_ids("b")[0][:4]
     res = d.run()
     assert res["a"].tokens == res["b"].tokens == reference(shared, 2)
 
@@ -540,6 +551,36 @@ def test_request_that_can_never_fit_is_refused_not_spun_forever():
             if not d.s.has_unfinished_requests():
                 break
             d.step()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_sliding_window_groups_give_blocks_back_and_keep_the_outputs(caching):
+    """A full-attention group and two of a 10-token window, under chunked prefill, shared prefixes
+    and preemption: the same tokens as alone; a decoding request's windowed groups hold at most
+    what the window reaches (the fake worker checks that they hold all of it), fewer than the full one."""
+    d = Driver(limits(max_num_batched_tokens=16, max_num_seqs=4, num_blocks=70, max_model_len=96,
+                      sliding_windows=(None, 10, 10), enable_prefix_caching=caching))
+    shared = prompt(7, 30)
+    specs = {f"r{i}": (shared[:12 + 6 * i] + prompt(i, 3 + 5 * i), 30 + i) for i in range(6)}
+    for rid, (p, mt) in specs.items():
+        d.add(rid, p, max_tokens=mt)
+    fewer = False
+    for _ in range(2000):
+        if not d.s.has_unfinished_requests():
+            break
+        out = d.step()
+        for rid in d.s.kv.req_to_blocks:
+            full, *sliding = d.s.kv.num_blocks_held(rid)
+            request = d.s.requests[rid]
+            if out.num_scheduled_tokens.get(rid) == 1 and request.num_computed_tokens > request.num_prompt_tokens + 1:
+                assert all(n <= window_blocks(10, 4) for n in sliding)
+                fewer = fewer or max(sliding) < full
+    res = d.run()
+    for rid, (p, mt) in specs.items():
+        assert res[rid].tokens == reference(p, mt)
+    assert fewer and d.s.num_preemptions > 0
+    if caching:
+        assert d.s.kv.prefix_stats.hits > 0
 
 
 def test_overlapped_schedule_decodes_from_a_placeholder():

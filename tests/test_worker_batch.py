@@ -16,21 +16,25 @@ from pagellm.worker.batch import RequestStates, upload
 BLOCK = 4
 
 
-def reference_inputs(states: RequestStates, so: SchedulerOutput) -> tuple[list[int], list[int], list[int]]:
-    """input ids (known tokens, 0 for a placeholder), positions and slots, from the lists."""
-    ids, positions, slots = [], [], []
+def reference_inputs(states: RequestStates, so: SchedulerOutput) -> tuple[list[int], list[int], list[list[int]]]:
+    """input ids (known tokens, 0 for a placeholder), positions and each KV cache group's slots,
+    from the lists."""
+    ids, positions, slots = [], [], [[] for _ in states.block_tables]
     for req_id, n in so.num_scheduled_tokens.items():
         s = states.states[req_id]
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + n):
             ids.append(s.token_ids[pos] if pos < len(s.token_ids) else 0)
             positions.append(pos)
-            slots.append(s.block_ids[pos // BLOCK] * BLOCK + pos % BLOCK)
+            for group, blocks in zip(slots, s.block_ids):
+                group.append(blocks[pos // BLOCK] * BLOCK + pos % BLOCK)
     return ids, positions, slots
 
 
-def test_steps_match_a_layout_from_the_lists_as_requests_come_and_go():
+@pytest.mark.parametrize("num_kv_groups", [1, 3])
+def test_steps_match_a_layout_from_the_lists_as_requests_come_and_go(num_kv_groups):
     rng = random.Random(0)
-    states = RequestStates(BLOCK, torch.device("cpu"))
+    states = RequestStates(BLOCK, torch.device("cpu"), num_kv_groups=num_kv_groups)
+    groups = range(num_kv_groups)
     live: dict[str, dict] = {}  # req_id -> {"tokens", "computed", "blocks"}, the scheduler's view
     next_block, next_id, rows_seen = 1, 0, set()
     params = SamplingParams(temperature=0.0)
@@ -42,12 +46,13 @@ def test_steps_match_a_layout_from_the_lists_as_requests_come_and_go():
         for _ in range(rng.randrange(4) if len(live) < 12 else 0):
             req_id, next_id = f"r{next_id}", next_id + 1
             tokens = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 11))]
-            blocks = list(range(next_block, next_block + -(-len(tokens) // BLOCK)))
-            next_block += len(blocks)
+            count = -(-len(tokens) // BLOCK)
+            blocks = [list(range(next_block + g * count, next_block + (g + 1) * count)) for g in groups]
+            next_block += count * num_kv_groups
             live[req_id] = {"tokens": tokens, "computed": 0, "blocks": blocks}
             record = EngineCoreRequest(request_id=req_id, prompt_token_ids=list(tokens), sampling_params=params,
                                        eos_token_ids=frozenset({2}), max_tokens=16)
-            new.append(NewRequestData(record=record, output_token_ids=[], block_ids=list(blocks),
+            new.append(NewRequestData(record=record, output_token_ids=[], block_ids=tuple(map(list, blocks)),
                                       num_computed_tokens=0))
             scheduled[req_id] = len(tokens)
         for req_id, r in live.items():
@@ -55,10 +60,12 @@ def test_steps_match_a_layout_from_the_lists_as_requests_come_and_go():
                 continue
             n = len(r["tokens"]) - r["computed"]  # a decode step: one token, known (no overlap here)
             end = r["computed"] + n
-            grown = list(range(next_block, next_block + max(0, -(-end // BLOCK) - len(r["blocks"]))))
-            next_block += len(grown)
-            r["blocks"] += grown
-            if grown:  # only a request with new blocks is sent again
+            count = max(0, -(-end // BLOCK) - len(r["blocks"][0]))
+            grown = tuple(list(range(next_block + g * count, next_block + (g + 1) * count)) for g in groups)
+            next_block += count * num_kv_groups
+            for blocks, more in zip(r["blocks"], grown):
+                blocks += more
+            if count:  # only a request with new blocks is sent again
                 cached.append(CachedRequestData(req_id, grown, r["computed"], []))
             scheduled[req_id] = n
         so = SchedulerOutput(new, cached, scheduled, sum(scheduled.values()), freed)
@@ -68,11 +75,12 @@ def test_steps_match_a_layout_from_the_lists_as_requests_come_and_go():
         rows_seen |= {states.states[r].row for r in scheduled}
         assert batch.input_ids.tolist() == expected[0]
         assert batch.positions.tolist() == expected[1]
-        assert batch.attn_metadata.slot_mapping.tolist() == expected[2]
-        md = batch.attn_metadata
-        for i, req_id in enumerate(scheduled):
-            blocks = live[req_id]["blocks"]
-            assert md.block_table[i, :len(blocks)].tolist() == blocks
+        for g in groups:
+            md = batch.attn_metadata.for_group(g)
+            assert md.slot_mapping.tolist() == expected[2][g]
+            for i, req_id in enumerate(scheduled):
+                blocks = live[req_id]["blocks"][g]
+                assert md.block_table[i, :len(blocks)].tolist() == blocks
         assert batch.sampling_req_ids == list(scheduled)  # every request reaches its last token
         sampled = [[rng.randrange(1, 1000)] for _ in batch.sampling_req_ids]
         states.append_sampled(batch.sampling_req_ids, sampled)

@@ -39,10 +39,18 @@ class AttentionMetadata:
     backend_plan: Any = None
     """What a backend derives from the fields above, built by the first layer of the step and
     reused by the others (the torch backend's gather indices and masks)."""
+    kv_groups: "tuple[AttentionMetadata, ...]" = ()
+    """The metadata of KV cache groups 1, 2, ... (layers that keep their own blocks: those of one
+    sliding window), alike but for their `block_table`, `slot_mapping` and plan; this one is group
+    0's. Empty: the model has one group."""
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata the layers of KV cache group `group` read."""
+        return self if group == 0 else self.kv_groups[group - 1]
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -66,6 +74,8 @@ class AttentionBackend(ABC):
         kv_cache: KVCache | None,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend.
 
@@ -73,6 +83,11 @@ class AttentionBackend(ABC):
         Returns [num_tokens, num_heads, head_dim]. With `kv_cache=None` (the memory-profiling
         pass before the cache exists) every sequence must be a prompt starting at position 0, and
         attention is causal within each sequence.
+
+        `sliding_window` w: the query at position p sees the keys at positions p - w < j <= p
+        (Hugging Face's convention: w keys, itself included); the cache blocks wholly before the
+        step's first query's window may have been given to other requests and must not be read.
+        `logits_soft_cap` c: each score s (after `scale`) becomes c * tanh(s / c) before the softmax.
         """
 
     def forward_rotary(
@@ -85,8 +100,10 @@ class AttentionBackend(ABC):
         kv_cache: KVCache | None,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """`forward` of query and key rotated by `rotary` at `positions` [num_tokens] first; a
         backend may fuse the rotation with its KV write (the Triton one does)."""
         query, key = rotary(positions, query, key)
-        return self.forward(query, key, value, kv_cache, metadata, scale)
+        return self.forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)

@@ -20,17 +20,26 @@ class Attention(nn.Module):
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None,
     ) -> None:
+        """`sliding_window`: how many keys a query sees, itself included (None: all before it);
+        `logits_soft_cap`: scores pass through c * tanh(s / c) (None: as they are)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (or None), got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.kv_cache: KVCache | None = None
+        self.kv_group = 0
+        """Its KV cache group (`AttentionMetadata.for_group`), set with the cache it is bound."""
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -51,11 +60,14 @@ class Attention(nn.Module):
             key, value = key / self.k_scale, value / self.v_scale
         query = query.view(-1, self.num_heads, self.head_dim)
         scale = self.scale * self.k_scale if scaled else self.scale
+        # A float8 scale folded into `scale` scales the scores the soft cap sees as stored: the same scores.
+        md = attn_metadata.for_group(self.kv_group)
         if rotary is None:
-            out = self.backend.forward(query, key, value, self.kv_cache, attn_metadata, scale)
+            out = self.backend.forward(query, key, value, self.kv_cache, md, scale, self.sliding_window,
+                                       self.logits_soft_cap)
         else:  # a rotation commutes with the float8 scales' division above
-            out = self.backend.forward_rotary(rotary, positions, query, key, value, self.kv_cache, attn_metadata,
-                                              scale)
+            out = self.backend.forward_rotary(rotary, positions, query, key, value, self.kv_cache, md, scale,
+                                              self.sliding_window, self.logits_soft_cap)
         if scaled:
             out *= self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)

@@ -6,7 +6,8 @@ keys are gathered from the paged cache through the block table into [B, S, num_k
 additive mask encodes both causality and each sequence's length. The step's first layer plans the
 groups (gather indices, masks) from the host copies in the metadata and every other layer reuses
 the plan, so a layer costs its gathers and one SDPA call per group; the only device sync is the -1
-filter of the slot mapping, once per step.
+filter of the slot mapping, once per step. A sliding window's layers gather only the blocks their
+queries' windows reach, and plan their own groups (the first such layer of the step).
 """
 from __future__ import annotations
 
@@ -36,35 +37,37 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache | None,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         query_start_loc = metadata.query_start_loc_cpu
         q_lens = np.diff(query_start_loc)
-        # Rows past num_tokens are batch padding: they stay zero.
-        out = torch.zeros_like(query)
         if kv_cache is None:
+            # Rows past num_tokens are batch padding: they stay zero.
+            out = torch.zeros_like(query)
             seqs = np.flatnonzero(q_lens > 0)
             if len(seqs):
                 rows, valid = _padded_rows(query_start_loc, seqs)
                 # A prompt from position 0: its keys are its own rows of this step's key/value.
                 keys, values = _gather_rows(key, rows), _gather_rows(value, rows)
-                _attend(out, query, keys, values, rows, valid, np.zeros_like(seqs), q_lens[seqs], scale)
+                _attend(out, query, keys, values, rows, valid, q_lens[seqs], scale, sliding_window, logits_soft_cap)
             return out
 
         plan = metadata.backend_plan
         if not isinstance(plan, _Plan):  # the step's first layer plans for all of them
-            plan = metadata.backend_plan = _Plan.build(metadata, kv_cache[0].shape[1], query.shape[1] // key.shape[1],
-                                                       query.dtype)
+            plan = metadata.backend_plan = _Plan.build(metadata)
         k_cache, v_cache = kv_cache
         for cache, new in ((k_cache, key), (v_cache, value)):
             # view (not reshape): a copy would silently drop the writes.
             rows = new[:metadata.num_tokens] if plan.written is None else new.index_select(0, plan.written)
             _bytes(cache.view(-1, *cache.shape[2:])).index_copy_(0, plan.slots, _bytes(rows.to(cache.dtype)))
-        if len(plan.groups) == 1 and plan.groups[0].covers_batch:
-            return plan.groups[0].attend(query, k_cache, v_cache, scale)
+        groups = plan.groups(metadata, sliding_window, k_cache.shape[1], query.shape[1] // key.shape[1], query.dtype)
+        if len(groups) == 1 and groups[0].covers_batch:
+            return groups[0].attend(query, k_cache, v_cache, scale, logits_soft_cap)
         # Rows past num_tokens are batch padding: they stay zero.
         out = torch.zeros_like(query)
-        for group in plan.groups:
-            o = group.attend(query, k_cache, v_cache, scale)
+        for group in groups:
+            o = group.attend(query, k_cache, v_cache, scale, logits_soft_cap)
             out.index_copy_(0, group.out_rows, o if group.valid is None else o.index_select(0, group.valid))
         return out
 
@@ -92,7 +95,8 @@ class _Group:
         """Whether the group is the whole batch, unpadded, in order (a decode-only step)."""
         return self.q_rows is None and self.valid is None
 
-    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               soft_cap: float | None) -> torch.Tensor:
         """[B * L, H, D] attention outputs of the group's padded queries."""
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = k_cache.shape[2]
@@ -105,7 +109,7 @@ class _Group:
         # so each KV head is attended once and K/V are never repeated.
         q = q.view(self.batch, self.q_len, num_kv_heads, group, head_dim).transpose(1, 2)
         q = q.reshape(self.batch, num_kv_heads, self.q_len * group, head_dim)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale)
+        o = _sdpa(q, keys, values, self.mask, scale, soft_cap)
         return o.view(self.batch, num_kv_heads, self.q_len, group, head_dim).transpose(1, 2).reshape(
             self.batch * self.q_len, num_heads, head_dim)
 
@@ -118,28 +122,58 @@ class _Plan:
     """Cache slots this step's keys and values are written to."""
     written: torch.Tensor | None
     """Flat-batch rows written there (None: rows 0 .. num_tokens-1, none skipped)."""
-    groups: list[_Group]
+    by_window: dict[int | None, list[_Group]]
+    """The groups attended, per sliding window (None: full attention), planned by its first layer."""
 
     @classmethod
-    def build(cls, md: AttentionMetadata, block_size: int, group: int, dtype: torch.dtype) -> "_Plan":
+    def build(cls, md: AttentionMetadata) -> "_Plan":
         keep = md.slot_mapping[:md.num_tokens] >= 0  # the step's only device sync
         written = None if bool(keep.all()) else torch.nonzero(keep).flatten()
         slots = md.slot_mapping[:md.num_tokens] if written is None else md.slot_mapping.index_select(0, written)
-        q_lens = np.diff(md.query_start_loc_cpu)
-        groups = [_plan_group(md, bucket, block_size, group, dtype)
-                  for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1))
-                  for bucket in _length_buckets(seqs, md.seq_lens_cpu[seqs])]
-        return cls(slots, written, groups)
+        return cls(slots, written, {})
+
+    def groups(self, md: AttentionMetadata, window: int | None, block_size: int, group: int,
+               dtype: torch.dtype) -> list[_Group]:
+        groups = self.by_window.get(window)
+        if groups is None:
+            q_lens = np.diff(md.query_start_loc_cpu)
+            groups = self.by_window[window] = [
+                _plan_group(md, bucket, block_size, group, dtype, window)
+                for seqs in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1))
+                for bucket in _length_buckets(seqs, _keys_read(md, seqs, window))]
+        return groups
 
 
-def _plan_group(md: AttentionMetadata, seqs: np.ndarray, block_size: int, group: int, dtype: torch.dtype) -> _Group:
+def _keys_read(md: AttentionMetadata, seqs: np.ndarray, window: int | None) -> np.ndarray:
+    """How many keys each of `seqs` reads: its context, or within a window what its queries' windows span."""
+    seq_lens = md.seq_lens_cpu[seqs].astype(np.int64)
+    if window is None:
+        return seq_lens
+    q_lens = (md.query_start_loc_cpu[seqs + 1] - md.query_start_loc_cpu[seqs]).astype(np.int64)
+    return np.minimum(seq_lens, q_lens + window - 1)
+
+
+def _plan_group(md: AttentionMetadata, seqs: np.ndarray, block_size: int, group: int, dtype: torch.dtype,
+                window: int | None) -> _Group:
     device = md.block_table.device
     rows, valid = _padded_rows(md.query_start_loc_cpu, seqs)
     batch, q_len = rows.shape
     seq_lens = md.seq_lens_cpu[seqs].astype(np.int64)
-    num_blocks = -(-int(seq_lens.max()) // block_size)
-    blocks = md.block_table[torch.from_numpy(seqs).to(device), :num_blocks].flatten()
-    mask = _causal_mask(seq_lens - valid.sum(1), seq_lens, q_len, num_blocks * block_size, group, dtype, device)
+    first_pos = seq_lens - valid.sum(1)
+    seq_index = torch.from_numpy(seqs).to(device)
+    if window is None:
+        first_block = np.zeros_like(seq_lens)
+        num_blocks = -(-int(seq_lens.max()) // block_size)
+        blocks = md.block_table[seq_index, :num_blocks].flatten()
+    else:
+        # Only the blocks the queries' windows reach: those before may belong to other requests now.
+        first_block = np.maximum(first_pos - window + 1, 0) // block_size
+        num_blocks = int((-(-seq_lens // block_size) - first_block).max())
+        width = md.block_table.shape[1]
+        columns = np.minimum(first_block[:, None] + np.arange(num_blocks), width - 1)
+        blocks = md.block_table[seq_index[:, None], torch.from_numpy(columns).to(device)].flatten()
+    mask = _causal_mask(first_pos, seq_lens, q_len, num_blocks * block_size, group, dtype, device, window,
+                        first_block * block_size)
     flat_rows = rows.ravel()
     flat_valid = np.flatnonzero(valid.ravel())
     return _Group(
@@ -154,22 +188,42 @@ def _plan_group(md: AttentionMetadata, seqs: np.ndarray, block_size: int, group:
 
 
 def _causal_mask(first_pos: np.ndarray, seq_lens: np.ndarray, q_len: int, num_keys: int, group: int,
-                 dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+                 dtype: torch.dtype, device: torch.device, window: int | None = None,
+                 first_key: np.ndarray | None = None) -> torch.Tensor:
     """[B, 1, L * G, num_keys] additive mask of a padded group, G query heads per KV head folded
-    into the query axis; first_pos [B] position of each sequence's first query, seq_lens [B]."""
-    # Query at position p sees keys 0..p; padded queries are clamped to the last real key so no
-    # row is fully masked (SDPA would return NaN there).
+    into the query axis; first_pos [B] position of each sequence's first query, seq_lens [B];
+    key k of sequence b is at position first_key[b] + k (first_key None: k)."""
+    # Query at position p sees keys 0..p (p - window < j <= p in a window); padded queries are
+    # clamped to the last real key so no row is fully masked (SDPA would return NaN there).
     last_key = np.minimum(first_pos[:, None] + np.arange(q_len), seq_lens[:, None] - 1)  # [B, L]
-    visible = torch.arange(num_keys, device=device) <= torch.from_numpy(last_key).to(device).unsqueeze(-1)
+    if first_key is not None:
+        last_key = last_key - first_key[:, None]
+    keys = torch.arange(num_keys, device=device)
+    last = torch.from_numpy(last_key).to(device).unsqueeze(-1)
+    visible = keys <= last
+    if window is not None:
+        visible &= keys > last - window
     # An additive float mask: SDPA on CPU runs about twice as fast with it as with a boolean one.
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     return mask[:, None, :, None, :].expand(-1, -1, -1, group, -1).reshape(len(seq_lens), 1, q_len * group, -1)
 
 
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+          soft_cap: float | None) -> torch.Tensor:
+    """Attention of q [B, Hkv, M, D] over keys/values [B, Hkv, S, D] under an additive mask; with
+    `soft_cap`, scores capped (c * tanh(s / c)) before the mask, as Hugging Face's eager Gemma 2
+    computes it (a softmax in float32), which SDPA cannot."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap + mask
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
 def _length_buckets(seqs: np.ndarray, seq_lens: np.ndarray, max_waste: float = 0.25) -> list[np.ndarray]:
-    """Split `seqs` into groups of similar context length, so that padding every member of a
-    group to its longest wastes at most `max_waste` of the real work (gather and attention cost
-    grow with the padded length)."""
+    """Split `seqs` into groups of similar context length (keys read), so that padding every
+    member of a group to its longest wastes at most `max_waste` of the real work (gather and
+    attention cost grow with the padded length)."""
     order = np.argsort(-seq_lens, kind="stable")
     buckets, start, total = [], 0, 0
     for i, idx in enumerate(order):
@@ -208,14 +262,15 @@ def _attend(
     values: torch.Tensor,
     rows: np.ndarray,
     valid: np.ndarray,
-    first_pos: np.ndarray,
     seq_lens: np.ndarray,
     scale: float,
+    window: int | None,
+    soft_cap: float | None,
 ) -> None:
-    """Causal attention of a padded group, written into `out` at `rows[valid]`.
+    """Causal attention of a padded group of prompts from position 0, written into `out` at `rows[valid]`.
 
     query/out [T, H, D] flat batch; keys/values [B, S, Hkv, D] with S >= max(seq_lens);
-    rows/valid [B, L]; first_pos [B] position of each sequence's first query; seq_lens [B].
+    rows/valid [B, L]; seq_lens [B].
     """
     device = query.device
     batch, q_len = rows.shape
@@ -226,8 +281,8 @@ def _attend(
     # so each KV head is attended once and K/V are never repeated.
     q = _gather_rows(query, rows).view(batch, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
     q = q.reshape(batch, num_kv_heads, q_len * group, head_dim)
-    mask = _causal_mask(first_pos, seq_lens, q_len, keys.shape[1], group, query.dtype, device)
-    o = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale)
+    mask = _causal_mask(np.zeros_like(seq_lens), seq_lens, q_len, keys.shape[1], group, query.dtype, device, window)
+    o = _sdpa(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap)
     o = o.view(batch, num_kv_heads, q_len, group, head_dim).transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     flat_valid = np.flatnonzero(valid.ravel())
     dst_rows = torch.from_numpy(rows.ravel()[flat_valid]).to(device)

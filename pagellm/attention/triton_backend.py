@@ -40,13 +40,15 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache | None,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             out = torch.empty_like(query)
-            _attend_in_batch(out, query, key, value, metadata, scale)
+            _attend_in_batch(out, query, key, value, metadata, scale, sliding_window, logits_soft_cap)
             return out
         write_kv(key, value, *kv_cache, metadata.slot_mapping)
-        return _attend_cached(query, kv_cache, metadata, scale)
+        return _attend_cached(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
 
     def forward_rotary(
         self,
@@ -58,12 +60,15 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache | None,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         # The rotation runs in Triton with the write, as the write does whatever `ops.use_impl` says.
         if kv_cache is None or not _fusable(type(rotary)):
-            return super().forward_rotary(rotary, positions, query, key, value, kv_cache, metadata, scale)
+            return super().forward_rotary(rotary, positions, query, key, value, kv_cache, metadata, scale,
+                                          sliding_window, logits_soft_cap)
         query = rotary_write_kv(positions, query, key, value, rotary.cos_sin_cache, *kv_cache, metadata.slot_mapping)
-        return _attend_cached(query, kv_cache, metadata, scale)
+        return _attend_cached(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
 
 
 @functools.cache
@@ -73,7 +78,8 @@ def _fusable(rotary_type: type) -> bool:
     return rotary_type.forward is RotaryEmbedding.forward
 
 
-def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float,
+                   sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
     """Paged attention of query over the cache, which holds this step's keys and values."""
     out = torch.empty_like(query)
     k_cache, v_cache = kv_cache
@@ -82,16 +88,17 @@ def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMe
     split = metadata.max_query_len == 1 and query.is_cuda
     splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if split else 1
     paged_attention(out, query, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
-                    metadata.query_start_loc, metadata.max_query_len, scale, splits)
+                    metadata.query_start_loc, metadata.max_query_len, scale, splits, sliding_window, logits_soft_cap)
     return out
 
 
 def _attend_in_batch(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     metadata: AttentionMetadata, scale: float) -> None:
+                     metadata: AttentionMetadata, scale: float, sliding_window: int | None,
+                     logits_soft_cap: float | None) -> None:
     """Fresh prompts with no cache yet (the memory-profiling pass): this step's key/value rows
     serve as a cache of one-token blocks, and each sequence's block table lists its own rows."""
     qsl = metadata.query_start_loc
     rows = qsl[:-1, None] + torch.arange(metadata.max_query_len, device=qsl.device, dtype=qsl.dtype)
     block_table = rows.clamp_(max=max(query.shape[0] - 1, 0))
     paged_attention(out, query, key.unsqueeze(1), value.unsqueeze(1), block_table, metadata.seq_lens, qsl,
-                    metadata.max_query_len, scale)
+                    metadata.max_query_len, scale, 1, sliding_window, logits_soft_cap)

@@ -32,6 +32,7 @@ from pagellm.attention import get_attn_backend
 from pagellm.config.arch import ModelArchConfig
 from pagellm.config.dtype_sizes import kv_cache_element_bytes
 from pagellm.config.quantization import quantized_weight_bytes
+from pagellm.core.kv_cache_groups import KVCacheGroup, block_slots, kv_cache_groups, max_blocks_held
 from pagellm.distributed.parallel_state import init_tensor_parallel, parallel_state
 from pagellm.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pagellm.layers.moe import FusedMoE
@@ -106,10 +107,16 @@ class Ledger:
     kv_budget_bytes: int
     """What is left for the KV cache; <= 0 when nothing is."""
     kv_bytes_per_block: int
+    """One block: a slot per layer of the largest KV cache group (`pagellm.core.kv_cache_groups`)."""
+
+    @property
+    def kv_groups(self) -> tuple[KVCacheGroup, ...]:
+        return kv_cache_groups(self.spec.arch.sliding_windows, self.spec.max_model_len)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.kv_bytes_per_block // self.spec.block_size
+        """What a token costs held in every group (all layers, and a smaller group's unused slots)."""
+        return self.kv_bytes_per_block * len(self.kv_groups) // self.spec.block_size
 
     @property
     def num_kv_blocks(self) -> int:
@@ -121,15 +128,31 @@ class Ledger:
 
     @property
     def kv_cache_tokens(self) -> int:
+        """Block slots (blocks x block size); with several KV cache groups, what the groups share."""
         return self.num_kv_blocks * self.spec.block_size
 
     @property
     def tokens_per_seq(self) -> int:
         return min(self.spec.input_len + self.spec.output_len, self.spec.max_model_len)
 
+    def group_blocks_per_seq(self, num_tokens: int, num_new_tokens: int = 1) -> list[int]:
+        """Per KV cache group, the most blocks a sequence of `num_tokens` tokens holds, computing
+        `num_new_tokens` a step: all its blocks, or a sliding window's share."""
+        return [max_blocks_held(g.sliding_window, num_tokens, self.spec.block_size, num_new_tokens)
+                for g in self.kv_groups]
+
     @property
     def blocks_per_seq(self) -> int:
-        return math.ceil(self.tokens_per_seq / self.spec.block_size)
+        """Blocks a decoding sequence of tokens_per_seq tokens holds, over the groups."""
+        return sum(self.group_blocks_per_seq(self.tokens_per_seq))
+
+    @property
+    def max_model_len_fits(self) -> bool:
+        """Whether one request of max_model_len tokens fits, its prompt in max_num_batched_tokens chunks
+        (the engine's start-up check, `SchedulerLimits`)."""
+        spec = self.spec
+        chunk = min(spec.max_num_batched_tokens, spec.max_model_len)
+        return sum(self.group_blocks_per_seq(spec.max_model_len, chunk)) <= self.num_kv_blocks
 
     @property
     def kv_limited_seqs(self) -> int:
@@ -257,7 +280,8 @@ def model_bytes(spec: PlanSpec) -> ModelBytes:
     rounding = sum(cuda_allocated_bytes(n) - n for n in sizes + buffers) if spec.device == "cuda" else 0
     layers = model.attention_layers()
     kv_elem = kv_cache_element_bytes(spec.kv_cache_dtype, spec.dtype_bytes)
-    kv_block = 2 * len(layers) * spec.block_size * layers[0].num_kv_heads * layers[0].head_dim * kv_elem
+    slots = block_slots(kv_cache_groups(spec.arch.sliding_windows, spec.max_model_len))
+    kv_block = 2 * slots * spec.block_size * layers[0].num_kv_heads * layers[0].head_dim * kv_elem
     return ModelBytes(sum(sizes), round(sum(decode)), sum(buffers), rounding, kv_block)
 
 

@@ -14,6 +14,7 @@ from pagellm.benchmarks.memory import Ledger, PlanSpec, compute_ledger
 from pagellm.benchmarks.results import format_table
 from pagellm.config import EngineConfig
 from pagellm.config.arch import ModelArchConfig
+from pagellm.core.kv_cache_groups import block_slots
 from pagellm.engine.arg_utils import EngineArgs, default_max_num_batched_tokens, resolve_dtype
 from pagellm.loader import resolve_model
 from pagellm.loader.source import read_json
@@ -126,9 +127,11 @@ def advice(ledger: Ledger) -> list[str]:
         fixed = ledger.weights_bytes + ledger.buffers_bytes + ledger.activation_peak_bytes + ledger.non_torch_bytes
         problems.append(f"nothing is left for the KV cache: weights, activations and the CUDA context take "
                         f"{_gib(fixed):.2f} GiB of the {_budget_gib(spec):.2f} GiB allowed")
-    elif ledger.kv_cache_tokens < spec.max_model_len:
+    elif not ledger.max_model_len_fits:
+        longest = _longest_fitting(ledger)
         problems.append(f"one request of --max-model-len {spec.max_model_len} tokens does not fit the KV cache "
-                        f"({ledger.kv_cache_tokens} tokens): lower --max-model-len to {ledger.kv_cache_tokens} or less")
+                        f"({ledger.num_kv_blocks} blocks of {spec.block_size} tokens): lower --max-model-len to "
+                        f"{longest} or less")
     if 0 < ledger.kv_limited_seqs < spec.max_num_seqs:
         problems.append(f"the KV cache holds {ledger.kv_limited_seqs} sequences of {ledger.tokens_per_seq} tokens, "
                         f"fewer than --max-num-seqs {spec.max_num_seqs}: past that the engine preempts; "
@@ -139,6 +142,16 @@ def advice(ledger: Ledger) -> list[str]:
     if not problems:
         return []
     return problems + [f"what-if {change}: {_capacity(other)}" for change, other in _what_ifs(spec)]
+
+
+def _longest_fitting(ledger: Ledger) -> int:
+    """The longest --max-model-len whose request fits the ledger's blocks (bisected)."""
+    fits, too_long = 0, ledger.spec.max_model_len
+    while too_long - fits > 1:
+        middle = (fits + too_long) // 2
+        shorter = dataclasses.replace(ledger, spec=dataclasses.replace(ledger.spec, max_model_len=middle))
+        fits, too_long = (middle, too_long) if shorter.max_model_len_fits else (fits, middle)
+    return fits
 
 
 def _what_ifs(spec: PlanSpec) -> list[tuple[str, Ledger]]:
@@ -192,6 +205,22 @@ def _experts_read(spec: PlanSpec) -> str:
     return f", {arch.num_experts_per_tok} of {arch.num_experts} experts a layer"
 
 
+def _group_note(ledger: Ledger) -> str:
+    """How a sequence's blocks split over KV cache groups of different windows ('' for one group)."""
+    groups = ledger.kv_groups
+    if len(groups) == 1 and groups[0].sliding_window is None:
+        return ""
+    counts: dict[int | None, list[int]] = {}  # window -> [groups, layers, blocks per group]
+    for group, blocks in zip(groups, ledger.group_blocks_per_seq(ledger.tokens_per_seq)):
+        entry = counts.setdefault(group.sliding_window, [0, 0, blocks])
+        entry[0] += 1
+        entry[1] += len(group.layers)
+    parts = [f"{n} group{'s' if n > 1 else ''} ({layers} layers) of "
+             f"{'full attention' if w is None else f'window {w}'}: {blocks} each"
+             for w, (n, layers, blocks) in counts.items()]
+    return f" of {block_slots(groups)} layers: " + "; ".join(parts)
+
+
 def _gib(num_bytes: float) -> float:
     return num_bytes / _GiB
 
@@ -212,6 +241,9 @@ def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
         "kv_bytes_per_token": ledger.kv_bytes_per_token, "kv_bytes_per_block": ledger.kv_bytes_per_block,
         "num_kv_blocks": ledger.num_kv_blocks, "kv_cache_tokens": ledger.kv_cache_tokens,
         "kv_cache_bytes": ledger.kv_cache_bytes, "tokens_per_seq": ledger.tokens_per_seq,
+        "blocks_per_seq": ledger.blocks_per_seq,
+        "kv_cache_groups": [{"sliding_window": g.sliding_window, "layers": list(g.layers), "blocks_per_seq": n}
+                            for g, n in zip(ledger.kv_groups, ledger.group_blocks_per_seq(ledger.tokens_per_seq))],
         "kv_limited_seqs": ledger.kv_limited_seqs, "max_concurrent_seqs": ledger.max_concurrent_seqs,
         "fits": not tips, "advice": tips,
     }
@@ -254,7 +286,8 @@ def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
                 ["KV cache tokens", ledger.kv_cache_tokens, f"{ledger.num_kv_blocks} blocks"],
                 ["tokens per sequence", ledger.tokens_per_seq, f"--input-len {spec.input_len} + --output-len "
                                                                f"{spec.output_len}, at most --max-model-len"],
-                ["sequences in the KV cache", ledger.kv_limited_seqs, f"{ledger.blocks_per_seq} blocks each"],
+                ["sequences in the KV cache", ledger.kv_limited_seqs, f"{ledger.blocks_per_seq} blocks each"
+                 + _group_note(ledger)],
                 ["max concurrent sequences", ledger.max_concurrent_seqs, f"--max-num-seqs {spec.max_num_seqs}"]]
     lines.append(format_table(["capacity", "value", "notes"], capacity, left=(0, 2)))
     lines += ["", *(f"- {tip}" for tip in tips)] if tips else ["", "fits: every --max-num-seqs sequence runs at once"]

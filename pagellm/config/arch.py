@@ -5,6 +5,7 @@ Built from a Hugging Face `config.json` dict or from GGUF metadata. Deliberately
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,13 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("Qwen2MoeForCausalLM", "pagellm.models.qwen2_moe:Qwen2MoeForCausalLM", "qwen2moe", "qwen2_moe"),
     ArchitectureEntry("Qwen3MoeForCausalLM", "pagellm.models.qwen3_moe:Qwen3MoeForCausalLM", "qwen3moe", "qwen3_moe"),
     ArchitectureEntry("Phi3ForCausalLM", "pagellm.models.phi3:Phi3ForCausalLM", "phi3", "phi3"),
+    ArchitectureEntry("Gemma2ForCausalLM", "pagellm.models.gemma:Gemma2ForCausalLM", model_type="gemma2"),
+    ArchitectureEntry("Gemma3ForCausalLM", "pagellm.models.gemma:Gemma3ForCausalLM", model_type="gemma3_text"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
+
+_TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+"""Multimodal architectures whose language model alone runs as another one."""
 
 
 @dataclass(slots=True)
@@ -78,11 +84,20 @@ class ModelArchConfig:
     norm_topk_prob: bool | None = None
     """Whether the chosen experts' weights are rescaled to sum to 1; None: the config does not say
     (the family's default applies)."""
+    sliding_windows: tuple[int | None, ...] = ()
+    """Each decoder layer's sliding window, the keys a query sees (itself included); None: full
+    attention (every layer, when left empty)."""
     hf_config: dict[str, Any] = field(default_factory=dict)
     """The raw config dict, for architecture-specific fields the model class reads itself."""
     max_model_len: int | None = None
     """The longest sequence the engine runs the model for, set when the engine's configuration is
     resolved (None: max_position_embeddings). LongRoPE chooses its long or short factors by it."""
+
+    def __post_init__(self) -> None:
+        if not self.sliding_windows:
+            self.sliding_windows = (None,) * self.num_hidden_layers
+        elif len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError(f"{len(self.sliding_windows)} sliding windows for {self.num_hidden_layers} layers")
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer `index` is a mixture of experts (else a dense MLP of
@@ -97,6 +112,11 @@ class ModelArchConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelArchConfig":
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in MODEL_REGISTRY), None)
+        text_only = next((_TEXT_ONLY[a] for a in archs if a in _TEXT_ONLY), None)
+        if arch is None and text_only is not None:
+            raise ValueError(f"model architecture {archs!r} (text and images) is not supported; pagellm runs the "
+                             f"text-only {text_only}: a checkpoint of its language model alone, its config.json "
+                             f"the text_config with architectures [{text_only!r}]")
         if arch is None:
             raise ValueError(
                 f"model architecture {archs or d.get('model_type')!r} is not supported; "
@@ -126,7 +146,7 @@ class ModelArchConfig:
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_theta=d.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             rope_scaling=rope_scaling,
@@ -138,5 +158,46 @@ class ModelArchConfig:
             moe_intermediate_size=(d.get("moe_intermediate_size") or d["intermediate_size"]) if num_experts else 0,
             shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0) if num_experts else 0,
             norm_topk_prob=d.get("norm_topk_prob"),
+            sliding_windows=layer_sliding_windows(d),
             hf_config=dict(d),
         )
+
+
+_READS_LAYER_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "qwen2_moe"})
+"""Families whose transformers attention takes each layer's kind from `layer_types` when given."""
+_DEFAULT_SLIDING_LAYERS: dict[str, Callable[[dict[str, Any], int], bool]] = {
+    "mistral": lambda d, i: True,
+    "mixtral": lambda d, i: True,
+    "qwen3_moe": lambda d, i: True,
+    "phi3": lambda d, i: True,
+    "qwen2": lambda d, i: i >= d.get("max_window_layers", 28),
+    "qwen3": lambda d, i: i >= d.get("max_window_layers", 28),
+    "qwen2_moe": lambda d, i: i % 2 == 0 and i < d.get("max_window_layers", 28),
+    "gemma2": lambda d, i: i % 2 == 0,
+    "gemma3": lambda d, i: (i + 1) % d.get("sliding_window_pattern", 6) != 0,
+    "gemma3_text": lambda d, i: (i + 1) % d.get("sliding_window_pattern", 6) != 0,
+}
+"""Whether layer i of a family attends within `sliding_window` when the config has no `layer_types`,
+as transformers decides; a family not listed attends in full."""
+_QWEN = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+"""Families that keep their `sliding_window` off unless `use_sliding_window` turns it on."""
+
+
+def layer_sliding_windows(d: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's window from a config.json (None: full attention): `sliding_window` applies to the
+    layers its family's attention applies it to (transformers' rules); Qwen's only with
+    `use_sliding_window`."""
+    num_layers, window, model_type = d["num_hidden_layers"], d.get("sliding_window"), d.get("model_type")
+    rule = _DEFAULT_SLIDING_LAYERS.get(model_type)
+    if not window or rule is None or (model_type in _QWEN and not d.get("use_sliding_window", False)):
+        return (None,) * num_layers
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json's sliding_window must be a positive number of tokens, got {window!r}")
+    layer_types = d.get("layer_types") if model_type in _READS_LAYER_TYPES else None
+    if layer_types is None:
+        return tuple(window if rule(d, i) else None for i in range(num_layers))
+    kinds = {"sliding_attention": window, "full_attention": None}
+    if len(layer_types) != num_layers or not set(layer_types) <= kinds.keys():
+        raise ValueError(f"config.json's layer_types must name one of {sorted(kinds)} for each of the "
+                         f"{num_layers} layers, got {layer_types!r}")
+    return tuple(kinds[kind] for kind in layer_types)

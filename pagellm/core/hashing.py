@@ -31,3 +31,9 @@ def extend_block_hashes(
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))
+
+
+def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The prefix-cache key of a block of KV cache group `group` (its layers' keys and values of
+    the prefix `block_hash` names): the hash itself for group 0, tagged for the others."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

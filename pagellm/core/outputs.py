@@ -19,7 +19,8 @@ class NewRequestData:
     output_token_ids: list[int]
     """Tokens it generated before a preemption (they follow the prompt as input); empty for a
     request that is new."""
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    """Per KV cache group, its blocks (`KVCacheManager.get_block_ids`)."""
     num_computed_tokens: int
 
     @property
@@ -32,7 +33,8 @@ class CachedRequestData:
     """A request the workers already hold: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: tuple[list[int], ...]
+    """Per KV cache group, the blocks it took this step (appended to its table)."""
     num_computed_tokens: int
     new_token_ids: list[int]
     """Output tokens the workers have not seen, from position max(num_computed_tokens, prompt

@@ -149,8 +149,9 @@ class Request(RecordFields):
     proposed_token_ids: list[int] = field(default_factory=list)
     """The draft model's proposal for its next step (draft_model speculation), until scheduled."""
     kv_quiet_until: int = 0
-    """Up to this many tokens, the blocks it holds have room and no block fills: allocating them
-    changes nothing (kept by `KVCacheManager`), so a decode step need not call it."""
+    """Up to this many tokens, the blocks it holds have room, no block fills and no sliding window
+    has more than a decode's blocks to give back: allocating them changes nothing (kept by
+    `KVCacheManager`), so a decode step need not call it."""
     worker_out_of_date: bool = False
     """Its computed tokens moved other than by the tokens scheduled (rejected drafts rolled back):
     the next step tells the workers where it stands."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagellm.core.interfaces import AdapterStore, DraftProposer, GrammarCompiler
+from pagellm.core.kv_cache_groups import max_blocks_held
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.outputs import (
     CachedRequestData,
@@ -43,18 +44,32 @@ class SchedulerLimits:
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
+    sliding_windows: tuple[int | None, ...] = (None,)
+    """Each KV cache group's sliding window (None: full attention), `pagellm.core.kv_cache_groups`."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        capacity = self.num_blocks * self.block_size
-        if capacity < self.max_model_len:
+        needed = self.blocks_per_request(self.max_model_len)
+        if needed > self.num_blocks:
+            longest, too_long = 0, self.max_model_len  # bisected: the blocks grow with the length
+            while too_long - longest > 1:
+                middle = (longest + too_long) // 2
+                longest, too_long = (middle, too_long) if self.blocks_per_request(middle) <= self.num_blocks \
+                    else (longest, middle)
             raise ValueError(
-                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = {capacity} tokens, "
-                f"fewer than max_model_len ({self.max_model_len}), so one full-length request could never run. "
-                f"Lower max_model_len (--max-model-len) to at most {capacity}, or give the cache more memory "
+                f"the KV cache holds {self.num_blocks} blocks x {self.block_size} tokens = "
+                f"{self.num_blocks * self.block_size} tokens; one request of max_model_len ({self.max_model_len}) "
+                f"tokens needs {needed} blocks, so it could never run. "
+                f"Lower max_model_len (--max-model-len) to at most {longest}, or give the cache more memory "
                 f"(--gpu-memory-utilization on GPU, kv_cache_memory_bytes on CPU, num_gpu_blocks_override).")
+
+    def blocks_per_request(self, num_tokens: int, num_new_tokens: int | None = None) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, over all KV cache groups,
+        computing up to `num_new_tokens` a step (None: prompt chunks of max_num_batched_tokens)."""
+        chunk = min(self.max_num_batched_tokens, num_tokens) if num_new_tokens is None else num_new_tokens
+        return sum(max_blocks_held(w, num_tokens, self.block_size, chunk) for w in self.sliding_windows)
 
 
 class Scheduler:
@@ -74,7 +89,8 @@ class Scheduler:
         """(request_id, why) of requests refused after they arrived (a grammar that did not compile
         in time); the engine core reports and clears them."""
         self.workers_see_samples = workers_see_samples
-        self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching)
+        self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching,
+                                 limits.sliding_windows)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -200,20 +216,20 @@ class Scheduler:
             extra = len(drafts) + (self._lookahead(request, start + num_new + len(drafts), speculate)
                                    if self.lookahead else 0)
             if start + num_new + extra <= request.kv_quiet_until:
-                new_blocks = ()  # the common decode step: within its blocks, filling none
+                new_ids = ()  # the common decode step: within its blocks, filling none
             else:
-                new_blocks = self.kv.allocate_slots(request, num_new + extra)
-                if new_blocks is None and extra:  # no room to speculate: decode plainly
+                new_ids = self.kv.allocate_slots(request, num_new + extra)
+                if new_ids is None and extra:  # no room to speculate: decode plainly
                     drafts = []
-                    new_blocks = self.kv.allocate_slots(request, num_new)
-                while new_blocks is None:
+                    new_ids = self.kv.allocate_slots(request, num_new)
+                while new_ids is None:
                     victim = running.pop()
                     self._preempt(victim)
                     preempted_now = True
                     if victim is request:
                         break
-                    new_blocks = self.kv.allocate_slots(request, num_new)
-                if new_blocks is None:
+                    new_ids = self.kv.allocate_slots(request, num_new)
+                if new_ids is None:
                     break
             # The record's fields directly, not through `Request`'s properties: this runs for
             # every running request at every step.
@@ -223,12 +239,12 @@ class Scheduler:
                 num_new += len(drafts)
             num_scheduled[req_id] = num_new
             budget -= num_new
-            if new_blocks or request.worker_out_of_date or not self.workers_see_samples:
+            if any(new_ids) or request.worker_out_of_date or not self.workers_see_samples:
                 request.worker_out_of_date = False
                 new_token_ids = ([] if self.workers_see_samples else
                                  request.all_token_ids[max(start, request.num_prompt_tokens):start + num_new])
-                cached_reqs.append(CachedRequestData(
-                    req_id, [b.block_id for b in new_blocks], start, new_token_ids))
+                cached_reqs.append(CachedRequestData(req_id, new_ids or self.kv.empty_block_ids(), start,
+                                                     new_token_ids))
             i += 1
 
         # Admitting new work right after a preemption would only thrash.
@@ -249,10 +265,10 @@ class Scheduler:
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             lookahead = self._lookahead(request, num_hit_tokens + num_new, speculate)
-            new_blocks = self.kv.allocate_slots(request, num_new + lookahead, hit_blocks)
-            if new_blocks is None and lookahead:  # the prompt alone may still fit
-                new_blocks = self.kv.allocate_slots(request, num_new, hit_blocks)
-            if new_blocks is None:
+            new_ids = self.kv.allocate_slots(request, num_new + lookahead, hit_blocks)
+            if new_ids is None and lookahead:  # the prompt alone may still fit
+                new_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
+            if new_ids is None:
                 break
             self.waiting.popleft()
             self._count_lora(self._waiting_loras, request, -1)

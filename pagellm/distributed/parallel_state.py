@@ -51,6 +51,13 @@ class ParallelState:
 _state = ParallelState()
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The contiguous decoder layers of pipeline stage `pp_rank`; earlier stages take the remainder."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
 def init_distributed(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int, backend: str,
                      init_method: str, timeout_s: float, expert_parallel: bool = False) -> None:
     """Join the process group of one replica (all its ranks call this) and make the TP groups.

@@ -30,17 +30,13 @@ from pagellm.config import (
 from pagellm.config.cpu_threads import resolve_cpu_threads
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.config.model import RUNNERS
+from pagellm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagellm.executor import EXECUTOR_REGISTRY
 from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
 from pagellm.ops.dispatch import triton_available, triton_interpreting
 from pagellm.plugins import load_plugins
-from pagellm.quantization import (
-    QUANTIZATION_REGISTRY,
-    check_experts_dense,
-    experts_request,
-    resolve_quantization,
-)
+from pagellm.quantization import QUANTIZATION_REGISTRY, check_experts_dense, experts_request, resolve_quantization
 from pagellm.reasoning import REASONING_PARSER_REGISTRY
 
 logger = logging.getLogger(__name__)
@@ -285,7 +281,8 @@ class EngineArgs:
                 reasoning_parser=self.reasoning_parser,
             ),
             speculative=speculative,
-            draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device),
+            draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device,
+                                 kv_cache_groups(arch.sliding_windows, max_model_len)),
             lora=self._lora_config(dtype, device),
         )
 
@@ -362,13 +359,19 @@ def _resolve_parallel(args: EngineArgs, arch: ModelArchConfig, device: torch.dev
 
 
 def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, target: ModelArchConfig,
-                   max_model_len: int, device: torch.device) -> DraftModelConfig | None:
+                   max_model_len: int, device: torch.device,
+                   target_kv_groups: tuple[KVCacheGroup, ...]) -> DraftModelConfig | None:
     """Find the draft model and check that it can propose for the target: the same vocabulary (the
-    drafts are the target's token ids) and positions up to max_model_len. With dummy target weights
-    the draft is a dummy too (a preset name works), for speed measurements."""
+    drafts are the target's token ids), positions up to max_model_len, and a target whose blocks
+    all stay (the draft keeps its KV in them). With dummy target weights the draft is a dummy too
+    (a preset name works), for speed measurements."""
     if speculative is None or speculative.model is None:  # a method without a draft model
         return None
     flag = "speculative_config (--speculative-config) model"
+    if len(target_kv_groups) > 1 or target_kv_groups[0].sliding_window is not None:
+        raise ValueError(f"{flag}: a draft model keeps its KV cache in the target's blocks, and this model's "
+                         f"sliding-window layers give theirs back as sequences grow; speculate with the ngram "
+                         f"method instead")
     try:
         source = resolve_model(speculative.model, "dummy" if load_format == "dummy" else "auto")
     except ValueError as e:

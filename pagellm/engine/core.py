@@ -5,6 +5,7 @@ import logging
 from collections import deque
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_groups import kv_cache_groups
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
@@ -31,6 +32,7 @@ class EngineCore:
             num_blocks = self.executor.determine_num_blocks()
             if num_blocks < 1:
                 raise ValueError(_no_kv_block_error(config))
+            kv_groups = kv_cache_groups(config.model.source.arch.sliding_windows, config.model.max_model_len)
             # Validates that max_model_len fits before the cache is allocated.
             limits = SchedulerLimits(
                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
@@ -41,7 +43,12 @@ class EngineCore:
                 # A cached prefix's hidden states are never computed, and MEAN/CLS pooling needs
                 # them (vLLM's pooling runner turns prefix caching off too).
                 enable_prefix_caching=config.cache.enable_prefix_caching and not config.is_pooling,
+                sliding_windows=tuple(g.sliding_window for g in kv_groups),
             )
+            if len(kv_groups) > 1 or kv_groups[0].sliding_window is not None:
+                logger.info("KV cache groups: %s; a decoding sequence of max_model_len (%d) tokens holds %d of the "
+                            "%d blocks", ", ".join(g.describe() for g in kv_groups), limits.max_model_len,
+                            limits.blocks_per_request(limits.max_model_len, 1), num_blocks)
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()

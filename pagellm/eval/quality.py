@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.core.kv_cache_groups import kv_cache_groups
 from pagellm.models import CausalLM
 from pagellm.worker.loading import bind_kv_cache, prompt_hidden_states
 
@@ -57,7 +58,8 @@ def windows(token_ids: list[int], context: int) -> list[list[int]]:
 
 def bind_window_cache(model: CausalLM, context: int, dtype: torch.dtype, device: torch.device) -> None:
     """Give `model` a KV cache of `dtype` that holds one window, which `log_probs` then goes through."""
-    bind_kv_cache(model, -(-context // _BLOCK_SIZE), _BLOCK_SIZE, dtype, device)
+    groups = kv_cache_groups(model.config.sliding_windows)
+    bind_kv_cache(model, groups, len(groups) * -(-context // _BLOCK_SIZE), _BLOCK_SIZE, dtype, device)
 
 
 @torch.inference_mode()

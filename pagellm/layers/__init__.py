@@ -1,5 +1,5 @@
 """Tensor-parallel-aware building blocks shared by the model definitions."""
-from pagellm.layers.activation import SiluAndMul
+from pagellm.layers.activation import GeluTanhAndMul, SiluAndMul
 from pagellm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagellm.layers.layernorm import RMSNorm
 from pagellm.layers.linear import (
@@ -14,6 +14,7 @@ from pagellm.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
+    "GeluTanhAndMul",
     "MergedColumnParallelLinear",
     "ParallelLMHead",
     "QKVParallelLinear",

@@ -232,6 +232,62 @@ _PHI_3_5_MINI: dict[str, Any] = {
 }
 """Phi-3-mini's shapes with LongRoPE to 128k positions."""
 
+_GEMMA_3_12B: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262208,
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+"""Gemma-3-12B-it's language model (its `text_config`, as Gemma3ForCausalLM): 5 of every 6 layers attend
+within 1024 tokens."""
+
+_GEMMA_2_9B: dict[str, Any] = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "hidden_size": 3584,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 42,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "attention_bias": False,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+"""Every other layer attends within 4096 tokens; scores and logits soft-capped."""
+
 PRESETS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
     "meta-llama/Llama-3.1-8B": {**_LLAMA_3_1_8B, "eos_token_id": 128001},
@@ -253,6 +309,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": _MIXTRAL_8X7B,
     "Qwen/Qwen1.5-MoE-A2.7B": _QWEN1_5_MOE_A2_7B,
     "qwen1.5-moe-a2.7b": _QWEN1_5_MOE_A2_7B,
+    "google/gemma-3-12b-it": _GEMMA_3_12B,
+    "gemma-3-12b": _GEMMA_3_12B,
+    "google/gemma-2-9b-it": _GEMMA_2_9B,
+    "gemma-2-9b": _GEMMA_2_9B,
 }
 
 # Generation defaults published next to the configs; only what the engine reads (stop ids).
@@ -277,6 +337,10 @@ _GENERATION_EOS: dict[str, list[int]] = {
     "mixtral-8x7b": [2],
     "Qwen/Qwen1.5-MoE-A2.7B": [151643],
     "qwen1.5-moe-a2.7b": [151643],
+    "google/gemma-3-12b-it": [1, 106],
+    "gemma-3-12b": [1, 106],
+    "google/gemma-2-9b-it": [1, 107],
+    "gemma-2-9b": [1, 107],
 }
 
 

@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _StepPlan:
-    """One step's batch description for C, built by the step's first fused layer and reused by the
-    others (it rides in `AttentionMetadata.backend_plan`, which the `cpu` backend leaves unused)."""
+    """One step's batch description for C, built by the step's first fused layer of a KV cache
+    group and reused by the group's others (it rides in the group's `AttentionMetadata.backend_plan`,
+    which the `cpu` backend leaves unused)."""
 
     step: decoder_layer.LayerStep
     tensors: tuple[torch.Tensor, ...]
@@ -46,6 +47,8 @@ def why_not_fused(layer: nn.Module) -> str | None:
     attn = layer.self_attn
     if parallel_state().tp_size != 1:
         return "tensor parallelism sums the row-parallel projections across ranks"
+    if attn.attn.logits_soft_cap is not None:
+        return "its attention scores are soft-capped"
     if not attn.attn.backend.fused_cpu_layer:
         return f"the {attn.attn.backend.name} attention backend is not the one the fused layer computes"
     if attn.attn.kv_cache is None:
@@ -80,13 +83,16 @@ class FusedDecoderLayer:
         self.c = decoder_layer.DecoderLayer(
             hidden_size=self.hidden_size, num_heads=attn.attn.num_heads, num_kv_heads=attn.attn.num_kv_heads,
             head_dim=attn.attn.head_dim, intermediate_size=mlp.down_proj.input_size, block_size=k_cache.shape[1],
-            eps=layer.input_layernorm.eps, scale=attn.attn.scale, input_norm=in_norm, post_norm=post_norm,
+            sliding_window=attn.attn.sliding_window or 0, eps=layer.input_layernorm.eps, scale=attn.attn.scale,
+            input_norm=in_norm, post_norm=post_norm,
             qkv_bias=bias, cos_sin=cos_sin, qkv=qkv, o=o, gate_up=gate_up, down=down,
             qkv_type=attn.qkv_proj.quant_method.qtype, o_type=attn.o_proj.quant_method.qtype,
             gate_up_type=mlp.gate_up_proj.quant_method.qtype, down_type=mlp.down_proj.quant_method.qtype,
             k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr())
         if layer.post_attention_layernorm.eps != layer.input_layernorm.eps:
             raise ValueError("the fused layer takes one RMSNorm epsilon for both norms")
+        self.kv_group = attn.attn.kv_group
+        """Its KV cache group, whose block table and slots it reads (`AttentionMetadata.for_group`)."""
         self.scratch_per_token = decoder_layer.scratch_floats_per_token(self.c)
         self.projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         """In the order of `decoder_layer.LORA_PROJECTIONS`."""
@@ -107,9 +113,10 @@ class FusedDecoderLayer:
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = attn_metadata.backend_plan
+        md = attn_metadata.for_group(self.kv_group)
+        plan = md.backend_plan
         if not isinstance(plan, _StepPlan):
-            plan = attn_metadata.backend_plan = self._plan(positions, attn_metadata)
+            plan = md.backend_plan = self._plan(positions, md)
         hidden = hidden.contiguous()
         first = residual is None
         residual = torch.empty_like(hidden) if first else residual.contiguous()
@@ -128,10 +135,12 @@ class FusedDecoderLayer:
         if lora is not None and lora.active:
             tensors += (lora.token_slots,)
         pos, slots, qsl, seq_lens, block_table, scratch = tensors[:6]
-        step = decoder_layer.LayerStep(num_tokens=md.num_tokens, num_seqs=md.num_seqs, block_table_stride=block_table.stride(0),
-                          positions=pos.data_ptr(), slots=slots.data_ptr(), query_start=qsl.data_ptr(),
-                          seq_lens=seq_lens.data_ptr(), block_table=block_table.data_ptr(),
-                          scratch=scratch.data_ptr(), lora_slots=tensors[6].data_ptr() if len(tensors) > 6 else None)
+        step = decoder_layer.LayerStep(num_tokens=md.num_tokens, num_seqs=md.num_seqs,
+                                       block_table_stride=block_table.stride(0),
+                                       positions=pos.data_ptr(), slots=slots.data_ptr(), query_start=qsl.data_ptr(),
+                                       seq_lens=seq_lens.data_ptr(), block_table=block_table.data_ptr(),
+                                       scratch=scratch.data_ptr(),
+                                       lora_slots=tensors[6].data_ptr() if len(tensors) > 6 else None)
         return _StepPlan(step, tensors)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.attention.layer import Attention
 from pagellm.config.arch import ModelArchConfig
-from pagellm.distributed import parallel_state
+from pagellm.distributed import parallel_state, stage_layers
 from pagellm.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -37,13 +37,6 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\."
                        r"(?:(k_scale|v_scale|kv_scale)|(k_proj\.output_scale|v_proj\.output_scale))$")
 """A float8 KV cache's per-tensor scales as checkpoints store them (llm-compressor's, AutoFP8's older names)."""
-
-def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
-    """The contiguous layers of pipeline stage `pp_rank`; earlier stages take the remainder."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (pp_rank < extra))
-
 
 class OtherStageLayer(nn.Module):
     """Stands in for a layer another pipeline stage holds, so that parameter names stay global."""
@@ -75,7 +68,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the keys each query sees, itself included (None: all before it)."""
         super().__init__()
         qkv_bias, o_bias = self.projection_biases(config)
         self.qkv_proj = QKVParallelLinear(
@@ -83,9 +78,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(
-            self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim, config.head_dim**-0.5, attn_backend
-        )
+        self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim,
+                              config.head_dim**-0.5, attn_backend, sliding_window)
 
     @staticmethod
     def projection_biases(config: ModelArchConfig) -> tuple[bool, bool]:
@@ -114,9 +108,10 @@ class LlamaDecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         attention_cls: type[LlamaAttention],
         mlp: nn.Module,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, rotary_emb, attn_backend)
+        self.self_attn = attention_cls(config, rotary_emb, attn_backend, sliding_window)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -187,7 +182,8 @@ class LlamaModel(nn.Module):
             config.max_model_len,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls, mlp_for_layer(config, i))
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, attention_cls, mlp_for_layer(config, i),
+                              config.sliding_windows[i])
             if i in self.local_layers
             else OtherStageLayer()
             for i in range(config.num_hidden_layers)
@@ -217,16 +213,18 @@ class LlamaForCausalLM(nn.Module):
     (`interface.CausalLM`).
 
     Subclasses change the attention block through `attention_cls`, a layer's MLP through
-    `mlp_for_layer`, and how checkpoint tensors map to parameters through `checkpoint_target` and
-    `checkpoint_parts`.
+    `mlp_for_layer`, the decoder stack through `model_cls` (built alike, with the same parts:
+    `embed_tokens`, `layers`, `norm`, `local_layers`), and how checkpoint tensors map to parameters
+    through `checkpoint_target` and `checkpoint_parts`.
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[nn.Module] = LlamaModel
 
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, self.attention_cls, self.mlp_for_layer)
+        self.model = self.model_cls(config, attn_backend, self.attention_cls, self.mlp_for_layer)
         self.lm_head = None
         if self.model.is_last_stage:
             shares_embedding = config.tie_word_embeddings and self.model.is_first_stage

@@ -5,7 +5,6 @@ A fused tensor is split into its parts before the parts are sharded: with tensor
 holds its heads' rows of q, of k and of v, and its slice of gate and of up, as for Llama."""
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -13,8 +12,6 @@ import torch
 from pagellm.attention.backend import AttentionBackend
 from pagellm.config.arch import ModelArchConfig
 from pagellm.models.llama import LlamaForCausalLM
-
-logger = logging.getLogger(__name__)
 
 _FUSED = {".self_attn.qkv_proj.": ((".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."), ("q", "k", "v")),
           ".mlp.gate_up_proj.": ((".mlp.gate_proj.", ".mlp.up_proj."), (0, 1))}
@@ -35,12 +32,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         if _rotary_fraction(config) != 1.0:
             raise ValueError(f"partial_rotary_factor {_rotary_fraction(config)} (a rotary embedding over part of "
                              "each head, as Phi-4-mini's) is not supported; Phi3ForCausalLM runs with 1.0 only")
-        window = config.hf_config.get("sliding_window")
-        context = config.max_model_len or config.max_position_embeddings
-        if window is not None and window < context:
-            logger.warning("Phi-3's sliding window (%d tokens) is not applied: a sequence longer than it attends to "
-                           "every earlier token, where the model (as Hugging Face runs it) sees only the window; "
-                           "--max-model-len %d keeps every sequence within it", window, window)
         super().__init__(config, attn_backend)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -10,8 +10,9 @@ from pagellm.models.llama import LlamaAttention, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend) -> None:
-        super().__init__(config, rotary_emb, attn_backend)
+    def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(config, rotary_emb, attn_backend, sliding_window)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 

@@ -1,6 +1,7 @@
 """The worker's persistent view of the requests it runs, and the flat batch built from it each step."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,8 @@ class CachedRequestState(RecordFields):
     token_ids: list[int]
     """Prompt and output tokens known to this worker."""
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """Per KV cache group, its blocks (those a sliding window gave back keep their old ids, unread)."""
     num_computed_tokens: int
     prompt_logprobs_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None
     """Prompt logprobs of the chunks computed so far, until the prompt finishes; None when not
@@ -33,7 +35,7 @@ class CachedRequestState(RecordFields):
     num_draft_computed: int = 0
     """Tokens whose KV the draft model holds (draft_model speculation, `DraftModelProposer`)."""
     row: int = 0
-    """Its row of the persistent batch (`RequestStates.block_table`...), while it lives."""
+    """Its row of the persistent batch (`RequestStates.block_tables`...), while it lives."""
     uses_processors: bool = False
     """Whether its sampling needs logits processors (`uses_logits_processors`)."""
 
@@ -45,7 +47,7 @@ class CachedRequestState(RecordFields):
         # A request resumed with output already delivered its prompt logprobs with its first token.
         wants_prompt_logprobs = params.prompt_logprobs is not None and not new.output_token_ids
         return cls(record=record, token_ids=[*record.prompt_token_ids, *new.output_token_ids],
-                   num_prompt_tokens=len(record.prompt_token_ids), block_ids=list(new.block_ids),
+                   num_prompt_tokens=len(record.prompt_token_ids), block_ids=[list(ids) for ids in new.block_ids],
                    num_computed_tokens=new.num_computed_tokens,
                    prompt_logprobs_parts=[] if wants_prompt_logprobs else None, row=row,
                    uses_processors=uses_logits_processors(params))
@@ -98,19 +100,23 @@ class RequestStates:
     """Applies each SchedulerOutput diff and lays out the step's flat batch.
 
     Besides each request's state, a persistent host batch: every live request owns a row of a
-    block table and of per-row counters, written when its blocks change (a new request, a request
-    crossing a block boundary), so a step gathers its rows with numpy instead of walking requests."""
+    block table per KV cache group and of per-row counters, written when its blocks change (a new
+    request, a request crossing a block boundary), so a step gathers its rows with numpy instead
+    of walking requests."""
 
-    def __init__(self, block_size: int, device: torch.device, lora: LoRAManager | None = None) -> None:
+    def __init__(self, block_size: int, device: torch.device, lora: LoRAManager | None = None,
+                 num_kv_groups: int = 1) -> None:
         """`lora`: the adapters' slots, which the requests that use one hold while they live."""
         self.block_size = block_size
         self.device = device
         self.lora = lora
         self.states: dict[str, CachedRequestState] = {}
         self._free_rows: list[int] = []
-        self.block_table = np.zeros((0, 1), dtype=np.int32)
-        """[rows, max blocks] block ids of each live request's row (see `CachedRequestState.row`)."""
+        self.block_tables = [np.zeros((0, 1), dtype=np.int32) for _ in range(num_kv_groups)]
+        """Per KV cache group, [rows, max blocks] block ids of each live request's row (see
+        `CachedRequestState.row`)."""
         self.num_blocks = np.zeros(0, dtype=np.int64)
+        """Per row, the blocks its request holds (by index: the same in every group)."""
         self.sampled_row = np.zeros(0, dtype=np.int64)
         """Per row: its request's row in the latest launched step's tensor of sampled ids."""
         self.lora_slot = np.zeros(0, dtype=np.int64)
@@ -135,7 +141,8 @@ class RequestStates:
             self._write_blocks(state, state.block_ids)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
+                ids.extend(new_ids)
             self._write_blocks(state, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.new_token_ids:
@@ -146,20 +153,21 @@ class RequestStates:
         if not self._free_rows:  # grow the persistent batch: twice the rows
             old = len(self.num_blocks)
             size = max(2 * old, 8)
-            self.block_table = _grown(self.block_table, (size, self.block_table.shape[1]))
+            self.block_tables = [_grown(table, (size, table.shape[1])) for table in self.block_tables]
             self.num_blocks = _grown(self.num_blocks, (size,))
             self.sampled_row = _grown(self.sampled_row, (size,))
             self.lora_slot = _grown(self.lora_slot, (size,))
             self._free_rows = list(range(size - 1, old - 1, -1))
         return self._free_rows.pop()
 
-    def _write_blocks(self, state: CachedRequestState, block_ids: list[int]) -> None:
+    def _write_blocks(self, state: CachedRequestState, block_ids: tuple[list[int], ...]) -> None:
+        """Append a request's new blocks, as many in each group."""
         start = int(self.num_blocks[state.row])
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
-            width = max(end, 2 * self.block_table.shape[1])
-            self.block_table = _grown(self.block_table, (len(self.block_table), width))
-        self.block_table[state.row, start:end] = block_ids
+        end = start + len(block_ids[0])
+        for g, (table, ids) in enumerate(zip(self.block_tables, block_ids, strict=True)):
+            if end > table.shape[1]:
+                table = self.block_tables[g] = _grown(table, (len(table), max(end, 2 * table.shape[1])))
+            table[state.row, start:end] = ids
         self.num_blocks[state.row] = end
 
     def build(self, so: SchedulerOutput) -> FlatBatch:
@@ -170,7 +178,8 @@ class RequestStates:
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         token_counts = np.fromiter((len(s.token_ids) for s in states), dtype=np.int64, count=num_reqs)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
-        block_table = self.block_table[rows, :max(int(self.num_blocks[rows].max()), 1)]
+        width = max(int(self.num_blocks[rows].max()), 1)
+        block_tables = [table[rows, :width] for table in self.block_tables]
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -217,7 +226,7 @@ class RequestStates:
         extra = [input_ids, logits_indices, placeholder_rows, self.sampled_row[rows[placeholders]]]
         if draft_ids is not None:
             extra.append(draft_ids)
-        grid = attention_layout(block_table, starts, query_lens, self.block_size, self.device, extra)
+        grid = attention_layout(block_tables, starts, query_lens, self.block_size, self.device, extra)
         input_ids_dev, logits_dev, placeholder_dev, source_dev, *drafts_dev = grid.extra
         batch = FlatBatch(
             input_ids=input_ids_dev,
@@ -288,7 +297,7 @@ class AttentionLayout:
         return int(self.query_start_loc[-1])
 
 
-def padded_block_table(block_ids: list[list[int]]) -> np.ndarray:
+def padded_block_table(block_ids: Sequence[Sequence[int]]) -> np.ndarray:
     """[len(block_ids), longest] int32: each request's blocks, padded with 0."""
     table = np.zeros((len(block_ids), max(len(b) for b in block_ids)), dtype=np.int32)
     for i, blocks in enumerate(block_ids):
@@ -296,12 +305,13 @@ def padded_block_table(block_ids: list[list[int]]) -> np.ndarray:
     return table
 
 
-def attention_layout(block_table: np.ndarray, num_computed: np.ndarray, query_lens: np.ndarray,
+def attention_layout(block_tables: Sequence[np.ndarray], num_computed: np.ndarray, query_lens: np.ndarray,
                      block_size: int, device: torch.device, extra: list[np.ndarray] = ()) -> AttentionLayout:
     """The layout of a batch in which request i computes `query_lens[i]` tokens after its first
-    `num_computed[i]`, its KV going to the blocks of row i of `block_table` (which must cover
-    them). `extra` int32/int64 arrays travel to the device in the same copies (`AttentionLayout.extra`)."""
-    num_reqs = len(block_table)
+    `num_computed[i]`, its KV going to the blocks of row i of each KV cache group's table in
+    `block_tables` (which must cover them). `extra` int32/int64 arrays travel to the device in the
+    same copies (`AttentionLayout.extra`)."""
+    num_reqs = len(block_tables[0])
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
@@ -309,23 +319,26 @@ def attention_layout(block_table: np.ndarray, num_computed: np.ndarray, query_le
     # Positions without a per-token loop: each token's offset inside its request's chunk.
     req_of_token = np.repeat(np.arange(num_reqs), query_lens)
     positions = np.arange(num_tokens) - query_start_loc[req_of_token] + num_computed[req_of_token]
-    slot_mapping = (block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
-                    + positions % block_size)
+    columns, offsets = positions // block_size, positions % block_size
+    slot_mappings = [table[req_of_token, columns].astype(np.int64) * block_size + offsets for table in block_tables]
     qsl32, seq_lens32 = query_start_loc.astype(np.int32), seq_lens.astype(np.int32)
-    qsl_dev, seq_lens_dev, table_dev, slots_dev, positions_dev, *extra_dev = upload(
-        [qsl32, seq_lens32, block_table, slot_mapping, positions, *extra], device)
-    attn_metadata = AttentionMetadata(
+    num_groups = len(block_tables)
+    qsl_dev, seq_lens_dev, positions_dev, *rest = upload(
+        [qsl32, seq_lens32, positions, *block_tables, *slot_mappings, *extra], device)
+    tables_dev, slots_dev, extra_dev = rest[:num_groups], rest[num_groups:2 * num_groups], rest[2 * num_groups:]
+    groups = [AttentionMetadata(
         num_tokens=num_tokens,
         query_start_loc=qsl_dev,
         seq_lens=seq_lens_dev,
-        block_table=table_dev,
-        slot_mapping=slots_dev,
+        block_table=table,
+        slot_mapping=slots,
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=qsl32,
         seq_lens_cpu=seq_lens32,
-    )
-    return AttentionLayout(query_start_loc, seq_lens, positions_dev, attn_metadata, extra_dev)
+    ) for table, slots in zip(tables_dev, slots_dev)]
+    groups[0].kv_groups = tuple(groups[1:])
+    return AttentionLayout(query_start_loc, seq_lens, positions_dev, groups[0], extra_dev)
 
 
 def upload(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:

@@ -51,11 +51,12 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
                  max_num_seqs: int, max_blocks_per_seq: int, device: torch.device, verify_len: int = 1,
-                 before_capture: Callable[[int], None] | None = None) -> None:
+                 before_capture: Callable[[int], None] | None = None, num_kv_groups: int = 1) -> None:
         """`verify_len`: 1 + the drafts of a verification step (speculative decoding), also captured
         for the sizes whose steps stay within MAX_CAPTURE_TOKENS; 1: decode only. `before_capture`:
         called with the padded row count before each graph's forward is captured (what the forward
-        reads besides these buffers, set up for that size: LoRA's tile plan)."""
+        reads besides these buffers, set up for that size: LoRA's tile plan). `num_kv_groups`: the
+        block tables and slot mappings a step has (one per KV cache group)."""
         self.forward = forward
         self.before_capture = before_capture
         self.sizes = capture_sizes(max_num_seqs)
@@ -67,8 +68,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = [torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
+                             for _ in range(num_kv_groups)]
+        self.slot_mappings = [torch.full((tokens,), -1, dtype=torch.int64, device=device) for _ in range(num_kv_groups)]
         self._arange = torch.arange(size + 1, dtype=torch.int32, device=device)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_verify_replays = 0
@@ -80,11 +82,14 @@ class DecodeGraphs:
     def _metadata(self, size: int, q: int = 1) -> AttentionMetadata:
         """Metadata over the buffers' first `size` sequences of `q` rows; host copies describe the
         padded shape only (the kernels take every length from the device tensors)."""
-        return AttentionMetadata(
+        groups = [AttentionMetadata(
             num_tokens=size * q, query_start_loc=self.query_start_loc[:size + 1], seq_lens=self.seq_lens[:size],
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size * q], max_query_len=q,
+            block_table=table[:size], slot_mapping=slots[:size * q], max_query_len=q,
             max_seq_len=q, query_start_loc_cpu=np.arange(size + 1, dtype=np.int32) * q,
             seq_lens_cpu=np.full(size, q, dtype=np.int32))
+            for table, slots in zip(self.block_tables, self.slot_mappings)]
+        groups[0].kv_groups = tuple(groups[1:])
+        return groups[0]
 
     def graph(self, size: int, q: int = 1) -> torch.cuda.CUDAGraph:
         """The captured graph of `size` sequences of `q` tokens (benchmarks time its replay)."""
@@ -98,7 +103,7 @@ class DecodeGraphs:
 
     def fits(self, md: AttentionMetadata) -> bool:
         """Whether a captured graph takes this step."""
-        if md.block_table is not None and md.block_table.shape[1] > self.block_table.shape[1]:
+        if md.block_table is not None and md.block_table.shape[1] > self.block_tables[0].shape[1]:
             return False
         if md.max_query_len == 1:
             return md.num_seqs <= self.max_size
@@ -144,12 +149,15 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.query_start_loc[:n + 1].copy_(md.query_start_loc)
         self.seq_lens[:n].copy_(md.seq_lens)
-        self.block_table[:n, :width].copy_(md.block_table)
-        self.slot_mapping[:n].copy_(md.slot_mapping)
-        if size > n:  # padding rows: one token each, seeing one cached slot, writing nothing
+        for g, (table, slots) in enumerate(zip(self.block_tables, self.slot_mappings)):
+            group = md.for_group(g)
+            table[:n, :width].copy_(group.block_table)
+            slots[:n].copy_(group.slot_mapping)
+            if size > n:  # padding rows: one token each, seeing one cached slot, writing nothing
+                slots[n:size].fill_(-1)
+        if size > n:
             self.query_start_loc[n + 1:size + 1].copy_(self._arange[n + 1:size + 1])
             self.seq_lens[n:size].fill_(1)
-            self.slot_mapping[n:size].fill_(-1)
         graph, out = self._graphs[size, 1]
         graph.replay()
         return out[:n]
@@ -165,15 +173,17 @@ class DecodeGraphs:
         tokens = size * q
         self.input_ids[:tokens].zero_()
         self.positions[:tokens].zero_()
-        self.slot_mapping[:tokens].fill_(-1)
         self.input_ids[rows] = input_ids
         self.positions[rows] = positions
-        self.slot_mapping[rows] = md.slot_mapping
+        width = md.block_table.shape[1]
+        for g, (table, slots) in enumerate(zip(self.block_tables, self.slot_mappings)):
+            group = md.for_group(g)
+            slots[:tokens].fill_(-1)
+            slots[rows] = group.slot_mapping
+            table[:n, :width].copy_(group.block_table)
         self.query_start_loc[:size + 1].copy_(self._arange[:size + 1] * q)
         self.seq_lens[:n].copy_(md.seq_lens + grow)
         self.seq_lens[n:size].fill_(q)
-        width = md.block_table.shape[1]
-        self.block_table[:n, :width].copy_(md.block_table)
         graph, out = self._graphs[size, q]
         graph.replay()
         self.num_verify_replays += 1

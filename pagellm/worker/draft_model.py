@@ -8,6 +8,7 @@ import torch
 from pagellm import ops
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_groups import KVCacheGroup
 from pagellm.models import CausalLM
 from pagellm.spec_decode.proposer import DeviceProposer
 from pagellm.worker.batch import CachedRequestState, attention_layout, padded_block_table
@@ -43,10 +44,16 @@ class DraftModelProposer(DeviceProposer):
                              f"{e}") from None
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return kv_bytes_per_block(self.model, block_size, dtype)
+        return kv_bytes_per_block(self.model, self._kv_groups, block_size, dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        bind_kv_cache(self.model, num_blocks, self.block_size, self.config.cache.kv_cache_dtype, self.config.device)
+        bind_kv_cache(self.model, self._kv_groups, num_blocks, self.block_size, self.config.cache.kv_cache_dtype,
+                      self.config.device)
+
+    @property
+    def _kv_groups(self) -> tuple[KVCacheGroup, ...]:
+        """Its layers, all in one group under the target's (full-attention, one-group) block ids."""
+        return (KVCacheGroup(None, tuple(range(self.model.config.num_hidden_layers))),)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
         """Graphs of the draft's passes of one token per request (its greedy decode) and of up to
@@ -76,8 +83,9 @@ class DraftModelProposer(DeviceProposer):
         lengths = np.array([len(s.token_ids) for s, _ in todo])
         for j in range(1, drafts.shape[1]):  # draft j - 1 in, draft j out
             rows = np.flatnonzero(counts > j)
-            grid = attention_layout(padded_block_table([todo[i][0].block_ids for i in rows]), lengths[rows] + j - 1,
-                                    np.ones(len(rows), dtype=np.int64), self.block_size, self.config.device)
+            grid = attention_layout([padded_block_table([todo[i][0].block_ids[0] for i in rows])],
+                                    lengths[rows] + j - 1, np.ones(len(rows), dtype=np.int64), self.block_size,
+                                    self.config.device)
             index = torch.from_numpy(rows).to(self.config.device, non_blocking=True)
             hidden = self._forward(drafts[index, j - 1], grid.positions, grid.attn_metadata)
             drafts[index, j] = ops.argmax(self.model.compute_logits(hidden))
@@ -97,7 +105,7 @@ class DraftModelProposer(DeviceProposer):
         room = self.config.model.max_model_len - n
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - (n - s.num_prompt_tokens))
-        return max(0, min(self.k, room - 1, len(s.block_ids) * self.block_size - n + 1))
+        return max(0, min(self.k, room - 1, len(s.block_ids[0]) * self.block_size - n + 1))
 
     def _catch_up(self, states: list[CachedRequestState]) -> torch.Tensor:
         """Run the draft over each request's tokens it has not seen, in passes of at most the
@@ -115,8 +123,8 @@ class DraftModelProposer(DeviceProposer):
                 lens.append(take)
                 left -= take
             starts = np.array([states[i].num_draft_computed for i in chosen])
-            grid = attention_layout(padded_block_table([states[i].block_ids for i in chosen]), starts, np.array(lens),
-                                    self.block_size, self.config.device)
+            grid = attention_layout([padded_block_table([states[i].block_ids[0] for i in chosen])], starts,
+                                    np.array(lens), self.block_size, self.config.device)
             input_ids = np.concatenate([states[i].token_ids[start:start + n]
                                         for i, start, n in zip(chosen, starts, lens)])
             hidden = self._forward(torch.from_numpy(input_ids).to(self.config.device, non_blocking=True),

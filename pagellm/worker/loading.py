@@ -6,12 +6,14 @@ import logging
 import math
 import mmap
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from pagellm.attention import get_attn_backend
-from pagellm.distributed import parallel_state
+from pagellm.core.kv_cache_groups import KVCacheGroup, layer_slots
+from pagellm.distributed import parallel_state, stage_layers
 from pagellm.layers.linear_method import process_weights_after_loading
 from pagellm.loader import ModelSource, initialize_dummy_weights, iter_weights
 from pagellm.models import CausalLM, get_model_class
@@ -67,11 +69,16 @@ def build_model(source: ModelSource, quantization: str | None, dtype: torch.dtyp
 @torch.inference_mode()
 def prompt_hidden_states(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """`model`'s last hidden states [len(ids), hidden] for one prompt from position 0 (through its KV
-    cache if one is bound; without one the backends attend within the batch and ignore the slots)."""
+    cache if one is bound, of ceil(len(ids) / 16) blocks per KV cache group; without one the
+    backends attend within the batch and ignore the slots)."""
     device = next(model.parameters()).device
     n = len(ids)
-    layout = attention_layout(padded_block_table([list(range(-(-n // _PROMPT_BLOCK_SIZE)))]),
-                              np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64), _PROMPT_BLOCK_SIZE, device)
+    blocks = -(-n // _PROMPT_BLOCK_SIZE)
+    # Each KV cache group its own blocks: group g blocks g x blocks ... (a bound cache holds as many, `bind_kv_cache`).
+    num_groups = 1 + max(layer.kv_group for layer in model.attention_layers())
+    tables = [padded_block_table([list(range(g * blocks, (g + 1) * blocks))]) for g in range(num_groups)]
+    layout = attention_layout(tables, np.zeros(1, dtype=np.int64), np.array([n], dtype=np.int64), _PROMPT_BLOCK_SIZE,
+                              device)
     return model(torch.tensor(ids, dtype=torch.int64, device=device), layout.positions, layout.attn_metadata)
 
 
@@ -99,24 +106,39 @@ def _calibration_source(source: ModelSource, method: str) -> CalibrationSource:
     return calibration
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of `model`'s KV cache on this rank: its layers, its share of the KV heads."""
+def _local_slots(model: CausalLM, groups: Sequence[KVCacheGroup]) -> list[tuple[int, int]]:
+    """(KV cache group, slot) of each of this pipeline stage's attention layers, in order."""
+    ps = parallel_state()
+    slots = layer_slots(groups)
+    local = [slots[i] for i in stage_layers(model.config.num_hidden_layers, ps.pp_rank, ps.pp_size)]
+    if len(local) != len(model.attention_layers()):
+        raise ValueError(f"{type(model).__name__} has {len(model.attention_layers())} attention layers on this "
+                         f"pipeline stage, not the {len(local)} decoder layers its config gives the stage")
+    return local
+
+
+def kv_bytes_per_block(model: CausalLM, groups: Sequence[KVCacheGroup], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of `model`'s KV cache on this rank: the slots its layers store in (every
+    group's layers share a block's slots, `pagellm.core.kv_cache_groups`), its share of the KV heads."""
     layers = model.attention_layers()
-    return 2 * len(layers) * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
+    num_slots = len({slot for _, slot in _local_slots(model, groups)})
+    return 2 * num_slots * block_size * layers[0].num_kv_heads * layers[0].head_dim * dtype.itemsize
 
 
-def bind_kv_cache(model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Allocate `model`'s KV cache (keys and values per layer) and hand each layer its own; on the
-    CPU, fuse the decoder layers that can run as one C call each."""
+def bind_kv_cache(model: CausalLM, groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int,
+                  dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Allocate `model`'s KV cache (keys and values per slot of a block) and hand each layer its
+    slot's and its group; on the CPU, fuse the decoder layers that can run as one C call each."""
     layers = model.attention_layers()
     shape = (num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in layers]
-    for layer, cache in zip(layers, caches):
-        layer.kv_cache = cache
+    local = _local_slots(model, groups)
+    caches = {slot: (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+              for slot in sorted({slot for _, slot in local})}
+    for layer, (group, slot) in zip(layers, local):
+        layer.kv_cache, layer.kv_group = caches[slot], group
     if device.type == "cpu" and fuse_decoder_layers(model.decoder_layers()):
         logger.info("decoder layers run as one C call each (CPU, GGUF blocks)")
-    return caches
+    return list(caches.values())
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

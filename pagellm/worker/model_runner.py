@@ -10,6 +10,7 @@ import torch
 from pagellm.attention import ATTENTION_BACKEND_REGISTRY
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
+from pagellm.core.kv_cache_groups import kv_cache_groups
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.lora.manager import LoRAManager
@@ -36,7 +37,8 @@ class ModelRunner:
         self.arch = config.model.source.arch
         self.block_size = config.cache.block_size
         self.ps = parallel_state()
-        self.requests = RequestStates(self.block_size, self.device)
+        self.kv_groups = kv_cache_groups(config.model.source.arch.sliding_windows, config.model.max_model_len)
+        self.requests = RequestStates(self.block_size, self.device, num_kv_groups=len(self.kv_groups))
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -69,7 +71,7 @@ class ModelRunner:
         """Bytes of one block on this rank: its pipeline stage's layers, its share of the KV heads,
         and the draft model's layers (draft_model speculation: a block holds both)."""
         kv_dtype = self.config.cache.kv_cache_dtype
-        size = kv_bytes_per_block(self.model, self.block_size, kv_dtype)
+        size = kv_bytes_per_block(self.model, self.kv_groups, self.block_size, kv_dtype)
         if self.drafter is not None:
             size += self.drafter.kv_bytes_per_block(self.block_size, kv_dtype)
         return size
@@ -120,8 +122,8 @@ class ModelRunner:
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = bind_kv_cache(self.model, num_blocks, self.block_size, self.config.cache.kv_cache_dtype,
-                                       self.device)
+        self.kv_caches = bind_kv_cache(self.model, self.kv_groups, num_blocks, self.block_size,
+                                       self.config.cache.kv_cache_dtype, self.device)
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
         if self.lora is not None:
@@ -140,7 +142,8 @@ class ModelRunner:
         spec = self.config.speculative
         self.graphs = DecodeGraphs(self.model, self.config.scheduler.max_num_seqs, max_blocks, self.device,
                                    verify_len=1 + spec.num_speculative_tokens if spec is not None else 1,
-                                   before_capture=None if self.lora is None else self._lora_capture)
+                                   before_capture=None if self.lora is None else self._lora_capture,
+                                   num_kv_groups=len(self.kv_groups))
         self.graphs.capture()
         if self.drafter is not None:
             self.drafter.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_blocks)
@@ -168,7 +171,7 @@ class ModelRunner:
             for num_seqs, q in [(1, 1), *shapes]:
                 num_seqs = min(num_seqs, max(1, self.config.scheduler.max_num_batched_tokens // q))
                 blocks = np.zeros((num_seqs, -(-q // self.block_size)), dtype=np.int32)  # all block 0
-                grid = attention_layout(blocks, np.zeros(num_seqs, dtype=np.int64),
+                grid = attention_layout([blocks] * len(self.kv_groups), np.zeros(num_seqs, dtype=np.int64),
                                         np.full(num_seqs, q, dtype=np.int64), self.block_size, self.device)
                 ids = torch.zeros(num_seqs * q, dtype=torch.int64, device=self.device)
                 hidden = self.model(ids, grid.positions, grid.attn_metadata)
@@ -465,7 +468,8 @@ class StepInFlight:
         host = self._copy.arrays()
         if self._pooled:
             vectors = host[0].astype("<f4", copy=False)
-            return ModelRunnerOutput([], [], pooler_output={r: vectors[i].tobytes() for i, r in enumerate(self._req_ids)})
+            return ModelRunnerOutput([], [], pooler_output={r: vectors[i].tobytes()
+                                                            for i, r in enumerate(self._req_ids)})
         if self._plan is not None:
             self._runner.stash_prompt_logprobs(self._plan, host[:3])
             host = host[3:]

@@ -113,18 +113,19 @@ static inline __attribute__((always_inline)) void accumulate(int NV, float *o, f
     for (int i = 0; i < NV; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 
-/* Query heads h0 .. h0+G-1 (G <= HEADS, one KV head) of query t over positions 0 .. len-1: each
+/* Query heads h0 .. h0+G-1 (G <= HEADS, one KV head) of query t over positions lo .. len-1: each
  * head on its own, online softmax over spans of SPAN positions; the heads share each K/V row read
- * (the span's rows stay in L1 while each head passes over them). */
+ * (the span's rows stay in L1 while each head passes over them). soft_cap > 0: each score s
+ * becomes soft_cap * tanh(s / soft_cap). */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *blocks,
-                   int64_t block_size, int64_t Hkv, int64_t kvh, int64_t D, int64_t len, int G, float scale,
-                   float *out) {
+                   int64_t block_size, int64_t Hkv, int64_t kvh, int64_t D, int64_t lo, int64_t len, int G,
+                   float scale, float soft_cap, float *out) {
     float o[HEADS][MAX_HEAD_DIM], top[HEADS], total[HEADS];
     for (int g = 0; g < G; g++) {
         for (int64_t i = 0; i < D; i++) o[g][i] = 0.0f;
         top[g] = -INFINITY, total[g] = 0.0f;
     }
-    for (int64_t p0 = 0; p0 < len; p0 += SPAN) {
+    for (int64_t p0 = lo; p0 < len; p0 += SPAN) {
         const int64_t n = len - p0 < SPAN ? len - p0 : SPAN;
         const float *k_rows[SPAN], *v_rows[SPAN];
         float s[SPAN];
@@ -153,6 +154,8 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
                 }
                 for (int r = 0; r < 4 && j0 + r < n; r++) s[j0 + r] = hsum8(dot[r]) * scale;
             }
+            if (soft_cap > 0.0f)
+                for (int64_t j = 0; j < n; j++) s[j] = soft_cap * tanhf(s[j] / soft_cap);
             float span_top = -INFINITY;
             for (int64_t j = 0; j < n; j++) span_top = s[j] > span_top ? s[j] : span_top;
             float shrink = 1.0f;  /* rescales what was summed under a lower maximum */
@@ -187,14 +190,15 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
  * for q [T, H, D] (rows `q_stride` floats apart); sequence b owns queries query_start[b] ..
  * query_start[b+1]-1, the last of its seq_lens[b] positions; caches [num_blocks, block_size, Hkv,
  * D]; block_table [B, bt_stride] int32. Query head h reads KV head h / (H / Hkv); D is a multiple
- * of 8, at most 256. Work items are a query's heads that share a KV head (up to HEADS of them),
+ * of 8, at most 256. window > 0: the query at position p sees positions p - window + 1 .. p only
+ * (the blocks before are not read); soft_cap > 0: scores are capped (see attend). Work items are a query's heads that share a KV head (up to HEADS of them),
  * or single heads when there are too few items for the threads; either way each head is
  * computed alone, in the same order whatever else is in the batch or the step: a token's result
  * is the same in a prompt, a decode, a recompute after preemption or any batch. */
 void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int32_t *block_table, int64_t bt_stride, const int32_t *query_start,
                      const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                     float scale, float *out) {
+                     float scale, int64_t window, float soft_cap, float *out) {
     const int64_t group = H / Hkv, T = query_start[B];
     const int64_t per_item = T * Hkv >= 4 * omp_get_max_threads() ? (group < HEADS ? group : HEADS) : 1;
     const int64_t items_per_kv = (group + per_item - 1) / per_item;
@@ -206,7 +210,8 @@ void paged_attention(const float *q, int64_t q_stride, const float *k_cache, con
         int64_t b = 0;
         while (query_start[b + 1] <= t) b++;
         const int64_t len = seq_lens[b] - (query_start[b + 1] - 1 - t); /* positions 0 .. this one */
+        const int64_t lo = window > 0 && len > window ? len - window : 0;
         attend(q + t * q_stride + h0 * D, k_cache, v_cache, block_table + b * bt_stride, block_size, Hkv, kvh, D,
-               len, G, scale, out + (t * H + h0) * D);
+               lo, len, G, scale, soft_cap, out + (t * H + h0) * D);
     }
 }

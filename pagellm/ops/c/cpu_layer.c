@@ -23,6 +23,7 @@ enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PROJECTIONS };
 
 typedef struct {
     int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
+    int64_t sliding_window;                          /* keys a query sees, itself included; 0: all */
     float eps, scale;
     const float *input_norm, *post_norm, *qkv_bias; /* qkv_bias: NULL for none */
     const float *cos_sin;                            /* [max_position, head_dim]: cos | sin */
@@ -103,7 +104,7 @@ int decoder_layer(const DecoderLayer *L, const LayerStep *s, const float *hidden
     write_rows(k, T, Hkv * D, Hkv * D, s->slots, L->k_cache);
     write_rows(qkv + (H + Hkv) * D, T, Hkv * D, W, s->slots, L->v_cache);
     paged_attention(q, H * D, L->k_cache, L->v_cache, s->block_table, s->block_table_stride, s->query_start,
-                    s->seq_lens, s->num_seqs, H, Hkv, D, L->block_size, L->scale, attn);
+                    s->seq_lens, s->num_seqs, H, Hkv, D, L->block_size, L->scale, L->sliding_window, 0.0f, attn);
     if ((status = ggml_gemm(L->o_type, attn, T, H * D, L->o, E, proj))) return status;
     add_lora(&L->lora[LORA_O], s->lora_slots, attn, T, H * D, proj, E);
     rms_norm(proj, residual, L->post_norm, T, E, L->eps, normed, residual);

@@ -26,7 +26,7 @@ class DecoderLayer(ctypes.Structure):
 
     _fields_ = [
         ("hidden_size", _i64), ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
-        ("intermediate_size", _i64), ("block_size", _i64), ("eps", _f32), ("scale", _f32),
+        ("intermediate_size", _i64), ("block_size", _i64), ("sliding_window", _i64), ("eps", _f32), ("scale", _f32),
         ("input_norm", _ptr), ("post_norm", _ptr), ("qkv_bias", _ptr), ("cos_sin", _ptr),
         ("qkv", _ptr), ("o", _ptr), ("gate_up", _ptr), ("down", _ptr),
         ("qkv_type", _i32), ("o_type", _i32), ("gate_up_type", _i32), ("down_type", _i32),

@@ -136,14 +136,17 @@ def _write(key, value, k_cache, v_cache, slot_mapping, rotate) -> None:
 
 @triton.jit
 def _attend_tile(
-    q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr, scale_log2,
+    q, q_pos, m_i, l_i, acc, start, kv_lo, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
+    qk_scale, window, soft_cap_log2,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, K_ROWS: tl.constexpr,
+    SLIDING: tl.constexpr, SOFT_CAP: tl.constexpr,
 ):
-    """One BLOCK_N-key tile of the online softmax: returns the updated (max, sum, accumulator)."""
+    """One BLOCK_N-key tile of the online softmax over keys kv_lo <= k < kv_hi (none other is
+    read): returns the updated (max, sum, accumulator)."""
     dims = tl.arange(0, HEAD_DIM)
     k_idx = start + tl.arange(0, BLOCK_N)
-    k_ok = k_idx < kv_hi
+    k_ok = (k_idx >= kv_lo) & (k_idx < kv_hi)
     page = tl.load(block_table_ptr + seq * stride_bt + k_idx // BLOCK_SIZE, mask=k_ok, other=0)
     in_page = k_idx % BLOCK_SIZE
     key_rows = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
@@ -153,8 +156,14 @@ def _attend_tile(
     else:
         k = tl.load(k_cache_ptr + key_rows[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
     k = k.to(q.dtype)
-    s = tl.dot(q, k) * scale_log2  # log2 domain: exp2 below
+    s = tl.dot(q, k) * qk_scale
+    if SOFT_CAP:  # s = q.k x scale / cap here: cap x tanh(s), in the log2 domain (soft_cap_log2 = cap x log2 e)
+        e = tl.exp(-2.0 * tl.abs(s))
+        s = soft_cap_log2 * tl.where(s >= 0, 1.0, -1.0) * (1.0 - e) / (1.0 + e)
+    # (log2 domain: exp2 below)
     visible = k_ok[None, :] & (k_idx[None, :] <= q_pos[:, None])
+    if SLIDING:
+        visible = visible & (k_idx[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead (no NaN).
@@ -172,13 +181,14 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_ml_ptr, scale_log2,
+    part_out_ptr, part_ml_ptr, qk_scale, window, soft_cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr,
+    INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr, SLIDING: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     PDL: tl.constexpr = False,  # see `pdl`
 ):
     # The step's layout is read before the wait (see `_write_kv_kernel`); the block table is not:
@@ -210,14 +220,18 @@ def _paged_attention_kernel(
     if F16_DOTS:  # the tiles take the queries' type (see TUNING)
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
-    # Keys this block can see: up to its last query's position (causal), then this split's share.
+    # Keys this block can see: up to its last query's position (causal), from its first query's
+    # window (blocks before it may hold other requests' keys now), then this split's share.
     kv_end = tl.minimum(seq_len, first_pos + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+    kv_start = 0
+    if SLIDING:
+        kv_start = tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0)
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_start
         kv_hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = split * per_split
+        per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_start + split * per_split
         kv_hi = tl.minimum(kv_end, kv_lo + per_split)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -229,16 +243,16 @@ def _paged_attention_kernel(
         start = kv_lo
         while start < kv_hi:
             m_i, l_i, acc = _attend_tile(
-                q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
-                scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS)
+                q, q_pos, m_i, l_i, acc, start, kv_lo, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, qk_scale, window, soft_cap_log2, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, stride_bt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS, SLIDING, SOFT_CAP)
             start += BLOCK_N
     else:
         for start in range(kv_lo, kv_hi, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, q_pos, m_i, l_i, acc, start, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr, block_table_ptr,
-                scale_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS)
+                q, q_pos, m_i, l_i, acc, start, kv_lo, kv_hi, seq, kv_head, k_cache_ptr, v_cache_ptr,
+                block_table_ptr, qk_scale, window, soft_cap_log2, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, stride_bt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS, SLIDING, SOFT_CAP)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     token = q_start + q_idx
@@ -266,7 +280,7 @@ def _merge_splits_kernel(
     m = tl.load(part_ml_ptr + part * 2)
     l_s = tl.load(part_ml_ptr + part * 2 + 1)
     m_max = tl.max(m, 0)
-    # Splits that saw no key have l = 0 and m = -inf: weight 0 (the first split always has keys).
+    # Splits that saw no key have l = 0 and m = -inf: weight 0 (some split always has keys).
     weight = tl.where(l_s > 0, l_s * tl.exp2(m - m_max), 0.0)
     dims = tl.arange(0, HEAD_DIM)
     o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :])
@@ -290,11 +304,13 @@ def tuning_kind(max_query_len: int, num_seqs: int, num_kv_heads: int, cache_dtyp
 
 def paged_attention(
     out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-    max_query_len: int, scale: float, num_splits: int = 1,
+    max_query_len: int, scale: float, num_splits: int = 1, sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """out/query [T, H, D]; caches [num_blocks, block_size, Hkv, D] (or any strided view with the
     same index order); block_table [num_seqs, W]; seq_lens [num_seqs]; query_start_loc
-    [num_seqs + 1]. Every row of `out` that belongs to a sequence is written.
+    [num_seqs + 1]. Every row of `out` that belongs to a sequence is written. `sliding_window` and
+    `logits_soft_cap` as `AttentionBackend.forward` takes them (None: neither).
 
     num_splits (a power of 2) > 1 splits each sequence's context over that many programs; it only
     makes sense for short queries (decodes), where the grid would otherwise be too small.
@@ -319,15 +335,18 @@ def paged_attention(
         part_out = part_ml = out  # unused
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-        part_out, part_ml, scale * _LOG2E,
+        # The scores' scale: into the log2 domain (exp2), or with a soft cap onto tanh's argument.
+        part_out, part_ml, scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap,
+        sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         num_heads * num_splits, num_splits, 1,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=triton_interpreting(),
-        K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl(query.device),
+        K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False), SLIDING=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl(query.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
