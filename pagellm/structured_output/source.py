@@ -2,8 +2,8 @@
 
 The check (size limit, complexity limits and references outside a schema (`limits.py`), then
 xgrammar parses the spec into a grammar: milliseconds, no vocabulary involved) refuses an invalid or
-too complex schema, regex or grammar before the request reaches the engine core; what is left for the core is the compile
-against the vocabulary, which cannot fail on a parsed spec, only take long.
+too complex schema, regex or grammar before the request reaches the engine core; what is left for
+the core is the compile against the vocabulary, which cannot fail on a parsed spec, only take long.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 Templates are model-supplied code, so they run in jinja2's immutable sandbox (no attribute that
 starts with `_`, no Python internals, no mutation of the values passed in), and a template is one
 self-contained string: `include`, `import`, `extends` and `from` are refused when it is compiled, so
-no template reads a file. The environment matches what template authors write against: `trim_blocks`/`lstrip_blocks`, the `loopcontrols`
-extension, a `{% generation %}` block (rendered as its body), `raise_exception()`,
-`strftime_now()` and a `tojson` that keeps non-ASCII text as is.
+no template reads a file. The environment matches what template authors write against:
+`trim_blocks`/`lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` block (rendered as
+its body), `raise_exception()`, `strftime_now()` and a `tojson` that keeps non-ASCII text as is.
 """
 from __future__ import annotations
 
