@@ -108,6 +108,7 @@ class Outcome:
     """The error's HTTP status (the response's, or the one an error event names)."""
     retry_after: str | None = None
     detail: str = ""
+    """The error's message; what went wrong for CUT_OFF, NOT_CONNECTED and BAD."""
 
 
 async def request_outcome(http: httpx.AsyncClient, path: str, body: dict) -> Outcome:
@@ -122,34 +123,30 @@ async def request_outcome(http: httpx.AsyncClient, path: str, body: dict) -> Out
     except httpx.TransportError as e:
         return Outcome(CUT_OFF, time.monotonic() - start, detail=repr(e))
     elapsed = time.monotonic() - start
-    streamed = status == 200 and body.get("stream")
-    kind, code = _stream_kind(text, path) if streamed else _plain_kind(status, text, path)
-    return Outcome(kind, elapsed, status, code, retry_after, "" if kind == OK else text[-400:])
+    if status == 200 and body.get("stream"):
+        kind, error = _stream_end(text, path)
+    else:
+        kind, error = _plain_answer(status, text, path)
+    if kind == BAD:
+        return Outcome(BAD, elapsed, status, retry_after=retry_after, detail=text[-400:])
+    code, message = _status_and_message(error, path, status if kind == ERROR else None)
+    return Outcome(kind, elapsed, status, code, retry_after, message)
 
 
-def _plain_kind(status: int, text: str, path: str) -> tuple[str, int | None]:
+def _plain_answer(status: int, text: str, path: str) -> tuple[str, dict | None]:
+    """(OK or ERROR or BAD, the error body)."""
     try:
         body = json.loads(text)
     except ValueError:
         return BAD, None
     if status == 200:
         return OK, None
-    return (ERROR, status) if _error_code(body, path, status) == status else (BAD, None)
+    return (ERROR, body) if _is_error(body, path) else (BAD, None)
 
 
-def _error_code(body: dict, path: str, status: int | None) -> int | None:
-    """The status an error body in the route's shape stands for (None if it is not one)."""
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict):
-        return None
-    if path == "/v1/messages":  # Anthropic's shape names a type, not a status
-        return status if body.get("type") == "error" and isinstance(error.get("type"), str) else None
-    return error.get("code") if isinstance(error.get("code"), int) else None
-
-
-def _stream_kind(text: str, path: str) -> tuple[str, int | None]:
-    """A stream's end: `data: [DONE]` after the last chunk, or the named event that ends the route's stream;
-    an error event last makes it a STREAM_ERROR."""
+def _stream_end(text: str, path: str) -> tuple[str, dict | None]:
+    """(OK or STREAM_ERROR or BAD, the error event's body): a stream ends with `data: [DONE]` after its last
+    chunk, or with the named event that ends the route's stream; an error event last is a STREAM_ERROR."""
     events = [event for event in text.strip().split("\n\n") if event.strip()]
     data = [next((line[len("data: "):] for line in event.splitlines() if line.startswith("data: ")), "")
             for event in events]
@@ -165,13 +162,30 @@ def _stream_kind(text: str, path: str) -> tuple[str, int | None]:
         if not names or names[-1] != "error":
             return BAD, None
         last = data[-1]
-    if not last.startswith("{") or '"error"' not in last:
+    if '"error"' not in last:
         return OK, None
-    error = json.loads(last)
-    code = error["error"].get("code") if isinstance(error.get("error"), dict) else None
-    if path == "/v1/messages":  # Anthropic's error event names a type, not a status
-        code = ANTHROPIC_STATUSES.get(error["error"].get("type"))
-    return STREAM_ERROR, code
+    body = json.loads(last)
+    return (STREAM_ERROR, body) if _is_error(body, path) else (BAD, None)
+
+
+def _is_error(body: object, path: str) -> bool:
+    """Whether `body` is an error in the route's shape (Anthropic's on /v1/messages, OpenAI's elsewhere)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return False
+    if path == "/v1/messages":
+        return body.get("type") == "error" and isinstance(error.get("type"), str)
+    return isinstance(error.get("code"), int)
+
+
+def _status_and_message(body: dict | None, path: str, status: int | None) -> tuple[int | None, str]:
+    """The status an error stands for (the response's, or the one its error event names) and its message."""
+    if body is None:
+        return None, ""
+    error = body["error"]
+    if path == "/v1/messages":  # Anthropic's shape names a type, not a status
+        return status or ANTHROPIC_STATUSES.get(error["type"]), error["message"]
+    return error["code"], error["message"]
 
 
 # -- processes ------------------------------------------------------------------------------------------
