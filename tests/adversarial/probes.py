@@ -162,9 +162,12 @@ def _stream_end(text: str, path: str) -> tuple[str, dict | None]:
         if not names or names[-1] != "error":
             return BAD, None
         last = data[-1]
-    if '"error"' not in last:
-        return OK, None
-    body = json.loads(last)
+    try:
+        body = json.loads(last) if last else {}
+    except ValueError:
+        return BAD, None
+    if not isinstance(body, dict) or "error" not in body:
+        return OK, None  # the last chunk of a complete stream
     return (STREAM_ERROR, body) if _is_error(body, path) else (BAD, None)
 
 
