@@ -3,16 +3,21 @@ hold no KV block and have grown little in memory.
 
 Loopback only, bounded in time and count. Starts `pagellm serve` on 127.0.0.1 (or drives one given by
 `--url`) and keeps `--concurrency` clients busy for `--duration-s` seconds with a mix of requests:
-completions and chat, streamed and not, some with n > 1, logprobs or stop strings, some invalid (each
-must get its own 4xx in OpenAI's error shape), and `--num-aborts` streams cut by the client at random
-points, spread evenly over the run. The server's RSS (API process plus engine core) is sampled
-throughout; growth is measured from the first samples after `--warmup-s` to the last ones of the
-load. At the end it waits for the server to go idle and reads /metrics: nothing running or waiting,
-no KV block held.
+completions, chat, Responses and Anthropic Messages, streamed and not, some with n > 1, logprobs or stop
+strings, some invalid (each must get its own 4xx in the route's error shape), and `--num-aborts` streams
+cut by the client at random points, spread evenly over the run. With more clients than the server admits
+(`--max-seqs-in-flight` and `--max-waiting-requests` of the started server), some requests are turned
+away: a 503 with `Retry-After` in the route's error shape is expected then (the client waits as long
+before its next request, as the openai client does), any other 5xx is an error. The server's RSS
+(API process plus engine core) is sampled throughout; growth is measured from the first samples after
+`--warmup-s` to the last ones of the load. At the end it waits for the server to go idle and reads
+/metrics: nothing running or waiting, no KV block held.
 
     .venv/bin/python -m benchmarks.soak                                      # 20 min, 1,000 cut streams
     .venv/bin/python -m benchmarks.soak --duration-s 150 --num-aborts 120 --warmup-s 30
     .venv/bin/python -m benchmarks.soak --url http://127.0.0.1:8000 --server-pid PID --num-blocks N
+    .venv/bin/python -m benchmarks.soak --duration-s 600 --concurrency 24 --max-seqs-in-flight 8 \
+        --max-waiting-requests 8 --queue-timeout 5                             # overloaded
 
 Goals: no unexpected error (5xx, transport error, wrong status or malformed response), RSS growth
 under 5%, no leaked KV block; the exit status is 0 only if all are met.
@@ -49,8 +54,9 @@ SHARED_CONTEXT = ("You are a patient teacher. Answer in plain words, give one ex
                   "short enough to read aloud in under a minute. ") * 3
 """A long shared system prompt, so that chat requests hit the prefix cache."""
 
-OK, CUT, FINISHED_BEFORE_CUT, REJECTED = "ok", "cut", "finished_before_cut", "rejected_as_expected"
-EXPECTED_OUTCOMES = (OK, CUT, FINISHED_BEFORE_CUT, REJECTED)
+OK, CUT, FINISHED_BEFORE_CUT, REJECTED, TURNED_AWAY = (
+    "ok", "cut", "finished_before_cut", "rejected_as_expected", "turned_away")
+EXPECTED_OUTCOMES = (OK, CUT, FINISHED_BEFORE_CUT, REJECTED, TURNED_AWAY)
 """Every other outcome is an error: http_5xx, unexpected_status, transport_error, bad_response."""
 
 
@@ -71,6 +77,8 @@ class Result:
     outcome: str
     completion_tokens: int = 0
     detail: str = ""
+    retry_after_s: float = 0.0
+    """TURNED_AWAY: how long the server asked the client to wait."""
 
 
 # -- what to send ----------------------------------------------------------------------------------------
@@ -91,7 +99,25 @@ def _chat(rng: random.Random, model: str, **fields: Any) -> dict[str, Any]:
             "temperature": rng.choice((0.0, 0.7)), **fields}
 
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+def _response(rng: random.Random, model: str, **fields: Any) -> dict[str, Any]:
+    messages = _chat_messages(rng)
+    instructions = {"instructions": messages[0]["content"]} if len(messages) == 2 else {}
+    return {"model": model, "input": messages[-1]["content"], **instructions,
+            "max_output_tokens": rng.randint(8, 64), "temperature": rng.choice((0.0, 0.7)), **fields}
+
+
+def _message(rng: random.Random, model: str, **fields: Any) -> dict[str, Any]:
+    messages = _chat_messages(rng)
+    system = {"system": messages[0]["content"]} if len(messages) == 2 else {}
+    return {"model": model, "messages": messages[-1:], **system, "max_tokens": rng.randint(8, 64),
+            "temperature": rng.choice((0.0, 0.7)), **fields}
+
+
+COMPLETIONS, CHAT, RESPONSES, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"
+BODIES = {COMPLETIONS: _completion, CHAT: _chat, RESPONSES: _response, MESSAGES: _message}
+"""Each route's request body of the mix."""
+NAMED_EVENT_ROUTES = {RESPONSES: ("response.completed", "response.incomplete"), MESSAGES: ("message_stop",)}
+"""Routes whose streams are named events, and the events that end them (no `data: [DONE]`)."""
 _STREAM = {"stream": True, "stream_options": {"include_usage": True}}
 MIX = (  # kind, weight, path, fields beyond the prompt, max_tokens, temperature and seed
     ("completion", 3, COMPLETIONS, {}),
@@ -102,14 +128,18 @@ MIX = (  # kind, weight, path, fields beyond the prompt, max_tokens, temperature
     ("chat_n2_stream", 1, CHAT, {"n": 2, "temperature": 0.8, **_STREAM}),
     ("chat_logprobs_stream", 1, CHAT, {"logprobs": True, "top_logprobs": 2, **_STREAM}),
     ("completion_stop", 2, COMPLETIONS, {"stop": ["."]}),
+    ("responses", 1, RESPONSES, {}),
+    ("responses_stream", 1, RESPONSES, {"stream": True}),
+    ("messages", 1, MESSAGES, {}),
+    ("messages_stream", 1, MESSAGES, {"stream": True}),
 )
 
 
 def valid_spec(rng: random.Random, model: str) -> Spec:
     """A request the server must answer in full, drawn from MIX."""
     kind, _, path, fields = rng.choices(MIX, [weight for _, weight, _, _ in MIX])[0]
-    make = _chat if path == CHAT else _completion
-    return Spec(kind, path, make(rng, model, **{"seed": rng.randint(0, 999), **fields}))
+    seed = {"seed": rng.randint(0, 999)} if path in (COMPLETIONS, CHAT) else {}  # vLLM's extra
+    return Spec(kind, path, BODIES[path](rng, model, **{**seed, **fields}))
 
 
 def invalid_spec(rng: random.Random, model: str, max_model_len: int) -> Spec:
@@ -122,6 +152,10 @@ def invalid_spec(rng: random.Random, model: str, max_model_len: int) -> Spec:
         (COMPLETIONS, {"model": model, "prompt": "hi", "max_tokens": max_model_len}, 400),
         (CHAT, {"model": model, "messages": []}, 400),
         (CHAT, {"model": model, "messages": "hello"}, 400),
+        (RESPONSES, {"model": model, "input": ""}, 400),
+        (MESSAGES, {"model": model, "messages": [{"role": "user", "content": "hi"}]}, 400),
+        (MESSAGES, {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                    "temperature": 2}, 400),
     ))
     return Spec("invalid", path, body, expect_status=status)
 
@@ -151,20 +185,46 @@ async def send(http: httpx.AsyncClient, spec: Spec) -> Result:
         return Result("bad_response", detail=f"{spec.kind}: {type(e).__name__}: {e}")
 
 
-def _status_error(spec: Spec, status: int, text: str) -> Result:
+def _status_error(spec: Spec, response: httpx.Response, text: str) -> Result:
+    """A status other than the expected one: TURNED_AWAY for a 503 with Retry-After in the route's error
+    shape (the server is full), else an error."""
+    status, retry_after = response.status_code, response.headers.get("Retry-After")
+    if status == 503 and retry_after is not None and _error_shaped(spec.path, text):
+        return Result(TURNED_AWAY, retry_after_s=float(retry_after))
     outcome = "http_5xx" if status >= 500 else "unexpected_status"
     return Result(outcome, detail=f"{spec.kind}: HTTP {status} (expected {spec.expect_status}): {text[:300]}")
 
 
+def _error_shaped(path: str, text: str) -> bool:
+    """Whether `text` is an error body in the route's shape: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return False
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return False
+    if path == MESSAGES:
+        return body.get("type") == "error" and {"type", "message"} <= error.keys()
+    return {"message", "type", "param", "code"} <= error.keys()
+
+
 def _check_response(spec: Spec, response: httpx.Response) -> Result:
     if response.status_code != spec.expect_status:
-        return _status_error(spec, response.status_code, response.text)
+        return _status_error(spec, response, response.text)
     body = response.json()
     if spec.expect_status != 200:
-        error = body.get("error") if isinstance(body, dict) else None
-        if not isinstance(error, dict) or not {"message", "type", "param", "code"} <= error.keys():
-            return Result("bad_response", detail=f"{spec.kind}: not OpenAI's error shape: {response.text[:300]}")
+        if not _error_shaped(spec.path, response.text):
+            return Result("bad_response", detail=f"{spec.kind}: not the route's error shape: {response.text[:300]}")
         return Result(REJECTED)
+    if spec.path == RESPONSES:
+        done = body.get("status") in ("completed", "incomplete") and body.get("output")
+        return Result(OK, body["usage"]["output_tokens"]) if done else \
+            Result("bad_response", detail=f"{spec.kind}: status {body.get('status')!r}, output {body.get('output')}")
+    if spec.path == MESSAGES:
+        done = body.get("type") == "message" and body.get("stop_reason") in ("end_turn", "max_tokens", "stop_sequence")
+        return Result(OK, body["usage"]["output_tokens"]) if done else \
+            Result("bad_response", detail=f"{spec.kind}: {response.text[:300]}")
     n = spec.body.get("n", 1)
     choices = body.get("choices", [])
     problem = None
@@ -184,7 +244,9 @@ def _check_response(spec: Spec, response: httpx.Response) -> Result:
 async def _send_stream(http: httpx.AsyncClient, spec: Spec) -> Result:
     async with http.stream("POST", spec.path, json=spec.body) as response:
         if response.status_code != spec.expect_status:
-            return _status_error(spec, response.status_code, (await response.aread()).decode(errors="replace"))
+            return _status_error(spec, response, (await response.aread()).decode(errors="replace"))
+        if spec.path in NAMED_EVENT_ROUTES:
+            return await _named_events(spec, response)
         num_events, done, usage = 0, False, None
         finished: set[int] = set()
         saw_logprobs = False
@@ -222,6 +284,35 @@ async def _send_stream(http: httpx.AsyncClient, spec: Spec) -> Result:
     return Result(OK, usage["completion_tokens"])
 
 
+async def _named_events(spec: Spec, response: httpx.Response) -> Result:
+    """A Responses or Messages stream: `event: <type>` lines, ended by the route's last event (its usage
+    in it, or in Messages' `message_delta`), or cut after `spec.cut_after` events."""
+    num_events, name, output_tokens = 0, "", None
+    async for line in response.aiter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+            continue
+        if not line.startswith("data: "):
+            continue
+        if name == "error":
+            return Result("bad_response", detail=f"{spec.kind}: error event: {line[:300]}")
+        num_events += 1
+        if num_events == spec.cut_after:
+            return Result(CUT)
+        data = json.loads(line[len("data: "):])
+        usage = (data.get("response") or {}).get("usage") or data.get("usage")
+        output_tokens = usage["output_tokens"] if usage else output_tokens
+        if name in NAMED_EVENT_ROUTES[spec.path]:
+            break
+    finished = name in NAMED_EVENT_ROUTES[spec.path]
+    if spec.cut_after is not None:
+        return Result(FINISHED_BEFORE_CUT if finished else "bad_response",
+                      detail="" if finished else f"{spec.kind}: stream ended without {name!r}")
+    if not finished or output_tokens is None:
+        return Result("bad_response", detail=f"{spec.kind}: last event {name!r}, output tokens {output_tokens}")
+    return Result(OK, output_tokens)
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 
 
@@ -247,11 +338,23 @@ class Load:
             return invalid_spec(rng, self.model, self.max_model_len)
         return valid_spec(rng, self.model)
 
-    async def run(self, http: httpx.AsyncClient, spec: Spec) -> None:
+    async def run(self, http: httpx.AsyncClient, spec: Spec) -> str:
+        """Send `spec` and record its result; after a turn-away, wait as long as the server asked (as the
+        openai client does before it retries). The outcome."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         result = await send(http, spec)
         self.record(spec, result, loop.time() - start)
+        if result.outcome == TURNED_AWAY:
+            await asyncio.sleep(result.retry_after_s)
+        return result.outcome
+
+    async def run_admitted(self, http: httpx.AsyncClient, spec: Spec) -> None:
+        """Send `spec` again after each turn-away until it is admitted (a cut stream must be cut), while
+        the run lasts."""
+        loop = asyncio.get_running_loop()
+        while await self.run(http, spec) == TURNED_AWAY and loop.time() < self.start + self.duration_s:
+            pass
 
     def record(self, spec: Spec, result: Result, latency_s: float) -> None:
         self.outcomes[result.outcome] += 1
@@ -279,7 +382,7 @@ async def cut_loop(http: httpx.AsyncClient, load: Load, rng: random.Random) -> N
     streams = []
     for k in range(load.num_aborts):
         await asyncio.sleep(max(0.0, load.start + (k + 0.5) * load.duration_s / load.num_aborts - loop.time()))
-        streams.append(asyncio.create_task(load.run(http, cut_spec(rng, load.model))))
+        streams.append(asyncio.create_task(load.run_admitted(http, cut_spec(rng, load.model))))
     await asyncio.gather(*streams)
 
 
@@ -337,8 +440,12 @@ async def drive(url: str, pid: int | None, args: argparse.Namespace) -> dict[str
         "elapsed_s": elapsed,
         "outcomes": dict(load.outcomes),
         "by_kind": {f"{kind}:{outcome}": n for (kind, outcome), n in sorted(load.by_kind.items())},
-        "num_cuts": sum(n for (kind, _), n in load.by_kind.items() if kind == "cut_stream"),
+        # Streams to cut that the server admitted (a turned-away attempt is sent again while the run lasts).
+        "num_cuts": sum(n for (kind, outcome), n in load.by_kind.items()
+                        if kind == "cut_stream" and outcome != TURNED_AWAY),
         "num_errors": load.num_errors,
+        "num_5xx": load.outcomes.get("http_5xx", 0),
+        "num_turned_away": load.outcomes.get(TURNED_AWAY, 0),
         "error_samples": load.errors,
         "requests_per_s": sum(load.outcomes.values()) / elapsed,
         "output_tok_per_s": load.completion_tokens / elapsed,
@@ -393,6 +500,7 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     rss = report["rss"] or {}
     rows = [["elapsed s", report["elapsed_s"]], ["cut streams", report["num_cuts"]],
+            ["turned away (503 + Retry-After)", report["num_turned_away"]], ["5xx", report["num_5xx"]],
             ["aborts seen by the server", report["server_aborts"]], ["preemptions", report["preemptions"]],
             ["unexpected errors", report["num_errors"]], ["requests/s", report["requests_per_s"]],
             ["output tok/s", report["output_tok_per_s"]], ["RSS start MiB", rss.get("start_mib", "-")],
@@ -435,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--served-model-name", SERVED_NAME, "--max-model-len", str(args.max_model_len),
              "--num-gpu-blocks-override", str(args.num_gpu_blocks_override), "--dtype", args.dtype]
-    return flags + (["--device", args.device] if args.device else [])
+    for name in ("device", "max_seqs_in_flight", "max_waiting_requests", "queue_timeout"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -450,6 +562,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-gpu-blocks-override", type=int, default=320,
                    help="KV blocks of the started server: few enough that n > 1 bursts preempt now and then")
+    p.add_argument("--max-seqs-in-flight", type=int, default=None,
+                   help="of the started server: with fewer than --concurrency, clients are turned away (503)")
+    p.add_argument("--max-waiting-requests", type=int, default=None, help="of the started server")
+    p.add_argument("--queue-timeout", type=float, default=None, help="of the started server, in seconds")
     p.add_argument("--duration-s", type=float, default=1200.0)
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument("--num-aborts", type=int, default=1000, help="streams cut by the client, spread over the run")

@@ -1,6 +1,8 @@
 """Run a real `pagellm serve` process for tests: a free port, a bounded wait on /health, a clean stop."""
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
 import signal
@@ -8,8 +10,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,8 +93,8 @@ class RemoteServer:
 
 
 def metric_samples(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """`name{finished_reason}` or `name{reason}` (or `name`) -> value for every sample on the server's /metrics, parsed by
-    prometheus_client; `headers` may carry the API key (`--protect-metrics`)."""
+    """`name{finished_reason}` or `name{reason}` (or `name`) -> value for every sample on the server's
+    /metrics, parsed by prometheus_client; `headers` may carry the API key (`--protect-metrics`)."""
     # urllib, not httpx.get: httpx builds an SSL context per call (~20 ms of CPU), too dear for a poll
     # loop on a 2-core machine that is also running the server.
     with urllib.request.urlopen(urllib.request.Request(f"{url}/metrics", headers=headers or {}),
@@ -108,3 +112,26 @@ def is_idle(samples: dict[str, float]) -> bool:
     """Nothing running or waiting and no KV block held (cached-but-free blocks count as free)."""
     return (samples["pagellm:num_requests_running"] == 0 and samples["pagellm:num_requests_waiting"] == 0
             and samples["pagellm:kv_cache_usage_perc"] == 0)
+
+
+@contextlib.contextmanager
+def health_latencies(url: str) -> Iterator[list[float]]:
+    """/health polled from a thread of its own while the block runs: the latency of each answer (inf for
+    an answer other than 200)."""
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            while not stop.is_set():
+                start = time.monotonic()
+                ok = http.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start if ok else math.inf)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        thread.join()

@@ -6,16 +6,15 @@ import asyncio
 import contextlib
 import functools
 import json
-import math
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import psutil
 import pytest
 from engine_utils import wait_for
-from server_utils import RemoteServer, metric_samples
+from server_utils import RemoteServer, health_latencies, metric_samples
 
 from pagellm.entrypoints.openai.admission import Admission, Refused, Work, ticket_of
 from pagellm.entrypoints.openai.errors import APIError, error_response
@@ -311,28 +310,6 @@ def test_a_request_waiting_past_the_queue_timeout_gets_503(server):
     assert QUEUE_TIMEOUT_S <= elapsed < QUEUE_TIMEOUT_S + 10, elapsed
     asyncio.run(wait_for_gauges(server, (0, 0)))
     assert metric_samples(server.url)["pagellm:http_requests_turned_away_total{queue_timeout}"] == before + 1
-
-
-@contextlib.contextmanager
-def health_latencies(url: str) -> Iterator[list[float]]:
-    """/health polled from a thread of its own while the block runs: the latency of each answer."""
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            while not stop.is_set():
-                start = time.monotonic()
-                ok = http.get("/health").status_code == 200
-                latencies.append(time.monotonic() - start if ok else math.inf)
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield latencies
-    finally:
-        stop.set()
-        thread.join()
 
 
 async def post_at_once(url: str, path: str, bodies: list[bytes]) -> list[httpx.Response]:

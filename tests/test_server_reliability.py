@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import time
@@ -20,7 +21,9 @@ from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 
 from pagellm.engine.liveness import LivenessMonitor
+from pagellm.entrypoints.openai import errors
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
+from pagellm.entrypoints.openai.errors import APIError, log_and_respond
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
 
 MODEL_NAME = "smollm2"
@@ -230,6 +233,21 @@ def test_api_key_check_is_exact():
         assert not middleware.authorized(header), header
     with pytest.raises(ValueError, match="empty"):
         APIKeyMiddleware(app=None, api_key="", open_paths=frozenset())
+
+
+def test_only_a_500_is_logged_with_a_traceback(caplog):
+    """A 503 (the engine died, the server is full) is a service condition: one warning line per request,
+    not a traceback of the same stack for every request in flight; a 500 is a fault of the server's own."""
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions"}
+    caplog.set_level(logging.INFO, logger=errors.__name__)
+    for status in (400, 503, 504, 500):
+        try:
+            raise APIError(f"failed with {status}", status)
+        except APIError as e:
+            assert log_and_respond(scope, e).status_code == status
+    levels = [(r.levelno, bool(r.exc_info)) for r in caplog.records]
+    assert levels == [(logging.INFO, False), (logging.WARNING, False), (logging.WARNING, False),
+                      (logging.ERROR, True)]
 
 
 # -- a live server with a small capacity and an API key ---------------------------------------------

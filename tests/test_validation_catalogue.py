@@ -10,14 +10,13 @@ import json
 import socket
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http import HTTPStatus
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import tokenizers
+from catalogue_utils import TIMEOUT_S, Case, mismatch, send
 from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 from starlette.testclient import TestClient
@@ -42,26 +41,8 @@ FLAGS = ("--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes", str
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 LONG = "word " * (MAX_LEN + 20)
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               413: HTTPStatus(413).phrase.replace(" ", "") + "Error"}
-TIMEOUT_S = 60.0
-"""Per HTTP call: generous, because the CPU may be shared with other test processes."""
 GOOD_STREAM = {"model": MODEL, "prompt": "The history of the printing press", "max_tokens": 32,
                "temperature": 0.0, "ignore_eos": True, "stream": True}
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    path: str
-    body: Any
-    """A dict sent as JSON, raw bytes sent as application/json, or a callable giving chunks (chunked)."""
-    status: int
-    message: str
-    """A piece of the error message that tells the user what to fix."""
-    param: str | None = None
-    method: str = "POST"
-    headers: dict[str, str] = field(default_factory=dict)
 
 
 FUNCTION = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -300,37 +281,6 @@ def server(smollm2_path):
     assert remote.stop() == 0, "the server did not shut down cleanly"
 
 
-def send(server: RemoteServer, case: Case, request_id: str) -> httpx.Response:
-    headers = {"X-Request-Id": request_id, **case.headers}
-    if isinstance(case.body, dict):
-        kwargs: dict[str, Any] = {"json": case.body}
-    elif isinstance(case.body, bytes):
-        kwargs = {"content": case.body}
-        headers.setdefault("content-type", "application/json")
-    elif callable(case.body):
-        kwargs = {"content": case.body()}
-        headers["content-type"] = "application/json"
-    else:
-        kwargs = {}
-    return httpx.request(case.method, f"{server.url}{case.path}", headers=headers, timeout=TIMEOUT_S, **kwargs)
-
-
-def mismatch(case: Case, response: httpx.Response, request_id: str) -> str | None:
-    """What is wrong with `response` to `case`, or None."""
-    if response.headers.get("X-Request-Id") != request_id:
-        return f"X-Request-Id {response.headers.get('X-Request-Id')!r}, expected {request_id!r}"
-    try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return f"{response.status_code}, not an OpenAI error body: {response.text[:200]!r}"
-    if (response.status_code, set(error)) != (case.status, {"message", "type", "param", "code"}) or (
-            error["code"], error["param"], error["type"]) != (case.status, case.param, ERROR_TYPES[case.status]):
-        return f"{response.status_code} {error}, expected {case.status} with param {case.param!r}"
-    if case.message not in error["message"] or f"(request id: {request_id})" not in error["message"]:
-        return f"message {error['message']!r} lacks {case.message!r} or the request id"
-    return None
-
-
 def stream_text(server: RemoteServer, started: threading.Event | None = None) -> str:
     """GOOD_STREAM's text, setting `started` once the first chunk is in."""
     text = ""
@@ -357,7 +307,7 @@ def test_catalogue_of_bad_requests_gets_4xx_and_harms_nothing(server):
     failures = {}
     for i, case in enumerate(CATALOGUE):
         request_id = f"catalogue-{i}"
-        problem = mismatch(case, send(server, case, request_id), request_id)
+        problem = mismatch(case, send(server.url, case, request_id), request_id)
         if problem is not None:
             failures[case.name] = problem
     beside.join(timeout=TIMEOUT_S)

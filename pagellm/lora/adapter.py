@@ -88,8 +88,9 @@ def load_adapter(request: LoRARequest, arch: ModelArchConfig, config: LoRAConfig
 def _read_config(folder: str) -> dict:
     path = os.path.join(folder, "adapter_config.json")
     if not os.path.isfile(path):
-        raise LoRAAdapterError(f"no adapter_config.json in {folder!r}" if os.path.isdir(folder)
-                               else "the folder does not exist")
+        if os.path.isdir(folder):
+            raise LoRAAdapterError(f"no adapter_config.json in {folder!r}")
+        raise LoRAAdapterError("is not a folder" if os.path.exists(folder) else "the folder does not exist")
     try:
         with open(path) as f:
             peft_config = json.load(f)

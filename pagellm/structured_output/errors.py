@@ -33,3 +33,13 @@ class LimitExceeded(Exception):
         super().__init__(reason)
         self.reason = reason
         self.limit = limit
+
+
+class UnsupportedSchema(Exception):
+    """A JSON schema xgrammar would compile to something other than what it says (a `$ref` outside the
+    schema becomes "any value"); `reason` says what (the check wraps it in a GrammarError naming the
+    spec's kind)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

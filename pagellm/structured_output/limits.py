@@ -9,7 +9,7 @@ from typing import Any
 from pagellm.config import GrammarLimits
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.complexity import Ambiguity, expansion
-from pagellm.structured_output.errors import LimitExceeded
+from pagellm.structured_output.errors import LimitExceeded, UnsupportedSchema
 from pagellm.structured_output.syntax import Node, parse_grammar, parse_regex
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -22,7 +22,8 @@ _POINTER_CHARS = 80
 
 
 def check_limits(params: StructuredOutputsParams, limits: GrammarLimits) -> None:
-    """LimitExceeded if the spec is more complex than `limits` allow."""
+    """LimitExceeded if the spec is more complex than `limits` allow; UnsupportedSchema, found on the
+    same walk, if one of its JSON schemas refers outside itself."""
     kind = params.kind
     if kind == "json":
         _Budget(limits).schema(_loaded(params.json))
@@ -62,6 +63,7 @@ class _Budget:
                 raise LimitExceeded(f"nests subschemas more than {limits.max_depth} levels deep (at "
                                     f"{_pointer(path)})", "max_depth")
             self._enum_values(node, path)
+            _local_ref(node, path)
             properties = node.get("properties")
             if isinstance(properties, dict) and len(properties) > limits.max_object_properties:
                 raise LimitExceeded(f"has {len(properties)} properties in one object (at {_pointer(path)}), more "
@@ -139,6 +141,16 @@ class _Budget:
         if self.enum_values > self.limits.max_enum_values:
             raise LimitExceeded(f"has more than {self.limits.max_enum_values} enum values and consts (the limit "
                                 f"was reached at {_pointer(path)})", "max_enum_values")
+
+
+def _local_ref(node: dict, path: tuple[str, ...]) -> None:
+    """xgrammar resolves only references within the schema; it reads a `$ref` to a file or a URL as "any
+    value" (with a warning on stderr), which would leave the output unconstrained: refused instead."""
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        shown = ref if len(ref) <= _POINTER_CHARS else ref[:_POINTER_CHARS - 3] + "..."
+        raise UnsupportedSchema(f"has a $ref to {shown!r} (at {_pointer(path)}): only references within the "
+                                "schema ('#' or '#/...') are supported; nothing is fetched")
 
 
 def _subschemas(node: dict, depth: int, path: tuple[str, ...]) -> list[tuple[Any, int, tuple[str, ...]]]:

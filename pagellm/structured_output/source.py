@@ -1,9 +1,9 @@
 """A structured-output spec as the text xgrammar compiles, and the frontend's check of it.
 
-The check (size limit, complexity limits (`limits.py`), then xgrammar parses the spec into a
-grammar: milliseconds, no vocabulary involved) refuses an invalid or too complex schema, regex or
-grammar before the request reaches the engine core; what is left for the core is the compile
-against the vocabulary, which cannot fail on a parsed spec, only take long.
+The check (size limit, complexity limits and references outside a schema (`limits.py`), then
+xgrammar parses the spec into a grammar: milliseconds, no vocabulary involved) refuses an invalid or
+too complex schema, regex or grammar before the request reaches the engine core; what is left for
+the core is the compile against the vocabulary, which cannot fail on a parsed spec, only take long.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from pagellm.config import StructuredOutputsConfig
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.structured_output.errors import GrammarError, LimitExceeded
+from pagellm.structured_output.errors import GrammarError, LimitExceeded, UnsupportedSchema
 from pagellm.structured_output.limits import check_limits
 
 _MAX_REASON_CHARS = 400
@@ -117,6 +117,8 @@ class GrammarChecker:
                 reason = None
             except LimitExceeded as e:
                 reason = f"{e.reason} ({e.limit} of --structured-outputs-limits)"
+            except UnsupportedSchema as e:
+                reason = e.reason
             except GrammarError as e:
                 reason = e.reason
             except RecursionError:  # only with a max_depth raised far beyond its default

@@ -1,9 +1,11 @@
 """Render Hugging Face chat templates (Jinja) the way `transformers` does, without importing it.
 
-Templates are model-supplied code, so they run in jinja2's immutable sandbox. The environment
-matches what template authors write against: `trim_blocks`/`lstrip_blocks`, the `loopcontrols`
-extension, a `{% generation %}` block (rendered as its body), `raise_exception()`,
-`strftime_now()` and a `tojson` that keeps non-ASCII text as is.
+Templates are model-supplied code, so they run in jinja2's immutable sandbox (no attribute that
+starts with `_`, no Python internals, no mutation of the values passed in), and a template is one
+self-contained string: `include`, `import`, `extends` and `from` are refused when it is compiled, so
+no template reads a file. The environment matches what template authors write against:
+`trim_blocks`/`lstrip_blocks`, the `loopcontrols` extension, a `{% generation %}` block (rendered as
+its body), `raise_exception()`, `strftime_now()` and a `tojson` that keeps non-ASCII text as is.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -26,6 +29,10 @@ class _GenerationBlock(Extension):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+_TEMPLATE_LOADING = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
+"""Statements that load another template by name: a chat template may not use them."""
 
 
 def _raise_exception(message: str) -> None:
@@ -52,9 +59,14 @@ def compile_chat_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     try:
-        return env.from_string(source)
+        tree = env.parse(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ValueError(f"chat template has a syntax error (line {e.lineno}): {e.message}") from e
+    loading = next(tree.find_all(_TEMPLATE_LOADING), None)
+    if loading is not None:
+        raise ValueError(f"chat template loads another template (line {loading.lineno}): `include`, `import`, "
+                         "`extends` and `from` are not allowed; a chat template is one self-contained string")
+    return env.from_string(tree)
 
 
 def render_chat_template(

@@ -124,14 +124,17 @@ def sse_error(error: APIError, request_id: str | None = None, path: str | None =
 
 
 def log_and_respond(scope: Scope, error: APIError | HTTPException) -> JSONResponse:
-    """`error` as a response quoting the request's id, logged with that id (a traceback for 5xx,
-    when called while handling the exception)."""
+    """`error` as a response quoting the request's id, logged with that id: a 500 (a fault of the
+    server's own) as an error with its traceback, when called while handling the exception; another
+    5xx (the engine died, the server is full or shutting down) as a warning, without one (it would
+    repeat the same stack for every request in flight); a 4xx as information."""
     if isinstance(error, HTTPException):
         error = APIError(str(error.detail), error.status_code)
     request_id = request_id_of(scope)
-    logger.log(logging.ERROR if error.status_code >= 500 else logging.INFO,
-               "%s %s -> %d [request id %s]: %s", scope.get("method"), scope.get("path"), error.status_code,
-               request_id, error.message, exc_info=error.status_code >= 500)
+    status = error.status_code
+    level = logging.ERROR if status == 500 else logging.WARNING if status > 500 else logging.INFO
+    logger.log(level, "%s %s -> %d [request id %s]: %s", scope.get("method"), scope.get("path"), status,
+               request_id, error.message, exc_info=status == 500)
     return error_response(error, request_id, scope.get("path"))
 
 

@@ -49,6 +49,9 @@ Started = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]
 # chat_template_kwargs key among them would clash.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "add_generation_prompt", "chat_template",
                                        "source", "special_tokens", "tools"})
+_VALUE_ERRORS = (TypeError, LookupError, AttributeError, ArithmeticError)
+"""What a chat template raises on a request's value it cannot use (of a type it does not expect, or a
+number past the sandbox's `range` bound or zero in a division): the request's fault, a 400."""
 
 
 @dataclass
@@ -138,15 +141,15 @@ class OpenAIServing:
             text = render(kwargs)
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-        except (TypeError, LookupError, AttributeError) as e:
-            # The template met a value of a type it does not expect: in an extra message field, or in
+        except _VALUE_ERRORS as e:
+            # The template met a value it cannot use: in an extra message field, or in
             # chat_template_kwargs if it renders without them.
             param, what = "messages", "these messages"
             if kwargs:
-                with contextlib.suppress(ValueError, TypeError, LookupError, AttributeError):
+                with contextlib.suppress(ValueError, *_VALUE_ERRORS):
                     render({})
                     param, what = "chat_template_kwargs", "with these chat_template_kwargs"
-            raise APIError(f"the chat template cannot render {what} (a value of a type it does not expect: {e})",
+            raise APIError(f"the chat template cannot render {what} (a value it cannot use: {e})",
                            param=param) from None
         _check_late_system_messages(text, messages)
         if request.continue_final_message:
