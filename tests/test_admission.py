@@ -71,6 +71,30 @@ def test_work_waits_for_room_and_small_work_passes_big_waiting_work():
     asyncio.run(run())
 
 
+def test_a_request_waiting_past_its_patience_is_no_longer_passed():
+    """Two sequences among one-sequence requests: without the patience, each freed sequence goes to
+    the next small request and the two are never free at once (patience 0: held back at once)."""
+    admission = Admission(max_seqs=2, max_tokens=None, max_waiting=4, queue_timeout_s=None, patience_s=0.0)
+
+    async def run() -> None:
+        first, second = await admission.acquire(Work(1, 10)), await admission.acquire(Work(1, 10))
+        pair = asyncio.create_task(admission.acquire(Work(2, 20)))
+        await wait_for(lambda: admission.num_waiting == 1)
+        admission.release(first)
+        small = asyncio.create_task(admission.acquire(Work(1, 10)))  # one sequence is free: it must wait
+        await wait_for(lambda: admission.num_waiting == 2)
+        assert admission.seqs == 1, "the freed sequence is kept for the pair"
+        admission.release(second)
+        assert await pair == Work(2, 20) and not small.done()
+        admission.release(Work(2, 20))
+        assert await small == Work(1, 10)
+        admission.release(Work(1, 10))
+        assert (admission.seqs, admission.num_waiting) == (0, 0)
+
+    asyncio.run(run())
+    assert Admission(2, None, 4, queue_timeout_s=30.0).patience_s == 7.5, "a quarter of the queue timeout"
+
+
 def test_tokens_bound_and_work_larger_than_the_budget_runs_alone():
     admission = Admission(max_seqs=100, max_tokens=1000, max_waiting=4, queue_timeout_s=None)
 

@@ -5,15 +5,17 @@ Counting requests is not enough: `{"prompt": [64 prompts], "n": 128}` is one req
 sequences, which would hold the engine for minutes while every small request behind it times out.
 A request whose work does not fit now waits for room, for at most `--queue-timeout` seconds and
 with at most `--max-waiting-requests` others; past either, it gets a 503 (with `Retry-After`, set by
-the traffic middleware). Waiting requests are admitted in arrival order as room frees up, but one
-that does not fit never holds back a later one that does, so small requests keep flowing; the price
-is that a request needing more than is ever free under steady load is turned away when its queue
-time is up. A request larger than the whole budget is charged the whole budget: it runs once
-nothing else is in flight.
+the traffic middleware). Waiting requests are admitted in arrival order as room frees up, and one
+that does not fit does not hold back a later one that does, so small requests keep flowing, until
+it has waited `patience_s` (a quarter of the queue timeout): from then on the room that frees is
+kept for it, and later requests wait behind it. Without that, a request of two sequences under a
+steady stream of one-sequence requests would almost never find two free at once. A request larger
+than the whole budget is charged the whole budget: it runs once nothing else is in flight.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +26,8 @@ from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 TICKET_SCOPE_KEY = "pagellm.ticket"
+DEFAULT_PATIENCE_S = 10.0
+"""How long a waiting request lets later ones pass it when waits are not bounded (no --queue-timeout)."""
 """Where the traffic middleware puts a generation request's Ticket in the ASGI scope."""
 
 
@@ -63,17 +67,20 @@ class Admission:
     """The work admitted to the engine, and the requests waiting for room (see the module's docstring)."""
 
     def __init__(self, max_seqs: int, max_tokens: int | None, max_waiting: int,
-                 queue_timeout_s: float | None) -> None:
+                 queue_timeout_s: float | None, patience_s: float | None = None) -> None:
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         """None: no bound on tokens."""
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         """None: a request waits until there is room."""
+        self.patience_s = patience_s if patience_s is not None else (
+            DEFAULT_PATIENCE_S if queue_timeout_s is None else queue_timeout_s / 4)
+        """How long a waiting request lets later ones pass it (see the module's docstring)."""
         self.seqs = 0
         self.tokens = 0
-        self._waiting: dict[asyncio.Future[None], Work] = {}
-        """Each waiting request's grant, and the work it was charged, in arrival order."""
+        self._waiting: dict[asyncio.Future[None], tuple[Work, float]] = {}
+        """Each waiting request's grant, the work it was charged and when it began to wait, in arrival order."""
 
     @property
     def num_waiting(self) -> int:
@@ -95,7 +102,7 @@ class Admission:
         Refused when too many requests wait already, or when it waited past the queue timeout."""
         charged = Work(min(work.seqs, self.max_seqs),
                        work.tokens if self.max_tokens is None else min(work.tokens, self.max_tokens))
-        if self._fits(charged):
+        if self._fits(charged) and not self._held_back():
             self._take(charged)
             return charged
         full = self._queue_full_reason()
@@ -103,7 +110,7 @@ class Admission:
             raise Refused(f"{full}; this request asks for {work.seqs} sequences and {work.tokens} tokens",
                           "at_capacity")
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[granted] = charged
+        self._waiting[granted] = (charged, time.monotonic())
         try:
             await asyncio.wait((granted,), timeout=self.queue_timeout_s)
         except BaseException:  # cancelled: the client left, or its request timeout passed
@@ -127,11 +134,21 @@ class Admission:
         """Give back what `acquire` charged, and admit the waiting requests that fit now."""
         self.seqs -= charged.seqs
         self.tokens -= charged.tokens
-        for granted, work in list(self._waiting.items()):
-            if not granted.done() and self._fits(work):
+        now = time.monotonic()
+        for granted, (work, since) in list(self._waiting.items()):
+            if granted.done():
+                continue
+            if self._fits(work):
                 del self._waiting[granted]
                 self._take(work)
                 granted.set_result(None)
+            elif now - since >= self.patience_s:
+                break  # the room that frees is kept for it
+
+    def _held_back(self) -> bool:
+        """Whether the oldest waiting request may no longer be passed."""
+        oldest = next(iter(self._waiting.values()), None)
+        return oldest is not None and time.monotonic() - oldest[1] >= self.patience_s
 
     def _fits(self, work: Work) -> bool:
         return (self.seqs + work.seqs <= self.max_seqs
