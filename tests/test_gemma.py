@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from engine_utils import assert_no_leak
-from tokenizers import Tokenizer, models, pre_tokenizers
+from family_utils import assert_matches_hf, save_with_tokenizer
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention import get_attn_backend
@@ -59,37 +58,17 @@ def hf_model(family: str):
     return model
 
 
-def save_tiny(folder: Path, model) -> None:
-    model.save_pretrained(folder, safe_serialization=True)
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def tiny(request, tmp_path_factory):
     """(family, its folder, its Hugging Face model)."""
     folder = tmp_path_factory.mktemp(request.param)
     model = hf_model(request.param)
-    save_tiny(folder, model)
+    save_with_tokenizer(model, folder)
     return request.param, folder, model
 
 
 def prefix_prompts() -> list[list[int]]:
     return [SHARED_PREFIX + [5 + i, 9 + i] for i in range(3)]
-
-
-def assert_matches_hf(model, outs, prompts: list[list[int]]) -> None:
-    """Each output is Hugging Face's greedy continuation, its logprobs HF's (one forward pass per sequence)."""
-    for prompt, out in zip(prompts, outs):
-        seq = out.outputs[0]
-        assert len(seq.token_ids) == NEW_TOKENS
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + seq.token_ids[:-1]])).logits[0, len(prompt) - 1:].float()
-        assert logits.argmax(dim=-1).tolist() == seq.token_ids, f"prompt of {len(prompt)} tokens"
-        ref_logprobs = logits.log_softmax(dim=-1).gather(1, torch.tensor(seq.token_ids)[:, None])[:, 0]
-        logprobs = torch.tensor([lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids)])
-        torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=0)
 
 
 def hf_variant(model, **changes):
@@ -167,7 +146,7 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
               }[variant]
     llm = LLM(str(folder), **{**CPU, **kwargs})
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert_matches_hf(model, outs, PROMPTS)
+    assert_matches_hf(model, outs, PROMPTS, NEW_TOKENS)
     if variant == "preempted":
         assert llm.llm_engine.engine_core.stats().num_preemptions > 0
     assert_no_leak(llm.llm_engine)
@@ -180,7 +159,7 @@ def test_prefix_cache_hits_keep_the_tokens(tiny):
     outs = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
     outs += llm.generate([{"prompt_token_ids": p} for p in rest], GREEDY, use_tqdm=False)
     assert llm.llm_engine.get_stats().prefix_cache_hits >= 2 * 40
-    assert_matches_hf(model, outs, prefix_prompts())
+    assert_matches_hf(model, outs, prefix_prompts(), NEW_TOKENS)
 
 
 def test_each_group_holds_its_blocks(tiny):
@@ -237,7 +216,7 @@ def test_two_ranks_over_processes_match_hf(tiny, split):
     llm = LLM(str(folder), **CPU, max_num_batched_tokens=32, max_num_seqs=4, **split)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        assert_matches_hf(model, outs, prompts)
+        assert_matches_hf(model, outs, prompts, NEW_TOKENS)
         assert llm.llm_engine.get_stats().prefix_cache_hits > 0
     finally:
         llm.llm_engine.shutdown()
