@@ -78,13 +78,18 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
     if requested is None:
         return None
     method = QUANTIZATION_REGISTRY.get(requested)
-    if method.build is None:  # none: dense weights
-        return None
     if method.from_checkpoint_only and stored is None and load_format != "dummy":
         online = method.dense_alternative
         raise ValueError(f"{flag} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
                          f"has no such quantization_config"
                          + (f"; to quantize a dense model at load use {online}" if online else ""))
+    architectures = (hf_config or {}).get("architectures") or []
+    if method.architectures and not set(architectures) & set(method.architectures):
+        held = _and(architectures) if architectures else "no architectures list"
+        raise ValueError(f"{flag} {requested!r}: pagellm loads {requested} checkpoints of "
+                         f"{_and(list(method.architectures))} only, and {model_path!r} holds {held}")
+    if method.build is None:  # dense weights (none; mxfp4, dequantized at load)
+        return None
     if load_format == "dummy" and (stored is not None or method.from_checkpoint_only):
         raise ValueError(f"{flag} {requested!r} with --load-format dummy: random weights are dense; use fp8, int8 "
                          "or rtn (quantized at load), on a config.json without quantization_config")
