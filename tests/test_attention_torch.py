@@ -7,15 +7,17 @@ from attn_utils import build_metadata, poison_blocks_before_windows
 
 from pagellm.attention import get_attn_backend
 from pagellm.attention.layer import Attention
+from pagellm.distributed import init_tensor_parallel
 
 
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, scale: float,
-    window: int | None = None, soft_cap: float | None = None,
+    window: int | None = None, soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] at positions first_pos.. ; k, v [L, Hkv, D] for positions 0..L-1 -> [n, H, D];
     the query at p sees the keys p - window < j <= p (all j <= p without a window), its scores
-    capped to soft_cap * tanh(s / soft_cap)."""
+    capped to soft_cap * tanh(s / soft_cap); head h's softmax has one more logit, sinks[h], whose
+    weight is dropped (transformers' GPT-OSS eager attention)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -26,6 +28,9 @@ def reference_attention(
     key_pos = torch.arange(k.shape[0])[None, :]
     hidden = (key_pos > q_pos) | (key_pos <= q_pos - window if window is not None else False)
     scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        column = sinks[:, None, None].expand(-1, scores.shape[1], 1)
+        return torch.einsum("hqk,khd->qhd", torch.cat((scores, column), dim=-1).softmax(-1)[..., :-1], v)
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -148,6 +153,81 @@ def test_sliding_window_and_soft_cap_match_reference(window: int, soft_cap: floa
         rows = slice(int(prompts.query_start_loc_cpu[i]), int(prompts.query_start_loc_cpu[i + 1]))
         ref = reference_attention(query[rows], k, full_v[i], 0, scale, window, soft_cap)
         torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (7, None), (16, 3.0)])
+@pytest.mark.parametrize("sink_scale", [1.0, 20.0])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2)])
+def test_sinks_match_reference(window: int | None, soft_cap: float | None, sink_scale: float, num_heads: int,
+                               num_kv_heads: int) -> None:
+    """Each head's sink logit joins its softmax: over a paged cache (decodes, chunks) and without one,
+    with or beside a window and a soft cap; sinks from well below to well above the scores."""
+    gen = torch.Generator().manual_seed(num_heads + int(sink_scale))
+    block_size, head_dim = 16, 32
+    shapes = [(37, 1), (50, 23), (0, 41), (5, 2)]
+    needed = [-(-(c + n) // block_size) for c, n in shapes]
+    perm = torch.randperm(sum(needed), generator=gen).tolist()
+    seqs = []
+    for (cached, new), n in zip(shapes, needed):
+        seqs.append((cached, new, perm[:n]))
+        perm = perm[n:]
+    md = build_metadata(seqs, block_size)
+    full_k = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen) for c, n in shapes]
+    full_v = [torch.randn(c + n, num_kv_heads, head_dim, generator=gen) for c, n in shapes]
+    k_cache = torch.zeros(sum(needed), block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    for (cached, _, blocks), k, v in zip(seqs, full_k, full_v):
+        for pos in range(cached):
+            k_cache[blocks[pos // block_size], pos % block_size] = k[pos]
+            v_cache[blocks[pos // block_size], pos % block_size] = v[pos]
+    key = torch.cat([k[c:] for (c, _), k in zip(shapes, full_k)])
+    value = torch.cat([v[c:] for (c, _), v in zip(shapes, full_v)])
+    query = torch.randn(md.num_tokens, num_heads, head_dim, generator=gen)
+    sinks = torch.randn(num_heads, generator=gen) * sink_scale
+    scale = head_dim**-0.5
+    backend = get_attn_backend("torch")
+
+    out = backend.forward(query, key, value, (k_cache, v_cache), md, scale, window, soft_cap, sinks)
+    for i, (cached, _) in enumerate(shapes):
+        rows = slice(int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1]))
+        ref = reference_attention(query[rows], full_k[i], full_v[i], cached, scale, window, soft_cap, sinks)
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, backend.forward(query, key, value, (k_cache, v_cache), md, scale, window,
+                                                   soft_cap), atol=1e-3)
+    prompts = build_metadata([(0, c + n, [0]) for c, n in shapes], 1000)
+    query = torch.randn(prompts.num_tokens, num_heads, head_dim, generator=gen)
+    out = backend.forward(query, torch.cat(full_k), torch.cat(full_v), None, prompts, scale, window, soft_cap, sinks)
+    for i, k in enumerate(full_k):
+        rows = slice(int(prompts.query_start_loc_cpu[i]), int(prompts.query_start_loc_cpu[i + 1]))
+        ref = reference_attention(query[rows], k, full_v[i], 0, scale, window, soft_cap, sinks)
+        torch.testing.assert_close(out[rows], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_layer_loads_its_ranks_sinks() -> None:
+    """The sinks parameter holds this rank's heads of the model's, and the backend gets it."""
+    whole = torch.arange(8.0)
+    layers = []
+    for rank in range(2):
+        init_tensor_parallel(rank, 2)
+        try:
+            layer = Attention(4, 2, 32, 0.125, get_attn_backend("torch"), sinks=True)
+            layer.sinks.weight_loader(layer.sinks, whole)
+        finally:
+            init_tensor_parallel(0, 1)
+        layers.append(layer)
+    assert layers[1].sinks.tolist() == [4.0, 5.0, 6.0, 7.0]
+    with pytest.raises(ValueError, match=r"attention sinks of shape \(4,\): expected \(8,\)"):
+        init_tensor_parallel(1, 2)
+        try:
+            layers[1].sinks.weight_loader(layers[1].sinks, whole[:4])
+        finally:
+            init_tensor_parallel(0, 1)
+    md = build_metadata([(0, 6, [0])], block_size=16)
+    query, key, value = torch.randn(6, 128), torch.randn(6, 64), torch.randn(6, 64)
+    expected = reference_attention(query.view(6, 4, 32), key.view(6, 2, 32), value.view(6, 2, 32), 0, 0.125,
+                                   sinks=layers[1].sinks)
+    torch.testing.assert_close(layers[1](query, key, value, md), expected.reshape(6, 128))
+    assert Attention(4, 2, 32, 0.125, get_attn_backend("torch")).sinks is None
 
 
 def test_layers_of_two_windows_share_one_steps_metadata() -> None:

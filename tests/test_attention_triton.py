@@ -150,6 +150,36 @@ def test_sliding_window_and_soft_cap_match_torch_backend(dtype, window, soft_cap
     check(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,sink_scale,num_heads,num_kv_heads", [
+    (None, 1.0, 8, 2), (20, 30.0, 4, 4), pytest.param(None, 30.0, 8, 2, marks=SLOW),
+    pytest.param(20, 1.0, 8, 1, marks=SLOW)])
+def test_sinks_match_torch_backend(dtype, window, sink_scale, num_heads, num_kv_heads) -> None:
+    """Each head's sink logit joins its softmax (added at the end of the online softmax, or when split
+    decodes merge), whether it sits below the scores or far above them."""
+    sinks = (torch.randn(num_heads, generator=torch.Generator().manual_seed(2)) * sink_scale).to(DEVICE, dtype)
+    md, query, key, value, cache = random_paged_batch(WINDOWED, 16, num_heads, num_kv_heads, 64, dtype, seed=11)
+    if window is not None:
+        cache = poison_blocks_before_windows(md, WINDOWED, window, 16, cache)
+    out = get_attn_backend("triton").forward(query, key, value, tuple(c.clone() for c in cache), md, 0.125,
+                                             window, None, sinks)
+    ref = get_attn_backend("torch").forward(query, key, value, tuple(c.clone() for c in cache), md, 0.125,
+                                            window, None, sinks)
+    check(out, ref, dtype)
+    decodes = [(n, 1) for n in (0, 63, 300, 129, 20)]
+    md, query, key, value, cache = random_paged_batch(decodes, 16, num_heads, num_kv_heads, 64, dtype, seed=3)
+    ref = get_attn_backend("torch").forward(query, key, value, cache, md, 0.125, window, None, sinks)
+    out = torch.full_like(query, float("nan"))
+    paged_attention(out, query, *cache, md.block_table, md.seq_lens, md.query_start_loc, 1, 0.125, 4, window,
+                    sinks=sinks)
+    check(out, ref, dtype)
+    prompts = [(0, 5), (0, 37), (0, 1)]
+    md, query, key, value, _ = random_paged_batch(prompts, 16, num_heads, num_kv_heads, 64, dtype, seed=4)
+    out = get_attn_backend("triton").forward(query, key, value, None, md, 0.125, window, None, sinks)
+    ref = get_attn_backend("torch").forward(query, key, value, None, md, 0.125, window, None, sinks)
+    check(out, ref, dtype)
+
+
 def test_large_decode_batch_tiles_match_torch_backend(monkeypatch) -> None:
     # The "large_decode" tiles, taken here by a small batch so that the interpreter can run it.
     monkeypatch.setattr(triton_kernels, "LARGE_DECODE_PROGRAMS", 8)

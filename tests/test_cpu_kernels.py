@@ -111,6 +111,25 @@ def test_sliding_window_and_soft_cap_match_torch_backend(window, soft_cap):
     torch.testing.assert_close(got, want, **CLOSE)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("sink_scale", [1.0, 30.0])
+def test_sinks_match_torch_backend(window, sink_scale):
+    """Each head's sink logit joins its softmax, whether it sits below the scores or far above them."""
+    shapes = [(37, 1), (70, 1), (50, 23), (0, 41)]
+    md, q, k, v, cache = paged_batch(shapes, 16, 9, 3, 64, seed=int(sink_scale))
+    if window is not None:
+        cache = poison_blocks_before_windows(md, shapes, window, 16, cache)
+    sinks = torch.randn(9, generator=torch.Generator().manual_seed(1)) * sink_scale
+    got = get_attn_backend("cpu").forward(q, k, v, tuple(c.clone() for c in cache), md, 0.125, window, None, sinks)
+    md.backend_plan = None
+    want = get_attn_backend("torch").forward(q, k, v, tuple(c.clone() for c in cache), md, 0.125, window, None,
+                                             sinks)
+    torch.testing.assert_close(got, want, **CLOSE)
+    md.backend_plan = None
+    without = get_attn_backend("torch").forward(q, k, v, tuple(c.clone() for c in cache), md, 0.125, window)
+    assert not torch.allclose(got, without, atol=1e-3)
+
+
 def test_a_querys_result_does_not_depend_on_its_batch():
     """Bit for bit: a decode alone, and the same query as the last of a prompt chunk in a mixed batch."""
     md, q, k, v, cache = paged_batch([(20, 5), (7, 1)], 16, 9, 3, 64, seed=8)

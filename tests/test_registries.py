@@ -105,7 +105,7 @@ def test_a_name_is_registered_once_unless_overridden():
 def test_unknown_names_name_the_flag_and_list_the_registered_ones():
     for field, value, message in [
         ("quantization", "fp4", "quantization (--quantization) must be one of fp8, int8, compressed-tensors, gptq, "
-                                "awq, rtn, gguf, none, got 'fp4'"),
+                                "awq, rtn, gguf, mxfp4, none, got 'fp4'"),
         ("attention_backend", "flash", "attention_backend (--attention-backend) must be one of torch, triton, cpu, "
                                        "got 'flash'"),
         ("distributed_executor_backend", "slurm", "distributed_executor_backend (--distributed-executor-backend) "

@@ -76,6 +76,7 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend.
 
@@ -88,6 +89,9 @@ class AttentionBackend(ABC):
         (Hugging Face's convention: w keys, itself included); the cache blocks wholly before the
         step's first query's window may have been given to other requests and must not be read.
         `logits_soft_cap` c: each score s (after `scale`) becomes c * tanh(s / c) before the softmax.
+        `sinks` [num_heads] (GPT-OSS's attention sinks): head h's softmax has one more logit, sinks[h],
+        which takes its share of the weights but has no value: the weight of key j is
+        exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k)), so a query's weights may sum to less than 1.
         """
 
     def forward_rotary(
@@ -102,8 +106,9 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`forward` of query and key rotated by `rotary` at `positions` [num_tokens] first; a
         backend may fuse the rotation with its KV write (the Triton one does)."""
         query, key = rotary(positions, query, key)
-        return self.forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+        return self.forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks)

@@ -28,15 +28,17 @@ class CPUAttentionBackend(TorchAttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if kv_cache is None or not cpu_ops.attention_supports(query):
-            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+            return super().forward(query, key, value, kv_cache, metadata, scale, sliding_window, logits_soft_cap,
+                                   sinks)
         k_cache, v_cache = kv_cache
         num_tokens = metadata.num_tokens
         cpu_ops.write_kv(key, value, k_cache, v_cache, metadata.slot_mapping, num_tokens)
         out = cpu_ops.paged_attention(query[:num_tokens], k_cache, v_cache, metadata.block_table,
                                       metadata.query_start_loc, metadata.seq_lens, scale, sliding_window,
-                                      logits_soft_cap)
+                                      logits_soft_cap, sinks)
         if query.shape[0] > num_tokens:  # batch padding rows stay zero
             out = torch.cat((out, out.new_zeros(query.shape[0] - num_tokens, *out.shape[1:])))
         return out

@@ -5,6 +5,8 @@ import torch
 from torch import nn
 
 from pagellm.attention.backend import AttentionBackend, AttentionMetadata, KVCache
+from pagellm.distributed import get_tp_rank, get_tp_world_size
+from pagellm.layers.linear import copy_weight
 from pagellm.layers.rotary import RotaryEmbedding
 
 
@@ -21,10 +23,12 @@ class Attention(nn.Module):
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, backend: AttentionBackend,
-        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+        sliding_window: int | None = None, logits_soft_cap: float | None = None, sinks: bool = False,
     ) -> None:
         """`sliding_window`: how many keys a query sees, itself included (None: all before it);
-        `logits_soft_cap`: scores pass through c * tanh(s / c) (None: as they are)."""
+        `logits_soft_cap`: scores pass through c * tanh(s / c) (None: as they are); `sinks`: each
+        head has a learned sink logit in its softmax (GPT-OSS; `AttentionBackend.forward`), the
+        parameter `sinks` [num_heads] of this rank's heads, loaded from the model's whole one."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -37,6 +41,10 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.sinks: nn.Parameter | None = None
+        if sinks:  # device and dtype: the caller's `torch.device(...)` context and default dtype
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
         self.kv_cache: KVCache | None = None
         self.kv_group = 0
         """Its KV cache group (`AttentionMetadata.for_group`), set with the cache it is bound."""
@@ -64,13 +72,22 @@ class Attention(nn.Module):
         md = attn_metadata.for_group(self.kv_group)
         if rotary is None:
             out = self.backend.forward(query, key, value, self.kv_cache, md, scale, self.sliding_window,
-                                       self.logits_soft_cap)
+                                       self.logits_soft_cap, self.sinks)
         else:  # a rotation commutes with the float8 scales' division above
             out = self.backend.forward_rotary(rotary, positions, query, key, value, self.kv_cache, md, scale,
-                                              self.sliding_window, self.logits_soft_cap)
+                                              self.sliding_window, self.logits_soft_cap, self.sinks)
         if scaled:
             out *= self.v_scale
         return out.view(-1, self.num_heads * self.head_dim)
+
+    def _load_sinks(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None) -> None:
+        """This rank's heads' sinks out of the model's [num_attention_heads], query heads split as the
+        q projection splits them (rank r holds heads r x H .. (r + 1) x H - 1)."""
+        expected = (self.num_heads * get_tp_world_size(),)
+        if shard_id is not None or tuple(loaded_weight.shape) != expected:
+            raise ValueError(f"attention sinks of shape {tuple(loaded_weight.shape)}: expected {expected}, one "
+                             "per attention head")
+        copy_weight(param.data, loaded_weight.narrow(0, get_tp_rank() * self.num_heads, self.num_heads))
 
     def load_kv_scale(self, name: str, value: torch.Tensor) -> None:
         """A checkpoint's float8 KV-cache scale: `name` k_scale, v_scale or kv_scale (both)."""

@@ -39,6 +39,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         query_start_loc = metadata.query_start_loc_cpu
         q_lens = np.diff(query_start_loc)
@@ -50,7 +51,8 @@ class TorchAttentionBackend(AttentionBackend):
                 rows, valid = _padded_rows(query_start_loc, seqs)
                 # A prompt from position 0: its keys are its own rows of this step's key/value.
                 keys, values = _gather_rows(key, rows), _gather_rows(value, rows)
-                _attend(out, query, keys, values, rows, valid, q_lens[seqs], scale, sliding_window, logits_soft_cap)
+                _attend(out, query, keys, values, rows, valid, q_lens[seqs], scale, sliding_window, logits_soft_cap,
+                        sinks)
             return out
 
         plan = metadata.backend_plan
@@ -63,11 +65,11 @@ class TorchAttentionBackend(AttentionBackend):
             _bytes(cache.view(-1, *cache.shape[2:])).index_copy_(0, plan.slots, _bytes(rows.to(cache.dtype)))
         groups = plan.groups(metadata, sliding_window, k_cache.shape[1], query.shape[1] // key.shape[1], query.dtype)
         if len(groups) == 1 and groups[0].covers_batch:
-            return groups[0].attend(query, k_cache, v_cache, scale, logits_soft_cap)
+            return groups[0].attend(query, k_cache, v_cache, scale, logits_soft_cap, sinks)
         # Rows past num_tokens are batch padding: they stay zero.
         out = torch.zeros_like(query)
         for group in groups:
-            o = group.attend(query, k_cache, v_cache, scale, logits_soft_cap)
+            o = group.attend(query, k_cache, v_cache, scale, logits_soft_cap, sinks)
             out.index_copy_(0, group.out_rows, o if group.valid is None else o.index_select(0, group.valid))
         return out
 
@@ -96,7 +98,7 @@ class _Group:
         return self.q_rows is None and self.valid is None
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               soft_cap: float | None) -> torch.Tensor:
+               soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """[B * L, H, D] attention outputs of the group's padded queries."""
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = k_cache.shape[2]
@@ -109,7 +111,7 @@ class _Group:
         # so each KV head is attended once and K/V are never repeated.
         q = q.view(self.batch, self.q_len, num_kv_heads, group, head_dim).transpose(1, 2)
         q = q.reshape(self.batch, num_kv_heads, self.q_len * group, head_dim)
-        o = _sdpa(q, keys, values, self.mask, scale, soft_cap)
+        o = _sdpa(q, keys, values, self.mask, scale, soft_cap, sinks)
         return o.view(self.batch, num_kv_heads, self.q_len, group, head_dim).transpose(1, 2).reshape(
             self.batch * self.q_len, num_heads, head_dim)
 
@@ -209,15 +211,25 @@ def _causal_mask(first_pos: np.ndarray, seq_lens: np.ndarray, q_len: int, num_ke
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-          soft_cap: float | None) -> torch.Tensor:
-    """Attention of q [B, Hkv, M, D] over keys/values [B, Hkv, S, D] under an additive mask; with
-    `soft_cap`, scores capped (c * tanh(s / c)) before the mask, as Hugging Face's eager Gemma 2
-    computes it (a softmax in float32), which SDPA cannot."""
-    if soft_cap is None:
+          soft_cap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, Hkv, M, D] (M = L x G: each query's G heads of a KV head in a row, see
+    `_Group.attend`) over keys/values [B, Hkv, S, D] under an additive mask. With `soft_cap`,
+    scores capped (c * tanh(s / c)) before the mask; with `sinks` [Hkv x G], each head's sink logit
+    joins the softmax as one more column, dropped after it. Both as Hugging Face's eager Gemma 2
+    and GPT-OSS compute them (a softmax in float32), which SDPA cannot."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap + mask
-    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores + mask
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
+    batch, num_kv_heads, rows = q.shape[:3]
+    group = sinks.numel() // num_kv_heads
+    column = sinks.to(scores.dtype).view(1, num_kv_heads, 1, group).expand(batch, -1, rows // group, -1)
+    scores = torch.cat((scores, column.reshape(batch, num_kv_heads, rows, 1)), dim=-1)
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype), values)
 
 
 def _length_buckets(seqs: np.ndarray, seq_lens: np.ndarray, max_waste: float = 0.25) -> list[np.ndarray]:
@@ -266,6 +278,7 @@ def _attend(
     scale: float,
     window: int | None,
     soft_cap: float | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     """Causal attention of a padded group of prompts from position 0, written into `out` at `rows[valid]`.
 
@@ -282,7 +295,7 @@ def _attend(
     q = _gather_rows(query, rows).view(batch, q_len, num_kv_heads, group, head_dim).transpose(1, 2)
     q = q.reshape(batch, num_kv_heads, q_len * group, head_dim)
     mask = _causal_mask(np.zeros_like(seq_lens), seq_lens, q_len, keys.shape[1], group, query.dtype, device, window)
-    o = _sdpa(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap)
+    o = _sdpa(q, keys.transpose(1, 2), values.transpose(1, 2), mask, scale, soft_cap, sinks)
     o = o.view(batch, num_kv_heads, q_len, group, head_dim).transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     flat_valid = np.flatnonzero(valid.ravel())
     dst_rows = torch.from_numpy(rows.ravel()[flat_valid]).to(device)

@@ -42,13 +42,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if kv_cache is None:
             out = torch.empty_like(query)
-            _attend_in_batch(out, query, key, value, metadata, scale, sliding_window, logits_soft_cap)
+            _attend_in_batch(out, query, key, value, metadata, scale, sliding_window, logits_soft_cap, sinks)
             return out
         write_kv(key, value, *kv_cache, metadata.slot_mapping)
-        return _attend_cached(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+        return _attend_cached(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks)
 
     def forward_rotary(
         self,
@@ -62,13 +63,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # The rotation runs in Triton with the write, as the write does whatever `ops.use_impl` says.
         if kv_cache is None or not _fusable(type(rotary)):
             return super().forward_rotary(rotary, positions, query, key, value, kv_cache, metadata, scale,
-                                          sliding_window, logits_soft_cap)
+                                          sliding_window, logits_soft_cap, sinks)
         query = rotary_write_kv(positions, query, key, value, rotary.cos_sin_cache, *kv_cache, metadata.slot_mapping)
-        return _attend_cached(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+        return _attend_cached(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap, sinks)
 
 
 @functools.cache
@@ -79,7 +81,8 @@ def _fusable(rotary_type: type) -> bool:
 
 
 def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata, scale: float,
-                   sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
+                   sliding_window: int | None, logits_soft_cap: float | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:
     """Paged attention of query over the cache, which holds this step's keys and values."""
     out = torch.empty_like(query)
     k_cache, v_cache = kv_cache
@@ -88,17 +91,18 @@ def _attend_cached(query: torch.Tensor, kv_cache: KVCache, metadata: AttentionMe
     split = metadata.max_query_len == 1 and query.is_cuda
     splits = decode_splits(metadata.num_seqs, k_cache.shape[2]) if split else 1
     paged_attention(out, query, k_cache, v_cache, metadata.block_table, metadata.seq_lens,
-                    metadata.query_start_loc, metadata.max_query_len, scale, splits, sliding_window, logits_soft_cap)
+                    metadata.query_start_loc, metadata.max_query_len, scale, splits, sliding_window, logits_soft_cap,
+                    sinks)
     return out
 
 
 def _attend_in_batch(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      metadata: AttentionMetadata, scale: float, sliding_window: int | None,
-                     logits_soft_cap: float | None) -> None:
+                     logits_soft_cap: float | None, sinks: torch.Tensor | None) -> None:
     """Fresh prompts with no cache yet (the memory-profiling pass): this step's key/value rows
     serve as a cache of one-token blocks, and each sequence's block table lists its own rows."""
     qsl = metadata.query_start_loc
     rows = qsl[:-1, None] + torch.arange(metadata.max_query_len, device=qsl.device, dtype=qsl.dtype)
     block_table = rows.clamp_(max=max(query.shape[0] - 1, 0))
     paged_attention(out, query, key.unsqueeze(1), value.unsqueeze(1), block_table, metadata.seq_lens, qsl,
-                    metadata.max_query_len, scale, 1, sliding_window, logits_soft_cap)
+                    metadata.max_query_len, scale, 1, sliding_window, logits_soft_cap, sinks)

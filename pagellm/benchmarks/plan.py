@@ -19,6 +19,7 @@ from pagellm.engine.arg_utils import EngineArgs, default_max_num_batched_tokens,
 from pagellm.loader import resolve_model
 from pagellm.loader.source import read_json
 from pagellm.quantization import (
+    QUANTIZATION_REGISTRY,
     check_experts_dense,
     checkpoint_quantization,
     compressed_tensors_weights,
@@ -110,6 +111,8 @@ def _quantization(requested: str | None, arch: ModelArchConfig, path: str | None
         raise ValueError(f"--quantization {requested}: the checkpoint holds {stored} weights (its "
                          f"quantization_config), which the engine loads only as {stored}: leave the flag out")
     method = requested or stored or "none"
+    if QUANTIZATION_REGISTRY.get(method).build is None:  # the engine's layers are dense (mxfp4: dequantized)
+        return "none", None
     if method != "compressed-tensors":
         return method, None
     if stored is None:

@@ -41,6 +41,7 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("Phi3ForCausalLM", "pagellm.models.phi3:Phi3ForCausalLM", "phi3", "phi3"),
     ArchitectureEntry("Gemma2ForCausalLM", "pagellm.models.gemma:Gemma2ForCausalLM", model_type="gemma2"),
     ArchitectureEntry("Gemma3ForCausalLM", "pagellm.models.gemma:Gemma3ForCausalLM", model_type="gemma3_text"),
+    ArchitectureEntry("GptOssForCausalLM", "pagellm.models.gpt_oss:GptOssForCausalLM", model_type="gpt_oss"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
 
@@ -163,7 +164,7 @@ class ModelArchConfig:
         )
 
 
-_READS_LAYER_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "qwen2_moe"})
+_READS_LAYER_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "qwen2", "qwen3", "qwen2_moe", "gpt_oss"})
 """Families whose transformers attention takes each layer's kind from `layer_types` when given."""
 _DEFAULT_SLIDING_LAYERS: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "mistral": lambda d, i: True,
@@ -174,6 +175,7 @@ _DEFAULT_SLIDING_LAYERS: dict[str, Callable[[dict[str, Any], int], bool]] = {
     "qwen3": lambda d, i: i >= d.get("max_window_layers", 28),
     "qwen2_moe": lambda d, i: i % 2 == 0 and i < d.get("max_window_layers", 28),
     "gemma2": lambda d, i: i % 2 == 0,
+    "gpt_oss": lambda d, i: i % 2 == 0,
     "gemma3": lambda d, i: (i + 1) % d.get("sliding_window_pattern", 6) != 0,
     "gemma3_text": lambda d, i: (i + 1) % d.get("sliding_window_pattern", 6) != 0,
 }

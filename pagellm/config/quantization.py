@@ -47,6 +47,8 @@ class QuantizationMethod:
     """Whether a settings file older than transformers' `quantization_config`, found beside
     config.json without a `quant_method` (AutoGPTQ's quantize_config.json, AutoAWQ's
     quant_config.json), describes a checkpoint of this method."""
+    architectures: tuple[str, ...] = ()
+    """The architectures whose checkpoints of this method load (empty: any)."""
 
 
 def _autoawq_settings(settings: dict[str, Any]) -> bool:
@@ -85,6 +87,9 @@ QUANTIZATION_REGISTRY: Registry[QuantizationMethod] = Registry("quantization met
         "gguf", "pagellm.quantization.gguf:build",
         "a GGUF file's blocks kept quantized: Q4_0/Q4_1/Q8_0 on the CPU, those and Q5_0/Q5_1/Q2_K/Q3_K/Q4_K/Q5_K/"
         "Q6_K on the GPU, where it decodes faster than dense weights; other types dequantized at load"),
+    QuantizationMethod(
+        "mxfp4", None, "GPT-OSS checkpoints' MXFP4 experts, dequantized to --dtype at load (4x their stored memory)",
+        from_checkpoint_only=True, in_checkpoints=True, architectures=("GptOssForCausalLM",)),
     QuantizationMethod("none", None, "dense in --dtype"),
 ))
 """Every `--quantization` method (vLLM's names), in `--help`'s order."""
@@ -94,7 +99,7 @@ def register_quantization_method(name: str, build: Callable[..., Any] | str, *, 
                                  from_checkpoint_only: bool = False, in_checkpoints: bool = False,
                                  bytes_per_weight: float | None = None, dense_alternative: str | None = None,
                                  legacy_settings: Callable[[dict[str, Any]], bool] | None = None,
-                                 override: bool = False) -> None:
+                                 architectures: tuple[str, ...] = (), override: bool = False) -> None:
     """Make `name` a `--quantization` method: `build(method, model_path, hf_config)` returns the
     `QuantizationConfig` that gives the model's layers their quantized linear methods (see
     `QuantizationMethod` for the other fields). A name already registered is refused unless
@@ -107,8 +112,8 @@ def register_quantization_method(name: str, build: Callable[..., Any] | str, *, 
                          f"got {bytes_per_weight!r}")
     QUANTIZATION_REGISTRY.register(QuantizationMethod(
         name, build, description, from_checkpoint_only, in_checkpoints,
-        None if bytes_per_weight is None else float(bytes_per_weight), dense_alternative, legacy_settings),
-        override=override)
+        None if bytes_per_weight is None else float(bytes_per_weight), dense_alternative, legacy_settings,
+        tuple(architectures)), override=override)
 
 
 def quantized_weight_bytes(method: str, dtype_bytes: int) -> float:

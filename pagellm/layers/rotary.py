@@ -27,15 +27,51 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any], max_positi
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times: 0.1 x mscale x ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_factor(scaling: dict[str, Any], max_position: int) -> float:
+    """YaRN's `factor`, by default the context's extension max_position / original (DeepSeek-V3's way)."""
+    factor = scaling.get("factor")
+    return factor if factor is not None else max_position / _original_context(scaling, "yarn")
+
+
+def _yarn_inv_freq(head_dim: int, base: float, scaling: dict[str, Any], max_position: int) -> torch.Tensor:
+    """YaRN ("NTK-by-parts"): frequencies that turn fewer than `beta_slow` times over the original
+    context are divided by `factor` (interpolated), those that turn more than `beta_fast` times are
+    kept (extrapolated), the pair indices between blend linearly; `truncate` (default true) rounds
+    that range outwards to whole pairs. Hugging Face's `_compute_yarn_parameters`, step for step."""
+    factor = _yarn_factor(scaling, max_position)
+    original = _original_context(scaling, "yarn")
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def pair(rotations: float) -> float:  # the (fractional) pair index whose frequency turns so many times
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair(beta_fast), pair(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    wavelengths = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return 1.0 / (factor * wavelengths) * (1 - extrapolated) + 1.0 / wavelengths * extrapolated
+
+
 def _rope_type(rope_scaling: dict[str, Any] | None) -> str:
     return (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
 
 
-def _original_context(scaling: dict[str, Any]) -> int:
+def _original_context(scaling: dict[str, Any], rope_type: str = "longrope") -> int:
     original = scaling.get("original_max_position_embeddings")
     if not isinstance(original, int) or original < 1:
-        raise ValueError(f"rope_scaling of type longrope needs original_max_position_embeddings (in rope_scaling or "
-                         f"config.json), got {original!r}")
+        raise ValueError(f"rope_scaling of type {rope_type} needs original_max_position_embeddings (in rope_scaling "
+                         f"or config.json), got {original!r}")
     return original
 
 
@@ -79,21 +115,31 @@ def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict[str, Any] | Non
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling, max_position)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, rope_scaling, max_position)
     raise ValueError(
         f"rope_scaling type {rope_type!r} is not supported (rope_scaling={rope_scaling}); "
-        "supported: default, linear, llama3, longrope (su)"
+        "supported: default, linear, llama3, longrope (su), yarn"
     )
 
 
 def rope_attention_scale(rope_scaling: dict[str, Any] | None, max_position: int) -> float:
-    """What cos and sin are multiplied by (so q.k by its square): 1 but for LongRoPE, whose
-    `attention_factor` defaults to sqrt(1 + ln(factor) / ln(original context)), `factor` to the
-    context's extension max_position / original (1 where it is not extended), for either set of
-    factors (as Hugging Face and vLLM)."""
-    if _rope_type(rope_scaling) not in LONGROPE_TYPES:
+    """What cos and sin are multiplied by (so q.k by its square): 1 but for LongRoPE and YaRN, or
+    their `attention_factor`. LongRoPE's defaults to sqrt(1 + ln(factor) / ln(original context)),
+    `factor` to the context's extension max_position / original (1 where it is not extended), for
+    either set of factors (as Hugging Face and vLLM); YaRN's to 0.1 ln(factor) + 1, or with `mscale`
+    and `mscale_all_dim` (DeepSeek) the ratio of that correction with each (Hugging Face's)."""
+    rope_type = _rope_type(rope_scaling)
+    if rope_type not in (*LONGROPE_TYPES, "yarn"):
         return 1.0
     if rope_scaling.get("attention_factor") is not None:
         return float(rope_scaling["attention_factor"])
+    if rope_type == "yarn":
+        factor = _yarn_factor(rope_scaling, max_position)
+        mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        return _yarn_mscale(factor)
     original = _original_context(rope_scaling)
     factor = rope_scaling.get("factor") or max_position / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -288,6 +288,47 @@ _GEMMA_2_9B: dict[str, Any] = {
 }
 """Every other layer attends within 4096 tokens; scores and logits soft-capped."""
 
+_GPT_OSS_20B: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "vocab_size": 201088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 199998,  # generation_config.json's (config.json names none)
+    "eos_token_id": 200002,
+    "pad_token_id": 199999,
+}
+"""20.9B parameters, 3.6B of them read per token (4 of 32 experts a layer); layers alternate a
+128-token window and full attention. Its MXFP4 experts load dequantized: random dense ones here."""
+
+_GPT_OSS_120B: dict[str, Any] = {
+    **_GPT_OSS_20B,
+    "num_local_experts": 128,
+    "num_hidden_layers": 36,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+}
+"""116.8B parameters, 5.1B of them read per token (4 of 128 experts a layer)."""
+
 PRESETS: dict[str, dict[str, Any]] = {
     "meta-llama/Llama-3.1-8B-Instruct": _LLAMA_3_1_8B,
     "meta-llama/Llama-3.1-8B": {**_LLAMA_3_1_8B, "eos_token_id": 128001},
@@ -313,6 +354,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gemma-3-12b": _GEMMA_3_12B,
     "google/gemma-2-9b-it": _GEMMA_2_9B,
     "gemma-2-9b": _GEMMA_2_9B,
+    "openai/gpt-oss-20b": _GPT_OSS_20B,
+    "gpt-oss-20b": _GPT_OSS_20B,
+    "openai/gpt-oss-120b": _GPT_OSS_120B,
+    "gpt-oss-120b": _GPT_OSS_120B,
 }
 
 # Generation defaults published next to the configs; only what the engine reads (stop ids).
@@ -341,6 +386,10 @@ _GENERATION_EOS: dict[str, list[int]] = {
     "gemma-3-12b": [1, 106],
     "google/gemma-2-9b-it": [1, 107],
     "gemma-2-9b": [1, 107],
+    "openai/gpt-oss-20b": [200002, 199999, 200012],
+    "gpt-oss-20b": [200002, 199999, 200012],
+    "openai/gpt-oss-120b": [200002, 199999, 200012],
+    "gpt-oss-120b": [200002, 199999, 200012],
 }
 
 

@@ -26,7 +26,8 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+))"
                   r"\.lora_([AB])\.weight$")
-_MOE_KEY = re.compile(r"\.(?:block_sparse_moe|experts|shared_expert|shared_expert_gate)\.|\.mlp\.gate\.lora_")
+_MOE_KEY = re.compile(r"\.(?:block_sparse_moe|experts|shared_expert|shared_expert_gate)\."
+                      r"|\.mlp\.(?:gate|router)\.lora_")
 """A tensor adapting part of a mixture-of-experts block: an expert, the router or the shared expert."""
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _UNSUPPORTED_CONFIG = {

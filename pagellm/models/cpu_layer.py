@@ -49,6 +49,8 @@ def why_not_fused(layer: nn.Module) -> str | None:
         return "tensor parallelism sums the row-parallel projections across ranks"
     if attn.attn.logits_soft_cap is not None:
         return "its attention scores are soft-capped"
+    if attn.attn.sinks is not None:
+        return "its attention has sinks"
     if not attn.attn.backend.fused_cpu_layer:
         return f"the {attn.attn.backend.name} attention backend is not the one the fused layer computes"
     if attn.attn.kv_cache is None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -68,6 +69,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    attention_sinks: ClassVar[bool] = False
+    """Whether each head has a learned sink logit in its softmax (GPT-OSS's `sinks`)."""
+
     def __init__(self, config: ModelArchConfig, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend,
                  sliding_window: int | None = None) -> None:
         """`sliding_window`: the keys each query sees, itself included (None: all before it)."""
@@ -79,7 +83,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, config.head_dim,
-                              config.head_dim**-0.5, attn_backend, sliding_window)
+                              config.head_dim**-0.5, attn_backend, sliding_window, sinks=self.attention_sinks)
 
     @staticmethod
     def projection_biases(config: ModelArchConfig) -> tuple[bool, bool]:

@@ -2,12 +2,13 @@
 
 | method | weights | from |
 |---|---|---|
-| fp8 | float8 e4m3, a scale per output channel | a dense checkpoint or GGUF file (quantized at load), or an `fp8` checkpoint |
+| fp8 | float8 e4m3, a scale per output channel | a dense checkpoint or GGUF file (at load), or an fp8 one |
 | int8 | int8, a scale per output channel | a dense checkpoint or GGUF file, quantized at load |
-| compressed-tensors | float8 or int8 as above; int4 as gptq | llm-compressor checkpoints (W8A8 / W8A16, channel or tensor scales; W4A16 pack-quantized) |
+| compressed-tensors | float8 or int8 as above; int4 as gptq | llm-compressor checkpoints (W8A8 / W8A16; W4A16 packed) |
 | gptq, awq | int4, a scale and zero point per group (GPTQ act-order too) | GPTQ / AutoAWQ checkpoints |
 | rtn | int4 as gptq/awq, rounded to nearest per group of 128 | a dense checkpoint, quantized at load |
 | gguf | a GGUF file's blocks: Q4_0, Q4_1, Q8_0 (CPU, GPU); Q5_0, Q5_1, Q2_K to Q6_K (GPU) | a .gguf file |
+| mxfp4 | dense: the experts dequantized at load | a GPT-OSS checkpoint of MXFP4 experts (OpenAI's) |
 
 The 8-bit methods multiply activations quantized per token (W8A8) in steps of more than
 `SMALL_BATCH_ROWS` rows and the 16-bit activations directly against the 8-bit weights below it
@@ -78,13 +79,18 @@ def resolve_quantization(requested: str | None, load_format: str, model_path: st
     if requested is None:
         return None
     method = QUANTIZATION_REGISTRY.get(requested)
-    if method.build is None:  # none: dense weights
-        return None
     if method.from_checkpoint_only and stored is None and load_format != "dummy":
         online = method.dense_alternative
         raise ValueError(f"{flag} {requested!r} loads a checkpoint quantized with {requested}, and {model_path!r} "
                          f"has no such quantization_config"
                          + (f"; to quantize a dense model at load use {online}" if online else ""))
+    architectures = (hf_config or {}).get("architectures") or []
+    if method.architectures and not set(architectures) & set(method.architectures):
+        held = _and(architectures) if architectures else "no architectures list"
+        raise ValueError(f"{flag} {requested!r}: pagellm loads {requested} checkpoints of "
+                         f"{_and(list(method.architectures))} only, and {model_path!r} holds {held}")
+    if method.build is None:  # dense weights (none; mxfp4, dequantized at load)
+        return None
     if load_format == "dummy" and (stored is not None or method.from_checkpoint_only):
         raise ValueError(f"{flag} {requested!r} with --load-format dummy: random weights are dense; use fp8, int8 "
                          "or rtn (quantized at load), on a config.json without quantization_config")

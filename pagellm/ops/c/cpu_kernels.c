@@ -116,10 +116,11 @@ static inline __attribute__((always_inline)) void accumulate(int NV, float *o, f
 /* Query heads h0 .. h0+G-1 (G <= HEADS, one KV head) of query t over positions lo .. len-1: each
  * head on its own, online softmax over spans of SPAN positions; the heads share each K/V row read
  * (the span's rows stay in L1 while each head passes over them). soft_cap > 0: each score s
- * becomes soft_cap * tanh(s / soft_cap). */
+ * becomes soft_cap * tanh(s / soft_cap); sinks (NULL: none): head g's sink logit sinks[g] joins
+ * its softmax's denominator (a weight without a value). */
 static void attend(const float *q, const float *k_cache, const float *v_cache, const int32_t *blocks,
                    int64_t block_size, int64_t Hkv, int64_t kvh, int64_t D, int64_t lo, int64_t len, int G,
-                   float scale, float soft_cap, float *out) {
+                   float scale, float soft_cap, const float *sinks, float *out) {
     float o[HEADS][MAX_HEAD_DIM], top[HEADS], total[HEADS];
     for (int g = 0; g < G; g++) {
         for (int64_t i = 0; i < D; i++) o[g][i] = 0.0f;
@@ -181,7 +182,12 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
         }
     }
     for (int g = 0; g < G; g++) {
-        const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
+        float shrink = 1.0f; /* the sink taken as one more score: the sums rescaled if it is the largest */
+        if (sinks) {
+            if (sinks[g] > top[g]) shrink = expf(top[g] - sinks[g]), total[g] *= shrink, top[g] = sinks[g];
+            total[g] += expf(sinks[g] - top[g]);
+        }
+        const __m256 inv = _mm256_set1_ps(shrink / total[g]);
         for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(out + g * D + i, _mm256_mul_ps(_mm256_loadu_ps(o[g] + i), inv));
     }
 }
@@ -191,14 +197,15 @@ static void attend(const float *q, const float *k_cache, const float *v_cache, c
  * query_start[b+1]-1, the last of its seq_lens[b] positions; caches [num_blocks, block_size, Hkv,
  * D]; block_table [B, bt_stride] int32. Query head h reads KV head h / (H / Hkv); D is a multiple
  * of 8, at most 256. window > 0: the query at position p sees positions p - window + 1 .. p only
- * (the blocks before are not read); soft_cap > 0: scores are capped (see attend). Work items are a query's heads that share a KV head (up to HEADS of them),
+ * (the blocks before are not read); soft_cap > 0: scores are capped, sinks [H] (NULL: none) join
+ * each head's softmax (see attend). Work items are a query's heads that share a KV head (up to HEADS of them),
  * or single heads when there are too few items for the threads; either way each head is
  * computed alone, in the same order whatever else is in the batch or the step: a token's result
  * is the same in a prompt, a decode, a recompute after preemption or any batch. */
 void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int32_t *block_table, int64_t bt_stride, const int32_t *query_start,
                      const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                     float scale, int64_t window, float soft_cap, float *out) {
+                     float scale, int64_t window, float soft_cap, const float *sinks, float *out) {
     const int64_t group = H / Hkv, T = query_start[B];
     const int64_t per_item = T * Hkv >= 4 * omp_get_max_threads() ? (group < HEADS ? group : HEADS) : 1;
     const int64_t items_per_kv = (group + per_item - 1) / per_item;
@@ -212,6 +219,6 @@ void paged_attention(const float *q, int64_t q_stride, const float *k_cache, con
         const int64_t len = seq_lens[b] - (query_start[b + 1] - 1 - t); /* positions 0 .. this one */
         const int64_t lo = window > 0 && len > window ? len - window : 0;
         attend(q + t * q_stride + h0 * D, k_cache, v_cache, block_table + b * bt_stride, block_size, Hkv, kvh, D,
-               lo, len, G, scale, soft_cap, out + (t * H + h0) * D);
+               lo, len, G, scale, soft_cap, sinks ? sinks + h0 : NULL, out + (t * H + h0) * D);
     }
 }

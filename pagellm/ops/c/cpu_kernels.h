@@ -12,5 +12,5 @@ void write_rows(const float *new_rows, int64_t T, int64_t width, int64_t stride,
 void paged_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                      const int32_t *block_table, int64_t bt_stride, const int32_t *query_start,
                      const int32_t *seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t block_size,
-                     float scale, int64_t window, float soft_cap, float *out);
+                     float scale, int64_t window, float soft_cap, const float *sinks, float *out);
 int ggml_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, float *y);

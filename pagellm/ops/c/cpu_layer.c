@@ -104,7 +104,8 @@ int decoder_layer(const DecoderLayer *L, const LayerStep *s, const float *hidden
     write_rows(k, T, Hkv * D, Hkv * D, s->slots, L->k_cache);
     write_rows(qkv + (H + Hkv) * D, T, Hkv * D, W, s->slots, L->v_cache);
     paged_attention(q, H * D, L->k_cache, L->v_cache, s->block_table, s->block_table_stride, s->query_start,
-                    s->seq_lens, s->num_seqs, H, Hkv, D, L->block_size, L->scale, L->sliding_window, 0.0f, attn);
+                    s->seq_lens, s->num_seqs, H, Hkv, D, L->block_size, L->scale, L->sliding_window, 0.0f, NULL,
+                    attn);
     if ((status = ggml_gemm(L->o_type, attn, T, H * D, L->o, E, proj))) return status;
     add_lora(&L->lora[LORA_O], s->lora_slots, attn, T, H * D, proj, E);
     rms_norm(proj, residual, L->post_norm, T, E, L->eps, normed, residual);

@@ -80,20 +80,24 @@ def attention_supports(query: torch.Tensor) -> bool:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of query [T, H, D] (heads contiguous; sequence b's queries at
     query_start_loc[b]:query_start_loc[b+1], the last of its seq_lens[b] positions) over the paged
     caches -> [T, H, D]; each query sees its last `sliding_window` positions (None: all), its
-    scores capped by `logits_soft_cap` (see `AttentionBackend.forward`)."""
+    scores capped by `logits_soft_cap`, each head's softmax joined by its `sinks` logit [H] (see
+    `AttentionBackend.forward`)."""
     if query.stride(-1) != 1 or query.stride(-2) != query.shape[-1]:
         query = query.contiguous()
+    if sinks is not None:
+        sinks = sinks.to(torch.float32).contiguous()
     num_heads, head_dim = query.shape[1:]
     out = torch.empty(query.shape, dtype=query.dtype)
     _lib().paged_attention(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
         block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(), len(seq_lens), num_heads,
         k_cache.shape[2], head_dim, k_cache.shape[1], scale, sliding_window or 0, logits_soft_cap or 0.0,
-        out.data_ptr())
+        None if sinks is None else sinks.data_ptr(), out.data_ptr())
     return out
 
 
@@ -106,7 +110,7 @@ def _lib() -> ctypes.CDLL:
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
     lib.write_rows.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     lib.paged_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, f32, i64, f32,
-                                    ptr]
+                                    ptr, ptr]
     for fn in (lib.rms_norm, lib.silu_and_mul, lib.rotary, lib.write_rows, lib.paged_attention):
         fn.restype = None
     return lib

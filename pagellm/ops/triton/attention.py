@@ -24,6 +24,7 @@ from pagellm.ops.triton.rotary import rotate_heads
 from pagellm.ops.triton.utils import last_dim_contiguous, num_warps_for, pdl, pdl_release, pdl_start, pdl_wait
 
 _LOG2E = 1.4426950408889634
+_LOG2E_JIT = tl.constexpr(_LOG2E)
 
 TUNING = {
     "decode": {"block_n": 64, "k_rows": False, "num_warps": 4, "num_stages": 2},
@@ -181,14 +182,14 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    part_out_ptr, part_ml_ptr, qk_scale, window, soft_cap_log2,
+    part_out_ptr, part_ml_ptr, sinks_ptr, qk_scale, window, soft_cap_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_pt, stride_ph, stride_ps,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     INTERPRET: tl.constexpr, K_ROWS: tl.constexpr, F16_DOTS: tl.constexpr, SLIDING: tl.constexpr,
-    SOFT_CAP: tl.constexpr,
+    SOFT_CAP: tl.constexpr, SINKS: tl.constexpr,
     PDL: tl.constexpr = False,  # see `pdl`
 ):
     # The step's layout is read before the wait (see `_write_kv_kernel`); the block table is not:
@@ -254,6 +255,8 @@ def _paged_attention_kernel(
                 block_table_ptr, qk_scale, window, soft_cap_log2, stride_kb, stride_ks, stride_kh, stride_vb,
                 stride_vs, stride_vh, stride_bt, BLOCK_N, BLOCK_SIZE, HEAD_DIM, K_ROWS, SLIDING, SOFT_CAP)
 
+    if SINKS and NUM_SPLITS == 1:  # split decodes add the sink when they merge
+        m_i, l_i, acc = _add_sink(sinks_ptr, head, row_ok, m_i, l_i, acc)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     token = q_start + q_idx
     if NUM_SPLITS == 1:
@@ -267,9 +270,20 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _add_sink(sinks_ptr, head, row_ok, m_i, l_i, acc):
+    """The online softmax's (max, sum, accumulator) of rows of `head`s with each head's sink logit
+    (natural log, in float32) taken as one more score without a value: rescaled to the new max
+    when the sink is above it, so that a large sink cannot overflow the sum."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * _LOG2E_JIT
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.exp2(sink - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    out_ptr, part_out_ptr, part_ml_ptr, sinks_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, SINKS: tl.constexpr,
     PDL: tl.constexpr = False,  # see `pdl`
 ):
     pdl_start(PDL)
@@ -285,7 +299,14 @@ def _merge_splits_kernel(
     dims = tl.arange(0, HEAD_DIM)
     o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :])
     o = tl.where(weight[:, None] > 0, o, 0.0)
-    merged = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    if SINKS:  # the sink's weight relative to m_max, which it may exceed: then all of it scales down
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E_JIT
+        m_new = tl.maximum(m_max, sink)
+        shrink = tl.exp2(m_max - m_new)
+        weight = weight * shrink
+        total = total * shrink + tl.exp2(sink - m_new)
+    merged = tl.sum(o * weight[:, None], 0) / total
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty))
 
 
@@ -305,12 +326,12 @@ def tuning_kind(max_query_len: int, num_seqs: int, num_kv_heads: int, cache_dtyp
 def paged_attention(
     out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     max_query_len: int, scale: float, num_splits: int = 1, sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
+    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
     """out/query [T, H, D]; caches [num_blocks, block_size, Hkv, D] (or any strided view with the
     same index order); block_table [num_seqs, W]; seq_lens [num_seqs]; query_start_loc
-    [num_seqs + 1]. Every row of `out` that belongs to a sequence is written. `sliding_window` and
-    `logits_soft_cap` as `AttentionBackend.forward` takes them (None: neither).
+    [num_seqs + 1]. Every row of `out` that belongs to a sequence is written. `sliding_window`,
+    `logits_soft_cap` and `sinks` [H] as `AttentionBackend.forward` takes them (None: none).
 
     num_splits (a power of 2) > 1 splits each sequence's context over that many programs; it only
     makes sense for short queries (decodes), where the grid would otherwise be too small.
@@ -333,10 +354,11 @@ def paged_attention(
         part_ml = query.new_empty((num_tokens, num_heads, num_splits, 2), dtype=torch.float32)
     else:
         part_out = part_ml = out  # unused
+    sinks_arg = out if sinks is None else sinks  # unused without sinks
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         # The scores' scale: into the log2 domain (exp2), or with a soft cap onto tanh's argument.
-        part_out, part_ml, scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap,
+        part_out, part_ml, sinks_arg, scale * _LOG2E if logits_soft_cap is None else scale / logits_soft_cap,
         sliding_window or 0, (logits_soft_cap or 1.0) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -345,12 +367,14 @@ def paged_attention(
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, NUM_SPLITS=num_splits, INTERPRET=triton_interpreting(),
         K_ROWS=cfg["k_rows"], F16_DOTS=cfg.get("f16_dots", False), SLIDING=sliding_window is not None,
-        SOFT_CAP=logits_soft_cap is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
         **pdl(query.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
-            out, part_out, part_ml, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
-            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, **pdl(query.device),
+            out, part_out, part_ml, sinks_arg, out.stride(0), out.stride(1), num_heads * num_splits, num_splits,
+            NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, SINKS=sinks is not None,
+            **pdl(query.device),
         )
 
