@@ -6,6 +6,7 @@ from collections import deque
 
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_groups import kv_cache_groups
+from pagellm.core.kv_connector import build_kv_connector_scheduler
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
@@ -62,9 +63,13 @@ class EngineCore:
             config.structured_outputs.reasoning_parser)
         self.adapters = None if config.lora is None else HostAdapterStore(
             config.model.source.arch, config.lora, self.executor.add_lora, self.executor.remove_lora)
+        transfer = config.kv_transfer
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
                                    grammars=self.grammars, speculative=config.speculative,
-                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters)
+                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters,
+                                   connector=None if transfer is None else build_kv_connector_scheduler(
+                                       transfer, config.cache.block_size, self.executor.num_host_blocks()),
+                                   swap_preemption=transfer is not None and transfer.preemption_mode == "swap")
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
@@ -103,7 +108,7 @@ class EngineCore:
         while len(self._in_flight) >= depth:  # e.g. overlap just ended: tokens must be known first
             outputs += self._collect()
         so = self.scheduler.schedule()
-        launched = not (so.is_empty and not so.freed_req_ids)
+        launched = not (so.is_empty and not so.freed_req_ids and so.kv_connector_metadata is None)
         if launched:
             self._in_flight.append(self.executor.execute_model(so))
         if self._in_flight and (len(self._in_flight) >= depth or not launched):
