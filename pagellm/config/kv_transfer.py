@@ -20,6 +20,7 @@ OFFLOADING_CONNECTOR = "OffloadingConnector"
 PREEMPTION_MODES = ("recompute", "swap")
 PreemptionMode = Literal["recompute", "swap"]
 _GiB = 1 << 30
+_EXTRA_SIZE = f"{FLAG} kv_connector_extra_config cpu_bytes_to_use"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +130,15 @@ def resolve_kv_offload(kv_transfer_config: "str | dict | None", kv_offloading_si
                          f"(--swap-space) {swap_space} disagree: give one")
     flag = "kv_offloading_size (--kv-offloading-size)" if size is not None else "swap_space (--swap-space)"
     size = size if size is not None else alias
-    if transfer is not None and transfer.kv_connector == OFFLOADING_CONNECTOR and size is None:
-        size = _gib(f"{FLAG} kv_connector_extra_config cpu_bytes_to_use",
-                    transfer.kv_connector_extra_config.get("cpu_bytes_to_use"), unit=1)
-        flag = f"{FLAG} kv_connector_extra_config cpu_bytes_to_use"
-        if size is None:
+    if transfer is not None and size is None:  # a host pool sized in the connector's own settings
+        flag = _EXTRA_SIZE
+        size = _gib(flag, transfer.kv_connector_extra_config.get("cpu_bytes_to_use"), unit=1)
+        if size is None and transfer.kv_connector == OFFLOADING_CONNECTOR:
             raise ValueError(f"{FLAG} {OFFLOADING_CONNECTOR} needs a host pool size: --kv-offloading-size GiB "
                              f"(or kv_connector_extra_config cpu_bytes_to_use)")
     if size is not None and transfer is None:
         transfer = KVTransferConfig(OFFLOADING_CONNECTOR)
-    elif size is not None and transfer.kv_connector != OFFLOADING_CONNECTOR:
+    elif size is not None and flag != _EXTRA_SIZE and transfer.kv_connector != OFFLOADING_CONNECTOR:
         raise ValueError(f"{flag} sizes the {OFFLOADING_CONNECTOR}'s host pool, but {FLAG} picks "
                          f"{transfer.kv_connector!r}")
     mode = preemption_mode or "recompute"

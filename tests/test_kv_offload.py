@@ -1,0 +1,161 @@
+"""The KV connector seam and its host tier on the CPU (a tiny random Llama, a small device pool and a
+host pool, both in CPU memory, the copies real): outputs against the tier off, swap preemption,
+a failing connector, and the flags' errors."""
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+from engine_utils import TINY_LLAMA, assert_no_leak
+
+from pagellm import LLM, SamplingParams
+from pagellm.config.kv_transfer import register_kv_connector
+from pagellm.core.kv_connector import KVConnectorOutput
+from pagellm.core.kv_offload import HostBlockIndex
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.worker.kv_offload import OffloadingWorker
+
+BLOCK = 16
+HOST_GIB = 0.01
+"""About 160 blocks of the two-layer tiny Llama's KV: room for every prompt below."""
+
+
+class FailingLoadWorker(OffloadingWorker):
+    """Loads garbage into the destination blocks and says so, as a connector whose store went away."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.failed: set[int] = set()
+
+    def _load(self, host_slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        garbage = torch.randint(0, 255, (len(block_ids), *self.host.shape[1:]), dtype=torch.uint8)
+        self._scatter(garbage, block_ids)
+        self.failed.update(block_ids)
+
+    def get_finished(self) -> KVConnectorOutput | None:
+        report = super().get_finished() or KVConnectorOutput()
+        report.failed_block_ids, self.failed = self.failed, set()
+        return report
+
+
+register_kv_connector("TestFailingLoads", "pagellm.core.kv_offload:OffloadingScheduler", FailingLoadWorker,
+                      override=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama-2l")
+    (folder / "config.json").write_text(json.dumps(dict(TINY_LLAMA, num_hidden_layers=2)))
+    return str(folder)
+
+
+def engine(model_dir: str, num_blocks: int, **kwargs) -> LLM:
+    return LLM(model_dir, load_format="dummy", device="cpu", dtype="float32", max_model_len=256,
+               num_gpu_blocks_override=num_blocks, block_size=BLOCK, **kwargs)
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_tokens_same_with_host_tier_and_swap_under_preemption(model_dir, async_scheduling):
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": tokens(rng, 40 + 9 * i)} for i in range(8)]
+    prompts += prompts  # the second round finds the first's prefixes evicted to the host
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs, stats = {}, {}
+    for mode, kwargs in [("off", {}), ("host", {"kv_offloading_size": HOST_GIB}),
+                         ("swap", {"kv_offloading_size": HOST_GIB, "preemption_mode": "swap"})]:
+        llm = engine(model_dir, 24, async_scheduling=async_scheduling, **kwargs)
+        outputs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats[mode] = llm.llm_engine.get_stats()
+        assert_no_leak(llm.llm_engine)
+        assert stats[mode].num_preemptions > 0, mode  # the running set does not fit the device pool
+    assert outputs["host"] == outputs["off"]
+    assert outputs["swap"] == outputs["off"]
+    assert stats["off"].kv_transfer is None
+    host = stats["host"].kv_transfer
+    assert host.host_hit_tokens > 0 and host.bytes_to_host > 0 and host.bytes_to_device > 0
+    assert host.swaps_out == 0
+    swap = stats["swap"].kv_transfer
+    assert swap.swaps_out > 0 and swap.swaps_in > 0
+    # Resumed from the host, a swapped request computes less than recomputation does.
+    assert stats["swap"].num_scheduled_tokens_total < stats["host"].num_scheduled_tokens_total
+
+
+def _evicted_prefix_run(llm: LLM, prefix: list[int], suffix: list[int], rng: random.Random):
+    """Run prefix + one suffix, evict the prefix from the device pool with other prompts, then run
+    prefix + `suffix` with logprobs; returns that output and the stats before and after it."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prefix + tokens(rng, 10)}, greedy, use_tqdm=False)
+    for _ in range(3):
+        llm.generate({"prompt_token_ids": tokens(rng, 150)}, greedy, use_tqdm=False)
+    before = llm.llm_engine.get_stats()
+    out = llm.generate({"prompt_token_ids": prefix + suffix},
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5), use_tqdm=False)
+    return out[0].outputs[0], before, llm.llm_engine.get_stats()
+
+
+def _assert_same(output, reference) -> None:
+    assert output.token_ids == reference.token_ids
+    for got, want in zip(output.logprobs, reference.logprobs):
+        assert got.keys() == want.keys()
+        for token_id, lp in want.items():
+            assert abs(got[token_id].logprob - lp.logprob) <= 1e-5
+
+
+def test_evicted_prefix_is_served_from_the_host_tier(model_dir):
+    rng = random.Random(1)
+    prefix, suffix = tokens(rng, 6 * BLOCK), tokens(rng, 10)
+    llm = engine(model_dir, 16, kv_offloading_size=HOST_GIB)
+    output, before, after = _evicted_prefix_run(llm, prefix, suffix, rng)
+    assert after.prefix_cache_hits == before.prefix_cache_hits  # gone from the device
+    assert after.kv_transfer.host_hit_tokens - before.kv_transfer.host_hit_tokens == len(prefix)
+    fresh = engine(model_dir, 16, enable_prefix_caching=False).generate(
+        {"prompt_token_ids": prefix + suffix},
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5), use_tqdm=False)
+    _assert_same(output, fresh[0].outputs[0])
+    assert_no_leak(llm.llm_engine)
+
+
+def test_a_failed_load_recomputes(model_dir):
+    rng = random.Random(2)
+    prefix, suffix = tokens(rng, 6 * BLOCK), tokens(rng, 10)
+    config = {"kv_connector": "TestFailingLoads", "kv_connector_extra_config": {"cpu_bytes_to_use": 8 << 20}}
+    llm = engine(model_dir, 16, kv_transfer_config=json.dumps(config))
+    output, before, after = _evicted_prefix_run(llm, prefix, suffix, rng)
+    fresh = engine(model_dir, 16, enable_prefix_caching=False).generate(
+        {"prompt_token_ids": prefix + suffix},
+        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=5), use_tqdm=False)
+    _assert_same(output, fresh[0].outputs[0])
+    assert after.kv_transfer.failed_loads - before.kv_transfer.failed_loads == 1
+    assert_no_leak(llm.llm_engine)
+
+
+def test_host_index_evicts_least_recently_used_and_keeps_the_steps_slots():
+    index = HostBlockIndex(2)
+    a, b = index.insert("a", set()), index.insert("b", set())
+    index.take("a")  # "b" is now the least recently used
+    assert index.insert("c", set()) == b and "b" not in index
+    assert index.insert("d", {a, b}) is None  # both slots busy this step
+    index.drop("a")
+    assert index.insert("e", set()) == a and len(index) == 2
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"kv_offloading_size": 1e9}, "--kv-offloading-size"),
+    ({"swap_space": 1e9}, "--swap-space"),
+    ({"kv_offloading_size": -1}, "--kv-offloading-size"),
+    ({"kv_transfer_config": '{"kv_connector": "NoSuchConnector"}'}, "--kv-transfer-config"),
+    ({"kv_transfer_config": '{"kv_connector": '}, "--kv-transfer-config"),
+    ({"kv_transfer_config": '{"kv_connector": "OffloadingConnector", "kv_rol": "kv_both"}'}, "--kv-transfer-config"),
+    ({"preemption_mode": "swap"}, "--preemption-mode"),
+    ({"preemption_mode": "evict", "kv_offloading_size": 1}, "--preemption-mode"),
+])
+def test_bad_flags_name_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        EngineArgs(**kwargs).validate()
