@@ -4,6 +4,7 @@ a failing connector, and the flags' errors."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Sequence
 
@@ -13,9 +14,13 @@ from engine_utils import TINY_LLAMA, assert_no_leak
 
 from pagellm import LLM, SamplingParams
 from pagellm.config.kv_transfer import register_kv_connector
-from pagellm.core.kv_connector import KVConnectorOutput
+from pagellm.core.kv_connector import KVConnectorOutput, KVTransferStats
 from pagellm.core.kv_offload import HostBlockIndex
+from pagellm.core.outputs import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.metrics.log_stats import LoggingStatLogger
+from pagellm.metrics.prometheus import PrometheusStatLogger
+from pagellm.metrics.stats import IterationStats
 from pagellm.worker.kv_offload import OffloadingWorker
 
 BLOCK = 16
@@ -159,3 +164,24 @@ def test_host_index_evicts_least_recently_used_and_keeps_the_steps_slots():
 def test_bad_flags_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         EngineArgs(**kwargs).validate()
+
+
+def test_log_line_and_metrics_show_the_host_tier(caplog):
+    clock = [1000.0]
+    log = logging.getLogger("pagellm.metrics.kv_offload_test")
+    caplog.set_level(logging.INFO, logger=log.name)
+    stat_logger = LoggingStatLogger(interval_s=10.0, logger=log, clock=lambda: clock[0])
+    metrics = PrometheusStatLogger("m", max_model_len=256)
+    stats = SchedulerStats(prefix_cache_queries=100, prefix_cache_hits=20,
+                           kv_transfer=KVTransferStats(host_hit_tokens=10, bytes_to_host=4096, swaps_out=1))
+    metrics.record(stats, IterationStats())
+    clock[0] += 10
+    stats = SchedulerStats(prefix_cache_queries=200, prefix_cache_hits=50,
+                           kv_transfer=KVTransferStats(host_hit_tokens=60, bytes_to_host=8192, swaps_out=1))
+    stat_logger.record(stats, IterationStats())
+    metrics.record(stats, IterationStats())
+    assert caplog.messages[0].endswith("Prefix cache hit rate: 25.0%, Host KV hit rate: 30.0%")  # 60 of 200
+    text = metrics.render().decode()
+    assert 'pagellm:kv_offload_hit_tokens_total{engine="0",model_name="m"} 60.0' in text
+    assert 'pagellm:kv_offload_bytes_to_host_total{engine="0",model_name="m"} 8192.0' in text
+    assert 'pagellm:kv_offload_swaps_out_total{engine="0",model_name="m"} 1.0' in text
