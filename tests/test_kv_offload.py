@@ -7,6 +7,7 @@ import json
 import logging
 import random
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,12 +16,13 @@ from engine_utils import TINY_LLAMA, assert_no_leak
 from pagellm import LLM, SamplingParams
 from pagellm.config.kv_transfer import register_kv_connector
 from pagellm.core.kv_connector import KVConnectorOutput, KVTransferStats
-from pagellm.core.kv_offload import HostBlockIndex
+from pagellm.core.kv_offload import HostBlockIndex, OffloadMetadata
 from pagellm.core.outputs import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.stats import IterationStats
+from pagellm.worker import kv_offload
 from pagellm.worker.kv_offload import OffloadingWorker
 
 BLOCK = 16
@@ -36,7 +38,7 @@ class FailingLoadWorker(OffloadingWorker):
         self.failed: set[int] = set()
 
     def _load(self, host_slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        garbage = torch.randint(0, 255, (len(block_ids), *self.host.shape[1:]), dtype=torch.uint8)
+        garbage = torch.randint(0, 255, (len(block_ids), *self.host.shape[1:]), dtype=torch.uint8, device=self.device)
         self._scatter(garbage, block_ids)
         self.failed.update(block_ids)
 
@@ -185,3 +187,24 @@ def test_log_line_and_metrics_show_the_host_tier(caplog):
     assert 'pagellm:kv_offload_hit_tokens_total{engine="0",model_name="m"} 60.0' in text
     assert 'pagellm:kv_offload_bytes_to_host_total{engine="0",model_name="m"} 8192.0' in text
     assert 'pagellm:kv_offload_swaps_out_total{engine="0",model_name="m"} 1.0' in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_worker_copies_blocks_out_and_back_in_chunks(monkeypatch, dtype):
+    monkeypatch.setattr(kv_offload, "STAGING_BLOCKS", 3)  # several chunks, one run of slots split
+    shape = (12, BLOCK, 2, 8)
+    caches = [tuple(torch.randn(shape).to(dtype) for _ in range(2)) for _ in range(2)]
+    original = [t.clone() for pair in caches for t in pair]
+    config = SimpleNamespace(kv_transfer=SimpleNamespace(host_bytes=10 * 4 * BLOCK * 2 * 8 * dtype.itemsize))
+    worker = kv_offload.OffloadingWorker(config, caches)
+    assert worker.num_host_blocks == 10
+    saved, slots = [7, 1, 2, 9, 4, 0, 11], [0, 1, 2, 3, 8, 9, 5]
+    # Block 0 is saved and, in the same step, loaded into: the save must see its old bytes.
+    worker.start_load_kv(OffloadMetadata(save_device=saved, save_host=slots, load_host=[6], load_device=[0]))
+    report = worker.get_finished()
+    assert (report.bytes_to_host, report.bytes_to_device) == (7 * worker.block_bytes, worker.block_bytes)
+    targets = [3, 5, 6, 8, 10, 0, 2]
+    worker.start_load_kv(OffloadMetadata(load_host=slots, load_device=targets))
+    tensors = [t for pair in caches for t in pair]
+    for got, want in zip(tensors, original):
+        assert torch.equal(got[targets].view(torch.uint8), want[saved].view(torch.uint8))

@@ -29,6 +29,12 @@ class KVConnectorWorker(ABC):
         self.config = config
         self.kv_caches = kv_caches
 
+    @classmethod
+    def device_bytes(cls, block_bytes: int) -> int:
+        """Device memory it takes beside the KV cache (staging buffers), for blocks of `block_bytes`
+        on this rank: the cache is sized without it."""
+        return 0
+
     @property
     def num_host_blocks(self) -> int:
         """Blocks this rank keeps outside the device (0: none)."""
@@ -52,8 +58,8 @@ class KVConnectorWorker(ABC):
         return None
 
 
-def build_kv_connector_worker(config: EngineConfig, kv_caches: KVCaches) -> KVConnectorWorker | None:
-    """The worker half of the configured connector (None: no connector)."""
+def kv_connector_worker_class(config: EngineConfig) -> type[KVConnectorWorker] | None:
+    """The configured connector's worker half (None: no connector)."""
     if config.kv_transfer is None:
         return None
     entry = KV_CONNECTOR_REGISTRY.get(config.kv_transfer.transfer.kv_connector)
@@ -61,4 +67,10 @@ def build_kv_connector_worker(config: EngineConfig, kv_caches: KVCaches) -> KVCo
     if not (isinstance(cls, type) and issubclass(cls, KVConnectorWorker)):
         raise ValueError(f"KV connector {entry.name!r}: worker_cls must be a subclass of "
                          f"pagellm.worker.kv_connector.KVConnectorWorker, got {cls!r}")
-    return cls(config, kv_caches)
+    return cls
+
+
+def build_kv_connector_worker(config: EngineConfig, kv_caches: KVCaches) -> KVConnectorWorker | None:
+    """The worker half of the configured connector on this rank's cache (None: no connector)."""
+    cls = kv_connector_worker_class(config)
+    return None if cls is None else cls(config, kv_caches)

@@ -14,6 +14,7 @@ from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_distributed, parallel_state
 from pagellm.lora.adapter import LoRAAdapter
 from pagellm.plugins import load_plugins
+from pagellm.worker.kv_connector import kv_connector_worker_class
 from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,9 @@ class Worker:
             budget = self.config.default_cpu_kv_cache_bytes() // self.config.parallel.world_size
         else:
             budget = self._gpu_kv_budget()
+        connector = kv_connector_worker_class(self.config)
+        if connector is not None and self.config.device.type == "cuda":
+            budget -= connector.device_bytes(block_bytes)
         num_blocks = budget // block_bytes
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache.block_size,
                     num_blocks * block_bytes / _GiB)
