@@ -208,3 +208,18 @@ def test_worker_copies_blocks_out_and_back_in_chunks(monkeypatch, dtype):
     tensors = [t for pair in caches for t in pair]
     for got, want in zip(tensors, original):
         assert torch.equal(got[targets].view(torch.uint8), want[saved].view(torch.uint8))
+
+
+@pytest.mark.slow  # two rank processes over gloo, each starting Python and importing torch
+def test_tensor_parallel_ranks_copy_their_own_shards(model_dir):
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": tokens(rng, 40 + 9 * i)} for i in range(6)] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # Dummy weights are drawn per shard: the reference is the same split without the host tier.
+    reference = [o.outputs[0].token_ids for o in engine(model_dir, 24, tensor_parallel_size=2).generate(
+        prompts, params, use_tqdm=False)]
+    llm = engine(model_dir, 24, tensor_parallel_size=2, kv_offloading_size=HOST_GIB, preemption_mode="swap")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    stats = llm.llm_engine.get_stats()
+    assert got == reference
+    assert stats.num_preemptions > 0 and stats.kv_transfer.swaps_in > 0 and stats.kv_transfer.host_hit_tokens > 0
