@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_utils import TINY_LLAMA, assert_no_leak
 
+from benchmarks import kv_offload as kv_offload_bench
 from pagellm import LLM, SamplingParams
 from pagellm.config.kv_transfer import register_kv_connector
 from pagellm.core.kv_connector import KVConnectorOutput, KVTransferStats
@@ -223,3 +224,13 @@ def test_tensor_parallel_ranks_copy_their_own_shards(model_dir):
     stats = llm.llm_engine.get_stats()
     assert got == reference
     assert stats.num_preemptions > 0 and stats.kv_transfer.swaps_in > 0 and stats.kv_transfer.host_hit_tokens > 0
+
+
+@pytest.mark.slow  # five SmolLM2 engines on the CPU, about 20 s
+def test_benchmark_smoke_runs_every_phase():
+    payload = kv_offload_bench.main(["--model", "", "--load-format", "auto", "--smoke"])
+    assert all(record["status"] == "ok" for record in payload["phases"].values()), payload["phases"]
+    results = payload["results"]
+    assert results["multi_turn_with_host"]["host_hit_rate"] > 0
+    assert results["preemption_swap"]["swaps_in"] > 0 and results["preemption_recompute"]["num_preemptions"] > 0
+    assert results["copy_bandwidth"]["bytes"] > 0

@@ -4,8 +4,9 @@
 The model runner calls, each step: `start_load_kv` with the step's metadata (before the forward;
 transfers queued, not waited for), `wait_for_layer_load` before the forward reads the cache (on a
 GPU the compute stream waits for the copy stream, the host does not block; the runner waits for
-every layer at once, outside CUDA graphs), `save_kv_layer` / `wait_for_save` after it, then
-`get_finished` for the step's report to the scheduler.
+every layer at once, outside CUDA graphs), then `get_finished` for the step's report to the
+scheduler. Saves are planned by the scheduler half (blocks leaving the device cache) and run in
+`start_load_kv`, before anything overwrites them: there is no per-layer save from the forward.
 """
 from __future__ import annotations
 
@@ -46,12 +47,6 @@ class KVConnectorWorker(ABC):
 
     def wait_for_layer_load(self, layer: int | None = None) -> None:
         """Make the forward's reads of `layer` (None: every layer) wait for its loads."""
-
-    def save_kv_layer(self, layer: int) -> None:
-        """After the forward wrote `layer`'s KV: queue what the connector saves of it."""
-
-    def wait_for_save(self) -> None:
-        """Until the step's saves no longer read the device blocks."""
 
     def get_finished(self) -> KVConnectorOutput | None:
         """The step's report (failed loads, bytes moved); None: nothing to report."""

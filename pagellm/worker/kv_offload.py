@@ -124,6 +124,11 @@ class OffloadingWorker(KVConnectorWorker):
             torch.cuda.current_stream(self.device).wait_event(self._ready)
             self._waiting = False
 
+    def synchronize(self) -> None:
+        """Until every copy queued has landed (benchmarks)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def get_finished(self) -> KVConnectorOutput | None:
         report, self._report = self._report, KVConnectorOutput()
         return report if report.bytes_to_host or report.bytes_to_device else None
