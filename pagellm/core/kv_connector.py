@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVOffloadConfig
-from pagellm.config.registry import resolve
 from pagellm.core.hashing import BlockHash
 
 if TYPE_CHECKING:
+    from pagellm.config.kv_transfer import KVOffloadConfig
     from pagellm.core.request import Request
 
 
@@ -105,13 +104,3 @@ class KVConnectorScheduler(ABC):
         self.stats.bytes_to_host += output.bytes_to_host
         self.stats.bytes_to_device += output.bytes_to_device
 
-
-def build_kv_connector_scheduler(config: KVOffloadConfig, block_size: int,
-                                 num_host_blocks: int) -> KVConnectorScheduler:
-    """The scheduler half of the configured connector."""
-    entry = KV_CONNECTOR_REGISTRY.get(config.transfer.kv_connector)
-    cls = resolve(entry.scheduler_cls)
-    if not (isinstance(cls, type) and issubclass(cls, KVConnectorScheduler)):
-        raise ValueError(f"KV connector {entry.name!r}: scheduler_cls must be a subclass of "
-                         f"pagellm.core.kv_connector.KVConnectorScheduler, got {cls!r}")
-    return cls(config, block_size, num_host_blocks)

@@ -5,8 +5,10 @@ import logging
 from collections import deque
 
 from pagellm.config import EngineConfig
+from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVOffloadConfig
+from pagellm.config.registry import resolve
 from pagellm.core.kv_cache_groups import kv_cache_groups
-from pagellm.core.kv_connector import build_kv_connector_scheduler
+from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
@@ -144,6 +146,17 @@ class EngineCore:
         if self.adapters is not None:
             self.adapters.shutdown()
         self.executor.shutdown()
+
+
+def build_kv_connector_scheduler(config: KVOffloadConfig, block_size: int,
+                                 num_host_blocks: int) -> KVConnectorScheduler:
+    """The scheduler half of the configured KV connector."""
+    entry = KV_CONNECTOR_REGISTRY.get(config.transfer.kv_connector)
+    cls = resolve(entry.scheduler_cls)
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorScheduler)):
+        raise ValueError(f"KV connector {entry.name!r}: scheduler_cls must be a subclass of "
+                         f"pagellm.core.kv_connector.KVConnectorScheduler, got {cls!r}")
+    return cls(config, block_size, num_host_blocks)
 
 
 def _no_kv_block_error(config: EngineConfig) -> str:
