@@ -15,6 +15,7 @@ from engine_utils import TINY_LLAMA, assert_no_leak
 
 from benchmarks import kv_offload as kv_offload_bench
 from pagellm import LLM, SamplingParams
+from pagellm.cli import main as cli_main
 from pagellm.config.kv_transfer import register_kv_connector
 from pagellm.core.kv_connector import KVConnectorOutput, KVTransferStats
 from pagellm.core.kv_offload import HostBlockIndex, OffloadMetadata
@@ -234,3 +235,17 @@ def test_benchmark_smoke_runs_every_phase():
     assert results["multi_turn_with_host"]["host_hit_rate"] > 0
     assert results["preemption_swap"]["swaps_in"] > 0 and results["preemption_recompute"]["num_preemptions"] > 0
     assert results["copy_bandwidth"]["bytes"] > 0
+
+
+def test_plan_counts_the_host_tier_and_its_staging(capsys):
+    def plan(*extra: str) -> dict:
+        assert cli_main(["plan", "llama-3.1-8b", "--gpu-memory-gib", "80", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    without, with_host = plan(), plan("--kv-offloading-size", "64")
+    block = with_host["kv_bytes_per_block"]
+    assert with_host["staging_bytes"] == 2 * kv_offload.STAGING_BLOCKS * block and without["staging_bytes"] == 0
+    assert without["num_kv_blocks"] - with_host["num_kv_blocks"] == pytest.approx(2 * kv_offload.STAGING_BLOCKS, abs=1)
+    assert with_host["host_kv_tokens"] == (64 << 30) // block * BLOCK
+    assert cli_main(["plan", "llama-3.1-8b", "--gpu-memory-gib", "80", "--kv-offloading-size", "-1"]) == 2
+    assert "--kv-offloading-size" in capsys.readouterr().err
