@@ -249,3 +249,24 @@ def test_plan_counts_the_host_tier_and_its_staging(capsys):
     assert with_host["host_kv_tokens"] == (64 << 30) // block * BLOCK
     assert cli_main(["plan", "llama-3.1-8b", "--gpu-memory-gib", "80", "--kv-offloading-size", "-1"]) == 2
     assert "--kv-offloading-size" in capsys.readouterr().err
+
+
+def test_models_with_sliding_windows_are_refused(tmp_path):
+    mistral = dict(TINY_LLAMA, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32)
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    with pytest.raises(ValueError, match="--kv-offloading-size.*sliding-window"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu", dtype="float32", max_model_len=256,
+            kv_offloading_size=HOST_GIB)
+
+
+def test_fp8_cache_round_trips_through_the_host_tier(model_dir):
+    rng = random.Random(4)
+    prompts = [{"prompt_token_ids": tokens(rng, 40 + 9 * i)} for i in range(6)] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    fp8 = dict(kv_cache_dtype="fp8", attention_backend="torch")
+    off = engine(model_dir, 20, **fp8).generate(prompts, params, use_tqdm=False)
+    llm = engine(model_dir, 20, kv_offloading_size=HOST_GIB, preemption_mode="swap", **fp8)
+    on = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    stats = llm.llm_engine.get_stats()
+    assert stats.kv_transfer.host_hit_tokens > 0 and stats.kv_transfer.swaps_in > 0
