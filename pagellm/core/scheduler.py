@@ -280,7 +280,9 @@ class Scheduler:
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_external = 0  # tokens the KV connector loads after the device's hit
             if self.connector is not None and not request.load_failed:
-                num_external = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                # Never the last token (it must run to give logits), whatever the connector says.
+                num_external = max(0, min(self.connector.get_num_new_matched_tokens(request, num_hit_tokens),
+                                          request.num_tokens - 1 - num_hit_tokens))
             num_computed = num_hit_tokens + num_external
             num_new = min(request.num_tokens - num_computed, budget)
             lookahead = self._lookahead(request, num_computed + num_new, speculate)
