@@ -3,6 +3,7 @@ host pool, both in CPU memory, the copies real): outputs against the tier off, s
 a failing connector, and the flags' errors."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -11,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_utils import TINY_LLAMA, assert_no_leak
+from engine_utils import TINY_LLAMA, assert_no_leak, wait_for
 
 from benchmarks import kv_offload as kv_offload_bench
 from pagellm import LLM, SamplingParams
@@ -21,6 +22,7 @@ from pagellm.core.kv_connector import KVConnectorOutput, KVTransferStats
 from pagellm.core.kv_offload import HostBlockIndex, OffloadMetadata
 from pagellm.core.outputs import SchedulerStats
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.stats import IterationStats
@@ -270,3 +272,26 @@ def test_fp8_cache_round_trips_through_the_host_tier(model_dir):
     assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     stats = llm.llm_engine.get_stats()
     assert stats.kv_transfer.host_hit_tokens > 0 and stats.kv_transfer.swaps_in > 0
+
+
+@pytest.mark.slow  # the engine core in a process of its own
+def test_host_tier_stats_reach_the_api_process(model_dir):
+    llm = AsyncLLM.from_engine_args(EngineArgs(model_dir, load_format="dummy", device="cpu", dtype="float32",
+                                               max_model_len=256, num_gpu_blocks_override=16, block_size=BLOCK,
+                                               kv_offloading_size=HOST_GIB))
+    rng = random.Random(5)
+    prefix = tokens(rng, 6 * BLOCK)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def run() -> None:
+        for i, prompt in enumerate([prefix + tokens(rng, 10), *(tokens(rng, 150) for _ in range(3)),
+                                    prefix + tokens(rng, 10)]):
+            async for _ in llm.generate({"prompt_token_ids": prompt}, params, str(i)):
+                pass
+        await wait_for(lambda: llm.get_stats().kv_transfer is not None
+                       and llm.get_stats().kv_transfer.host_hit_tokens == len(prefix))
+
+    try:
+        asyncio.run(run())
+    finally:
+        llm.shutdown()
