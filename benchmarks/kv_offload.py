@@ -22,9 +22,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import multiprocessing
 import random
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +198,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _isolated(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """`fn(*args)` in a fresh process: an engine's device memory and its pinned host pool (which
+    PyTorch keeps cached once freed, so the next pool would not find the host memory available) go
+    back when it exits. The phase's deadline (an argument) stops it in time."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     if args.smoke:
@@ -202,13 +213,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, key, value)
         args.max_model_len = max(_final_history(args) + 16, args.preempt_input_len + args.preempt_output_len + 16)
     phases = PhaseRunner(args.budget_s, {})
-    results = {
-        "multi_turn_without_host": phases.run("multi_turn_without_host", lambda d: multi_turn(args, False, d)),
-        "multi_turn_with_host": phases.run("multi_turn_with_host", lambda d: multi_turn(args, True, d)),
-        "preemption_recompute": phases.run("preemption_recompute", lambda d: preemption(args, "recompute", d)),
-        "preemption_swap": phases.run("preemption_swap", lambda d: preemption(args, "swap", d)),
-        "copy_bandwidth": phases.run("copy_bandwidth", lambda d: copy_bandwidth(args, d)),
-    }
+    plan = {"multi_turn_without_host": (multi_turn, False), "multi_turn_with_host": (multi_turn, True),
+            "preemption_recompute": (preemption, "recompute"), "preemption_swap": (preemption, "swap"),
+            "copy_bandwidth": (copy_bandwidth,)}
+    results = {name: phases.run(name, lambda deadline, fn=fn, extra=extra: _isolated(fn, args, *extra, deadline))
+               for name, (fn, *extra) in plan.items()}
     payload = {"benchmark": "kv_offload", **run_metadata(args.commit),
                "parameters": {k: v for k, v in vars(args).items() if k not in ("out_dir", "commit")},
                "phases": phases.records, "results": results, "ratios": _ratios(results)}

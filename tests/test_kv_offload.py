@@ -229,7 +229,7 @@ def test_tensor_parallel_ranks_copy_their_own_shards(model_dir):
     assert stats.num_preemptions > 0 and stats.kv_transfer.swaps_in > 0 and stats.kv_transfer.host_hit_tokens > 0
 
 
-@pytest.mark.slow  # five SmolLM2 engines on the CPU, about 20 s
+@pytest.mark.slow  # five SmolLM2 engines on the CPU, each in a process of its own: about 35 s
 def test_benchmark_smoke_runs_every_phase():
     payload = kv_offload_bench.main(["--model", "", "--load-format", "auto", "--smoke"])
     assert all(record["status"] == "ok" for record in payload["phases"].values()), payload["phases"]
