@@ -295,3 +295,22 @@ def test_host_tier_stats_reach_the_api_process(model_dir):
         asyncio.run(run())
     finally:
         llm.shutdown()
+
+
+def test_swap_with_ngram_speculation_and_prompt_logprobs(model_dir):
+    rng = random.Random(6)
+    repeated = tokens(rng, 20) * 4  # prompt lookup finds drafts in it
+    prompts = [{"prompt_token_ids": repeated[:40 + 9 * i] + tokens(rng, 5)} for i in range(8)] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=2 if i % 5 == 0 else None) for i in range(len(prompts))]
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+
+    def run(**kwargs):
+        llm = engine(model_dir, 20, **ngram, **kwargs)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, str(o.prompt_logprobs)) for o in outputs], llm.llm_engine.get_stats()
+
+    off, _ = run()
+    swap, stats = run(kv_offloading_size=HOST_GIB, preemption_mode="swap")
+    assert swap == off
+    assert stats.num_preemptions > 0 and stats.kv_transfer.swaps_in > 0 and stats.spec.num_drafts > 0
