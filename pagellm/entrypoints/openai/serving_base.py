@@ -161,6 +161,10 @@ class OpenAIServing:
         """The request's SamplingParams, constrained by `constraint`; 400 naming the field that asks
         for more than the server's limits (logprobs, sequences, stop strings) or for token ids outside
         the vocabulary."""
+        if request.priority != 0 and self.engine.config.scheduler.policy != "priority":
+            raise APIError(f"priority {request.priority} is not supported: this server schedules first come, first "
+                           "served (start it with --scheduling-policy priority to schedule by priority)",
+                           param="priority")
         limit = self.engine.config.model.max_logprobs
         for name, value in request.logprob_fields().items():
             if value is not None and value > limit:
@@ -251,12 +255,13 @@ class OpenAIServing:
         return f"{prefix}-{requested or request_id_of(raw_request.scope) or uuid.uuid4().hex}"
 
     async def start(self, prompt: dict[str, Any], params: SamplingParams | PoolingParams, request_id: str,
-                    constraint: OutputConstraint | None = None, lora_request: LoRARequest | None = None) -> Started:
-        """Submit a request (with the adapter `lora_request`) and wait for its first output, so that
+                    constraint: OutputConstraint | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> Started:
+        """Submit a request (with the adapter `lora_request`, at `priority`) and wait for its first output, so that
         input the engine rejects (an adapter that fails to load too) is a 400 before a (streamed)
         response has begun; one whose `constraint` (the params' structured output) cannot be
         compiled names the request field it came from."""
-        outputs = self.engine.generate(prompt, params, request_id, lora_request)
+        outputs = self.engine.generate(prompt, params, request_id, lora_request, priority=priority)
         try:
             first = await anext(outputs)
         except GrammarError as e:
@@ -271,12 +276,12 @@ class OpenAIServing:
 
     async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams | PoolingParams,
                         request_id: str, constraint: OutputConstraint | None = None,
-                        lora_request: LoRARequest | None = None) -> list[Started]:
+                        lora_request: LoRARequest | None = None, priority: int = 0) -> list[Started]:
         """`start` for the prompts of one request at once (they are batched together), as
         `request_id` (one prompt) or `request_id-i`; if any fails, the others are aborted and the
         first failure is raised."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.start(p, params, i, constraint, lora_request)
+        results = await asyncio.gather(*(self.start(p, params, i, constraint, lora_request, priority)
                                          for p, i in zip(prompts, ids)), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -308,7 +313,7 @@ class OpenAIServing:
                 params.skip_special_tokens = False  # the parser's marker is one
             await self.admit(raw_request, [len(token_ids)], params, "messages", param)
             prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
-            started = await self.start(prompt, params, request_id, constraint, model.lora_request)
+            started = await self.start(prompt, params, request_id, constraint, model.lora_request, request.priority)
         except APIError as e:
             if e.param is not None:
                 e.param = names.get(e.param, e.param)

@@ -62,7 +62,8 @@ class OpenAIServingCompletion(OpenAIServing):
                          "max_tokens")
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
-        started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request)
+        started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request,
+                                       request.priority)
         # After truncate_prompt_tokens the echo is what the model saw.
         submitted = [_Prompt(s, self._echo_text(prompt, s[0], len(p["prompt_token_ids"]), request)
                              if request.echo else "")

@@ -1,0 +1,224 @@
+"""Priority scheduling (`--scheduling-policy priority`, vLLM's): admission by (priority, arrival),
+preemption of the lowest priority first, and a waiting request of a higher priority preempting a
+running one of a lower priority; at the scheduler (fake worker), through `LLM` and over HTTP."""
+from __future__ import annotations
+
+import json
+
+import msgspec
+import openai
+import pytest
+from engine_utils import TINY_LLAMA, assert_no_leak
+from starlette.testclient import TestClient
+from test_scheduler import Driver, Result, limits, make_record, prompt, reference
+
+from pagellm import LLM, SamplingParams
+from pagellm.core.request import RequestStatus
+from pagellm.core.request_queue import PriorityRequestQueue
+from pagellm.core.scheduler import Scheduler
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.api_server import build_app
+
+
+def driver(policy: str, **kw) -> Driver:
+    d = Driver(limits(**kw))
+    d.s = Scheduler(d.s.limits, policy=policy)
+    return d
+
+
+def add(d: Driver, rid: str, priority: int, prompt_ids: list[int], max_tokens: int = 8,
+        arrival_time: float | None = None) -> None:
+    record = make_record(rid, prompt_ids, max_tokens)
+    changes = {"priority": priority} | ({} if arrival_time is None else {"arrival_time": arrival_time})
+    d.s.add_request(msgspec.structs.replace(record, **changes))
+    d.results[rid] = Result()
+
+
+def finish_steps(d: Driver) -> dict[str, int]:
+    """Run to the end; the step at which each request finished."""
+    finished: dict[str, int] = {}
+    step = 0
+    while d.s.has_unfinished_requests():
+        d.step()
+        for rid, r in d.results.items():
+            if r.finish_reason is not None and rid not in finished:
+                finished[rid] = step
+        step += 1
+    return finished
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_high_priority_request_behind_32_low_ones_starts_and_finishes_first(policy):
+    d = driver(policy, max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(32):
+        add(d, f"low{i}", 1, prompt(i, 6))
+    add(d, "high", 0, prompt(99, 6))
+    first = d.step()
+    finished = finish_steps(d)
+    for rid, r in d.results.items():
+        seed = 99 if rid == "high" else int(rid[3:])
+        assert r.tokens == reference(prompt(seed, 6), 8), rid
+    lows = [finished[f"low{i}"] for i in range(32)]
+    if policy == "priority":
+        assert first.scheduled_new_reqs[0].req_id == "high"
+        assert finished["high"] <= min(lows)
+        assert sum(step > finished["high"] for step in lows) == 32 - 3, "only the 3 admitted beside it end with it"
+    else:  # the control: first come, first served runs it last
+        assert "high" not in [nr.req_id for nr in first.scheduled_new_reqs]
+        assert finished["high"] >= max(lows)
+
+
+def test_equal_priorities_keep_arrival_order():
+    d = driver("priority", max_num_seqs=1)
+    # Added out of arrival order: the record's arrival_time decides among equals, not the call order.
+    for rid, priority, arrival in (("c", 2, 3.0), ("a", 2, 1.0), ("x", 0, 9.0), ("b", 2, 2.0), ("y", 0, 8.0),
+                                   ("z", 7, 0.0)):
+        add(d, rid, priority, prompt(ord(rid), 5), max_tokens=2, arrival_time=arrival)
+    finish_steps(d)
+    assert d.admitted == ["y", "x", "a", "b", "c", "z"]
+
+
+def test_fcfs_ignores_priorities():
+    d = driver("fcfs", max_num_seqs=1)
+    for i, priority in enumerate((5, 0, 3)):
+        add(d, f"r{i}", priority, prompt(i, 5), max_tokens=2)
+    finish_steps(d)
+    assert d.admitted == ["r0", "r1", "r2"]
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_under_memory_pressure_the_lowest_priority_is_preempted(policy):
+    """`low` runs first, alone; `high` is admitted after it. Blocks then run out: the priority policy
+    preempts `low` (the lowest priority), fcfs the most recently admitted (`high`)."""
+    d = driver(policy, num_blocks=8, block_size=4, max_num_batched_tokens=16)
+    add(d, "low", 5, prompt(1, 12), max_tokens=16)
+    d.step()
+    add(d, "high", 0, prompt(2, 8), max_tokens=12)
+    finish_steps(d)
+    assert d.results["low"].tokens == reference(prompt(1, 12), 16)
+    assert d.results["high"].tokens == reference(prompt(2, 8), 12)
+    victims = {rid for _, rid in d.preempted}
+    assert victims == ({"low"} if policy == "priority" else {"high"})
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_waiting_high_priority_request_preempts_a_lower_running_one(policy):
+    d = driver(policy, num_blocks=8, block_size=4, max_num_batched_tokens=32)
+    add(d, "low", 5, prompt(1, 20), max_tokens=8)
+    for _ in range(3):
+        d.step()
+    assert d.s.kv.pool.num_free_blocks < 3
+    add(d, "peer", 5, prompt(3, 12), max_tokens=4)  # the same priority: never preempts
+    add(d, "high", 0, prompt(2, 12), max_tokens=4)
+    out = d.step()
+    if policy == "priority":
+        assert [nr.req_id for nr in out.scheduled_new_reqs] == ["high"]
+        assert "low" in out.freed_req_ids and "low" not in out.num_scheduled_tokens
+        assert d.s.requests["low"].status == RequestStatus.PREEMPTED
+    else:
+        assert not out.scheduled_new_reqs and not d.preempted
+    finished = finish_steps(d)
+    for rid, seed, n, mt in (("low", 1, 20, 8), ("peer", 3, 12, 4), ("high", 2, 12, 4)):
+        assert d.results[rid].tokens == reference(prompt(seed, n), mt), rid
+    if policy == "priority":
+        assert finished["high"] < finished["low"] and {rid for _, rid in d.preempted} == {"low"}
+        assert d.admitted.index("peer") > d.admitted.index("low", 1), "the peer waits behind its elder"
+
+
+def test_aborting_a_waiting_request_takes_it_out_of_the_queue():
+    d = driver("priority", max_num_seqs=1)
+    for rid, priority in (("a", 1), ("b", 0), ("c", 1), ("d", 2)):
+        add(d, rid, priority, prompt(ord(rid), 5), max_tokens=2)
+    d.step()
+    assert d.s.make_stats().num_waiting_by_priority == {1: 2, 2: 1}
+    [aborted] = d.s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert aborted.request_id == "a" and "a" not in d.s.requests
+    assert [r.request_id for r in d.s.waiting] == ["c", "d"]
+    assert d.s.make_stats().num_waiting_by_priority == {1: 1, 2: 1}
+    d.results.pop("a")
+    finish_steps(d)
+    assert d.admitted == ["b", "c", "d"]
+    assert d.s.make_stats().num_waiting_by_priority == {}
+
+
+def test_the_priority_queue_drops_removed_entries_lazily():
+    q = PriorityRequestQueue()
+    s = Scheduler(limits(), policy="priority")
+    reqs = [s.add_request(msgspec.structs.replace(make_record(f"r{i}", [1, 2]), priority=p, arrival_time=float(i)))
+            for i, p in enumerate((3, 1, 2, 1))]
+    for r in reqs:
+        q.push(r)
+    q.remove(reqs[1])
+    assert len(q) == 3 and q.peek() is reqs[3]
+    assert [q.pop_next().request_id for _ in range(3)] == ["r3", "r2", "r0"]
+    assert len(q) == 0 and not q.num_by_priority
+
+
+def test_an_unknown_policy_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--scheduling-policy"):
+        Scheduler(limits(), policy="lifo")
+    with pytest.raises(ValueError, match="--scheduling-policy"):
+        EngineArgs(scheduling_policy="lifo").validate()
+
+
+# -- LLM, offline ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(folder)
+
+
+def tiny_llm(model: str, policy: str, **kw) -> LLM:
+    return LLM(model, load_format="dummy", device="cpu", dtype="float32", max_model_len=128,
+               scheduling_policy=policy, enable_prefix_caching=False, **kw)
+
+
+def test_priorities_change_the_order_not_the_outputs(tiny_model):
+    prompts = [[10 + 7 * i + j for j in range(20 + 4 * i)] for i in range(8)]
+    priorities = [3, 0, 2, 1, 0, 5, 1, 2]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Few blocks and sequences: admission order and preemptions differ from fcfs's.
+    fcfs = tiny_llm(tiny_model, "fcfs", num_gpu_blocks_override=16, block_size=8, max_num_seqs=3)
+    expected = [o.outputs[0].token_ids for o in fcfs.generate(prompts, params, use_tqdm=False)]
+    llm = tiny_llm(tiny_model, "priority", num_gpu_blocks_override=16, block_size=8, max_num_seqs=3)
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=priorities)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.llm_engine.get_stats().num_preemptions > 0, "the pool is small enough to preempt"
+    assert_no_leak(llm.llm_engine)
+    with pytest.raises(ValueError, match="priority has 2 entries but there are 8 prompts"):
+        llm.generate(prompts, params, use_tqdm=False, priority=[0, 1])
+    with pytest.raises(ValueError, match="priority 1: this engine schedules first come, first served"):
+        fcfs.generate(prompts[:2], params, use_tqdm=False, priority=[0, 1])
+    assert_no_leak(fcfs.llm_engine)
+
+
+# -- the server ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_the_server_takes_priority_only_under_the_priority_policy(tiny_model, policy):
+    engine = AsyncLLM.from_engine_args(EngineArgs(tiny_model, load_format="dummy", device="cpu", dtype="float32",
+                                                  max_model_len=128, scheduling_policy=policy))
+    try:
+        with TestClient(build_app(engine, "tiny")) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
+                                   max_retries=0)
+            plain = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0.0)
+            if policy == "fcfs":
+                with pytest.raises(openai.BadRequestError) as refused:
+                    client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4,
+                                              extra_body={"priority": 2})
+                error = refused.value.body
+                assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+                assert refused.value.status_code == 400
+                return
+            urgent = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=4, temperature=0.0,
+                                               extra_body={"priority": -3})
+            assert urgent.choices[0].text == plain.choices[0].text
+    finally:
+        engine.shutdown()
