@@ -3,22 +3,28 @@ preemption of the lowest priority first, and a waiting request of a higher prior
 running one of a lower priority; at the scheduler (fake worker), through `LLM` and over HTTP."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgspec
 import openai
 import pytest
-from engine_utils import TINY_LLAMA, assert_no_leak
+from engine_utils import TINY_LLAMA, assert_no_leak, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 from test_scheduler import Driver, Result, limits, make_record, prompt, reference
 
 from pagellm import LLM, SamplingParams
+from pagellm.core.outputs import SchedulerStats
 from pagellm.core.request import RequestStatus
 from pagellm.core.request_queue import PriorityRequestQueue
 from pagellm.core.scheduler import Scheduler
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.admission import Admission, Work
 from pagellm.entrypoints.openai.api_server import build_app
+from pagellm.metrics.prometheus import PrometheusStatLogger
+from pagellm.metrics.stats import IterationStats
 
 
 def driver(policy: str, **kw) -> Driver:
@@ -164,6 +170,22 @@ def test_an_unknown_policy_is_refused_naming_the_flag():
         EngineArgs(scheduling_policy="lifo").validate()
 
 
+def test_waiting_requests_per_priority_are_a_gauge_whose_empty_series_go():
+    logger = PrometheusStatLogger("tiny", num_engines=2)
+
+    def waiting() -> dict[tuple[str, str], float]:
+        text = logger.render().decode()
+        return {(s.labels["engine"], s.labels["priority"]): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "pagellm:num_requests_waiting_by_priority"}
+
+    logger.record(SchedulerStats(num_waiting_reqs=3, num_waiting_by_priority={0: 2, -5: 1}), IterationStats(), 0)
+    logger.record(SchedulerStats(num_waiting_reqs=1, num_waiting_by_priority={7: 1}), IterationStats(), 1)
+    assert waiting() == {("0", "0"): 2, ("0", "-5"): 1, ("1", "7"): 1}
+    logger.record(SchedulerStats(num_waiting_reqs=4, num_waiting_by_priority={-5: 4}), IterationStats(), 0)
+    assert waiting() == {("0", "-5"): 4, ("1", "7"): 1}
+
+
 # -- LLM, offline ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -198,6 +220,58 @@ def test_priorities_change_the_order_not_the_outputs(tiny_model):
 
 
 # -- the server ------------------------------------------------------------------------------------
+
+def test_the_admission_gate_grants_room_by_priority():
+    admission = Admission(max_seqs=1, max_tokens=None, max_waiting=8, queue_timeout_s=None, patience_s=1000.0)
+
+    async def run() -> list[str]:
+        held = await admission.acquire(Work(1, 10))
+        granted: list[str] = []
+
+        async def wait(name: str, priority: int) -> None:
+            await admission.acquire(Work(1, 10), priority)
+            granted.append(name)
+
+        tasks = []
+        for name, priority in (("low", 5), ("high", 0), ("mid", 2), ("high2", 0)):
+            tasks.append(asyncio.create_task(wait(name, priority)))
+            await wait_for(lambda n=len(tasks): admission.num_waiting == n)
+        for n in range(4):
+            admission.release(held)
+            await wait_for(lambda: len(granted) == n + 1)
+        await asyncio.gather(*tasks)
+        admission.release(held)
+        assert (admission.seqs, admission.num_waiting) == (0, 0)
+        return granted
+
+    assert asyncio.run(run()) == ["high", "high2", "mid", "low"]
+
+
+def test_a_patient_request_at_the_gate_is_passed_only_by_higher_priorities():
+    """Patience 0: the pair of priority 1 keeps the freed sequence against its own priority and
+    lower ones; a request of priority 0 still takes it."""
+    admission = Admission(max_seqs=2, max_tokens=None, max_waiting=4, queue_timeout_s=None, patience_s=0.0)
+
+    async def run() -> None:
+        first, second = await admission.acquire(Work(1, 10)), await admission.acquire(Work(1, 10))
+        pair = asyncio.create_task(admission.acquire(Work(2, 20), 1))
+        await wait_for(lambda: admission.num_waiting == 1)
+        admission.release(first)
+        same = asyncio.create_task(admission.acquire(Work(1, 10), 1))
+        await wait_for(lambda: admission.num_waiting == 2)
+        assert admission.seqs == 1, "kept for the pair"
+        urgent = await asyncio.wait_for(admission.acquire(Work(1, 10), 0), 10.0)  # passes without waiting
+        assert admission.seqs == 2 and not pair.done() and not same.done()
+        admission.release(urgent)
+        admission.release(second)
+        assert await pair == Work(2, 20) and not same.done()
+        admission.release(Work(2, 20))
+        assert await same == Work(1, 10)
+        admission.release(Work(1, 10))
+        assert (admission.seqs, admission.num_waiting) == (0, 0)
+
+    asyncio.run(run())
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])

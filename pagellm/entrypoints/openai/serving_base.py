@@ -229,8 +229,9 @@ class OpenAIServing:
                 "the prompt", param=param)
 
     async def admit(self, raw_request: Request, prompt_lens: Sequence[int], params: SamplingParams | PoolingParams,
-                    prompt_param: str, max_tokens_param: str | None = None) -> None:
-        """Take the request's place among the work in flight (admission.py), by the sequences and
+                    prompt_param: str, max_tokens_param: str | None = None, priority: int = 0) -> None:
+        """Take the request's place among the work in flight (admission.py, by `priority` under the
+        priority policy), by the sequences and
         tokens its prompts (of `prompt_lens` tokens, from the field `prompt_param`) ask for; 400
         naming a field when the request alone asks for more than --max-request-seqs or
         --max-request-tokens allow, 503 when no room comes in time."""
@@ -246,7 +247,7 @@ class OpenAIServing:
             raise APIError(f"this request's {work.seqs} sequences may reach {work.tokens} tokens in all (prompt + "
                            f"{max_tokens_param or 'output'} each), more than this server's --max-request-tokens "
                            f"({max_tokens}); ask for fewer tokens or sequences", param=max_tokens_param or prompt_param)
-        await ticket_of(raw_request.scope).admit(work)
+        await ticket_of(raw_request.scope).admit(work, priority)
 
     @staticmethod
     def make_request_id(prefix: str, requested: str | None, raw_request: Request) -> str:
@@ -311,7 +312,7 @@ class OpenAIServing:
             params = self.sampling_params(request, max_tokens, constraint)
             if tools.parser is not None and tools.parser.needs_special_tokens:
                 params.skip_special_tokens = False  # the parser's marker is one
-            await self.admit(raw_request, [len(token_ids)], params, "messages", param)
+            await self.admit(raw_request, [len(token_ids)], params, "messages", param, request.priority)
             prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
             started = await self.start(prompt, params, request_id, constraint, model.lora_request, request.priority)
         except APIError as e:

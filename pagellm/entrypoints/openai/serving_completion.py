@@ -59,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint = one_constraint(request_constraints(request))
         params = self.sampling_params(request, max_tokens, constraint)
         await self.admit(raw_request, [len(p["prompt_token_ids"]) for p in engine_prompts], params, "prompt",
-                         "max_tokens")
+                         "max_tokens", request.priority)
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
         started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request,
