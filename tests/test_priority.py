@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, field
 
 import msgspec
 import openai
@@ -25,6 +26,7 @@ from pagellm.entrypoints.openai.admission import Admission, Work
 from pagellm.entrypoints.openai.api_server import build_app
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.stats import IterationStats
+from pagellm.sampling_params import StructuredOutputsParams
 
 
 def driver(policy: str, **kw) -> Driver:
@@ -132,6 +134,52 @@ def test_a_waiting_high_priority_request_preempts_a_lower_running_one(policy):
     if policy == "priority":
         assert finished["high"] < finished["low"] and {rid for _, rid in d.preempted} == {"low"}
         assert d.admitted.index("peer") > d.admitted.index("low", 1), "the peer waits behind its elder"
+
+
+@dataclass
+class CompilingGrammar:
+    """A grammar that compiles until `compiled` is set, then constrains nothing (no bitmask)."""
+
+    compiled: bool = False
+    active: bool = False
+
+    def ready(self) -> bool:
+        return self.compiled
+
+    def accept(self, token_id: int) -> bool:
+        return False
+
+    def cancel(self) -> None:
+        pass
+
+
+@dataclass
+class CompilingGrammars:
+    started: list[CompilingGrammar] = field(default_factory=list)
+
+    def start(self, params, prompt_token_ids, eos_token_ids) -> CompilingGrammar:
+        self.started.append(CompilingGrammar())
+        return self.started[-1]
+
+    def wait(self, timeout_s: float) -> None:
+        pass
+
+
+def test_a_high_priority_request_whose_grammar_compiles_lets_others_go_then_comes_first():
+    grammars = CompilingGrammars()
+    d = Driver(limits(max_num_seqs=1))
+    d.s = Scheduler(d.s.limits, grammars=grammars, policy="priority")
+    record = make_record("high", prompt(0, 5), max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a+"))
+    d.s.add_request(msgspec.structs.replace(record, priority=0))
+    d.results["high"] = Result()
+    for i in range(3):
+        add(d, f"low{i}", 1, prompt(i + 1, 5), max_tokens=2)
+    d.step()
+    assert d.admitted == ["low0"], "the compiling request lets the next one go"
+    assert [r.request_id for r in d.s.waiting] == ["high", "low1", "low2"], "and keeps its place"
+    grammars.started[0].compiled = True
+    finish_steps(d)
+    assert d.admitted == ["low0", "high", "low1", "low2"]
 
 
 def test_aborting_a_waiting_request_takes_it_out_of_the_queue():
