@@ -251,7 +251,7 @@ def tiny_llm(model: str, policy: str, **kw) -> LLM:
 def test_priorities_change_the_order_not_the_outputs(tiny_model):
     prompts = [[10 + 7 * i + j for j in range(20 + 4 * i)] for i in range(8)]
     priorities = [3, 0, 2, 1, 0, 5, 1, 2]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     # Few blocks and sequences: admission order and preemptions differ from fcfs's.
     fcfs = tiny_llm(tiny_model, "fcfs", num_gpu_blocks_override=16, block_size=8, max_num_seqs=3)
     expected = [o.outputs[0].token_ids for o in fcfs.generate(prompts, params, use_tqdm=False)]
@@ -260,6 +260,11 @@ def test_priorities_change_the_order_not_the_outputs(tiny_model):
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.llm_engine.get_stats().num_preemptions > 0, "the pool is small enough to preempt"
     assert_no_leak(llm.llm_engine)
+    one_at_a_time = tiny_llm(tiny_model, "priority", max_num_seqs=1)
+    outs = one_at_a_time.generate(prompts, params, use_tqdm=False, priority=priorities)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    started = sorted(range(len(prompts)), key=lambda i: outs[i].metrics["first_token_time"])
+    assert started == sorted(range(len(prompts)), key=lambda i: priorities[i])
     with pytest.raises(ValueError, match="priority has 2 entries but there are 8 prompts"):
         llm.generate(prompts, params, use_tqdm=False, priority=[0, 1])
     with pytest.raises(ValueError, match="priority 1: this engine schedules first come, first served"):
@@ -344,3 +349,20 @@ def test_the_server_takes_priority_only_under_the_priority_policy(tiny_model, po
             assert urgent.choices[0].text == plain.choices[0].text
     finally:
         engine.shutdown()
+
+
+@pytest.mark.slow
+def test_chat_takes_one_priority_per_conversation(smollm2_path):
+    llm = LLM(smollm2_path, device="cpu", dtype="float32", kv_cache_memory_bytes=32 << 20, max_model_len=512,
+              scheduling_policy="priority", max_num_seqs=1)
+    conversations = [[{"role": "user", "content": f"Name a colour, then count to {n}."}] for n in (3, 5, 7)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    plain = llm.chat(conversations, params, use_tqdm=False)
+    ranked = llm.chat(conversations, params, use_tqdm=False, priority=[2, 0, 1])
+    assert [o.outputs[0].token_ids for o in ranked] == [o.outputs[0].token_ids for o in plain]
+    assert [o.prompt for o in ranked] == [o.prompt for o in plain], "outputs stay in the order of the conversations"
+    started = sorted(range(3), key=lambda i: ranked[i].metrics["first_token_time"])
+    assert started == [1, 2, 0], "one sequence at a time, by priority"
+    with pytest.raises(ValueError, match="priority has 1 entries but there are 3 prompts"):
+        llm.chat(conversations, params, use_tqdm=False, priority=[0])
+    assert_no_leak(llm.llm_engine)
