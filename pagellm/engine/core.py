@@ -64,7 +64,8 @@ class EngineCore:
             config.model.source.arch, config.lora, self.executor.add_lora, self.executor.remove_lora)
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
                                    grammars=self.grammars, speculative=config.speculative,
-                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters)
+                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters,
+                                   policy=config.scheduler.policy)
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
