@@ -52,7 +52,7 @@ def plan_groups(model: str, context: int, output_len: int, block_size: int) -> l
     return json.loads(done.stdout)["kv_cache_groups"]
 
 
-def engine_blocks(model: str, context: int, output_len: int, block_size: int, device: str | None) -> dict[str, Any]:
+def engine_blocks(model: str, context: int, output_len: int, block_size: int, device: str) -> dict[str, Any]:
     """Step one request of `context` tokens (prompt + output); per group, the most blocks it held."""
     llm = LLM(model, load_format="dummy", max_model_len=context, block_size=block_size, device=device,
               max_num_seqs=1)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--output-len", type=int, default=64,
                    help="decode steps; at least --block-size, so that the window meets every block alignment")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--smoke", action="store_true", help=f"the CPU, the preset at tiny sizes: {_SMOKE}")
     p.add_argument("--out-dir", default=None, help="also write the JSON here (e.g. $OUT)")
     p.add_argument("--no-save", action="store_true", help="write the JSON only to --out-dir")
