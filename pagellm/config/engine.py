@@ -46,6 +46,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     async_scheduling: bool = False
     """Schedule step N+1 while the device runs step N (where the engine allows it)."""
+    policy: str = "fcfs"
+    """fcfs | priority: the order requests are admitted and preempted in (`pagellm.core.request_queue`)."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -164,6 +164,8 @@ class SchedulerStats:
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    """Waiting requests per priority (only the priorities of requests waiting now)."""
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -54,6 +54,9 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     lora_request: LoRARequest | None = None
     """The adapter it runs with (None: the base model). Its blocks' hashes chain the adapter's id
     in: KV computed under one adapter is never reused under another."""
+    priority: int = 0
+    """Under the priority scheduling policy (`--scheduling-policy priority`), requests with a lower
+    value are admitted first and preempted last; arrival_time breaks ties. 0 under fcfs."""
 
 
 class RecordFields:

@@ -4,13 +4,20 @@ There are no prefill and decode phases. Each request has `num_computed_tokens` a
 `num_tokens`; a step hands out at most `max_num_batched_tokens` tokens to at most `max_num_seqs`
 requests. Chunked prefill and prefix-cache hits fall out of that. When blocks run out, the most
 recently admitted running request is preempted and later recomputed.
+
+The scheduling policy (`--scheduling-policy`) orders the waiting queue (`request_queue.py`) and the
+running list: fcfs by arrival and admission; priority by (priority, arrival_time), so that the
+running request preempted is the one of the lowest priority (the largest value, the latest arrival
+among equals), and a waiting request that finds no blocks preempts running requests of a strictly
+lower priority (larger value) to make room.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +38,7 @@ from pagellm.core.outputs import (
     SpecDecodeStats,
 )
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus, check_prompt_fits
+from pagellm.core.request_queue import create_request_queue, priority_key
 
 if TYPE_CHECKING:
     from pagellm.config.speculative import SpeculativeConfig
@@ -78,7 +86,8 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
                  grammars: GrammarCompiler | None = None, speculative: SpeculativeConfig | None = None,
                  proposer: DraftProposer | None = None, adapters: AdapterStore | None = None,
-                 connector: KVConnectorScheduler | None = None, swap_preemption: bool = False) -> None:
+                 policy: str = "fcfs", connector: KVConnectorScheduler | None = None,
+                 swap_preemption: bool = False) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
         token before it is scheduled again (no placeholders), and the scheduler output carries it.
@@ -86,6 +95,7 @@ class Scheduler:
         `speculative`: propose draft tokens for decoding requests (None: no speculation), with
         `proposer` beside the scheduler, or (None) from the workers' proposals (`propose_drafts`).
         `adapters`: the LoRA adapters (None: requests that name one are refused).
+        `policy`: fcfs or priority (`--scheduling-policy`, see the module's docstring).
         `connector`: the KV connector's scheduler half (a host tier; None: none), and with
         `swap_preemption` a preempted request's blocks are saved through it instead of recomputed."""
         self.limits = limits
@@ -97,9 +107,10 @@ class Scheduler:
         self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching,
                                  limits.sliding_windows)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(policy)
+        self.by_priority = policy == "priority"
         self.running: list[Request] = []
-        """In admission order: the last one is the first to be preempted."""
+        """The last one is the first to be preempted: in admission order (fcfs), or by `priority_key`."""
         self._freed_req_ids: set[str] = set()
         """Requests the workers must forget at the next step."""
         self._known_to_workers: set[str] = set()
@@ -269,10 +280,10 @@ class Scheduler:
         adapters then wait too, so those adapters drain and it gets its turn (no starvation)."""
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.limits.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if ((request.grammar is not None and not self._grammar_ready(request))
                     or (request.record.lora_request is not None and not self._adapter_admits(request, lora_full))):
-                self.waiting.popleft()
+                self.waiting.pop_next()
                 if not request.status.is_finished:
                     compiling.append(request)  # others go ahead meanwhile
                     lora_full = lora_full or self._lora_blocked(request)
@@ -290,12 +301,17 @@ class Scheduler:
             if new_ids is None and lookahead:  # the prompt alone may still fit
                 new_ids = self.kv.allocate_slots(request, num_external + num_new, hit_blocks)
             if new_ids is None:
-                break
+                given_back = self._preempt_lower(request, num_scheduled, cached_reqs, spec_tokens) \
+                    if self.by_priority else None
+                if given_back is None:
+                    break
+                budget += given_back
+                continue  # its prefix hits and room, again
             if self.connector is not None:
                 first_block = num_hit_tokens // self.limits.block_size
                 self.connector.update_state_after_alloc(
                     request, first_block, new_ids[0][:-(-num_external // self.limits.block_size)], num_external)
-            self.waiting.popleft()
+            self.waiting.pop_next()
             self._count_lora(self._waiting_loras, request, -1)
             self._count_lora(self._running_loras, request, 1)
             if not request.skips_prefix_cache:
@@ -305,7 +321,10 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort(self.running, request, key=priority_key)
+            else:
+                self.running.append(request)
             self._known_to_workers.add(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -315,7 +334,7 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(request.request_id),
                 num_computed_tokens=num_computed,
             ))
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.push_front_all(compiling)
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -341,6 +360,25 @@ class Scheduler:
                 request.num_output_placeholders += 1
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
+
+    def _preempt_lower(self, request: Request, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
+                       spec_tokens: dict[str, list[int]]) -> int | None:
+        """Priority policy: make room for waiting `request` by preempting the lowest-priority running
+        request, if its priority value is strictly larger (equals never preempt each other, which
+        would only thrash). Its part of this step is withdrawn; returns the tokens that gives back
+        to the step's budget, None if there is no such request. The victim was not admitted in this
+        step: those admitted before `request` come first by priority."""
+        if not self.running or self.running[-1].record.priority <= request.record.priority:
+            return None
+        victim = self.running.pop()
+        self._preempt(victim, self.swap_preemption)
+        req_id = victim.request_id
+        spec_tokens.pop(req_id, None)
+        for i, cached in enumerate(cached_reqs):
+            if cached.req_id == req_id:
+                del cached_reqs[i]
+                break
+        return num_scheduled.pop(req_id, 0)
 
     def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
         """Room to allocate past a step's tokens, drafts included (up to position `end`), for the
@@ -426,7 +464,7 @@ class Scheduler:
             self.adapters.wait(timeout_s)
 
     def _enqueue(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.push(request)
         self._count_lora(self._waiting_loras, request, 1)
 
     def _stop_running(self, request: Request) -> None:
@@ -456,7 +494,7 @@ class Scheduler:
         request.worker_out_of_date = False  # it comes back to the workers as a new request
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
         self._count_lora(self._running_loras, request, -1)
         self._count_lora(self._waiting_loras, request, 1)
         if request.request_id in self._known_to_workers:
@@ -578,6 +616,7 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_waiting_by_priority=dict(self.waiting.num_by_priority),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_stats.queries,
             prefix_cache_hits=self.kv.prefix_stats.hits,

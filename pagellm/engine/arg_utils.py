@@ -32,6 +32,7 @@ from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVOffloadConfig, resolve_kv_offload
 from pagellm.config.model import RUNNERS
 from pagellm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
+from pagellm.core.request_queue import SCHEDULING_POLICIES
 from pagellm.executor import EXECUTOR_REGISTRY
 from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
@@ -82,6 +83,12 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
     attention_backend: str | None = _arg(None, lambda: f'Attention implementation: {ATTENTION_BACKEND_REGISTRY.describe()}. None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs (first come, first served) | priority: requests are admitted by their priority (lower first, "
+                "arrival order among equals; LLM.generate(..., priority=[...]), the OpenAI extra field priority), the "
+                "running request of the lowest priority is preempted first when KV blocks run out, and a waiting "
+                "request that finds no blocks preempts running ones of a lower priority "
+                "(docs/serving.md#priority-scheduling). Under fcfs a priority other than 0 is refused.")
     async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
@@ -138,6 +145,9 @@ class EngineArgs:
             raise ValueError(f"{_flag('gpu_memory_utilization')} must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend is not None:
             ATTENTION_BACKEND_REGISTRY.get(self.attention_backend)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"{_flag('scheduling_policy')} must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
@@ -284,6 +294,7 @@ class EngineArgs:
                     device, self.max_num_seqs),
                 async_scheduling=self.async_scheduling if self.async_scheduling is not None
                 else device.type == "cuda",
+                policy=self.scheduling_policy,
             ),
             parallel=parallel,
             structured_outputs=StructuredOutputsConfig(

@@ -69,6 +69,7 @@ class EngineCore:
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
                                    grammars=self.grammars, speculative=config.speculative,
                                    proposer=build_host_proposer(config.speculative), adapters=self.adapters,
+                                   policy=config.scheduler.policy,
                                    connector=None if transfer is None else build_kv_connector_scheduler(
                                        transfer, config.cache.block_size, self.executor.num_host_blocks()),
                                    swap_preemption=transfer is not None and transfer.preemption_mode == "swap")

@@ -73,6 +73,13 @@ class PrometheusStatLogger:
                                           "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("pagellm:num_requests_waiting",
                                           "Number of requests waiting to be scheduled.")
+        self.num_requests_waiting_by_priority = Gauge(
+            "pagellm:num_requests_waiting_by_priority",
+            "Number of requests waiting to be scheduled, per priority (only priorities with waiting requests: a "
+            "series goes when its last request is scheduled or aborted).",
+            labels + ["priority"], registry=self.registry)
+        self._waiting_priorities: list[set[int]] = [set() for _ in range(num_engines)]
+        """Per engine, the priorities whose series exist."""
         self.kv_cache_usage = gauge("pagellm:kv_cache_usage_perc",
                                     "Fraction of KV-cache blocks in use (0 to 1).")
 
@@ -156,6 +163,16 @@ class PrometheusStatLogger:
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
 
+    def _record_waiting_by_priority(self, counts: dict[int, int], labels: tuple[str, str], engine_index: int) -> None:
+        # Priorities are the clients' integers: a series per priority ever seen would grow without
+        # bound, so the series of a priority nobody waits at any more is removed.
+        seen = self._waiting_priorities[engine_index]
+        for priority in seen - counts.keys():
+            self.num_requests_waiting_by_priority.remove(*labels, str(priority))
+        for priority, n in counts.items():
+            self.num_requests_waiting_by_priority.labels(*labels, str(priority)).set(n)
+        self._waiting_priorities[engine_index] = set(counts)
+
     def _record_spec(self, spec: SpecDecodeStats, labels: tuple[str, str], deltas: dict[str, CumulativeDelta]) -> None:
         totals = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
                   "accepted": spec.num_accepted_tokens,
@@ -171,6 +188,7 @@ class PrometheusStatLogger:
         labels = (self.model_name, str(engine_index))
         self.num_requests_running.labels(*labels).set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.labels(*labels).set(scheduler_stats.num_waiting_reqs)
+        self._record_waiting_by_priority(scheduler_stats.num_waiting_by_priority, labels, engine_index)
         self.kv_cache_usage.labels(*labels).set(scheduler_stats.kv_cache_usage)
 
         # These arrive as totals since the engine started; Prometheus counters want increments.
