@@ -63,24 +63,26 @@ class KVOracle:
         return ModelRunnerOutput(req_ids, sampled)
 
 
-def run(mode: str | None, prompts: list[list[int]], max_tokens: list[int], num_blocks: int = 18):
+def run(mode: str | None, prompts: list[list[int]], max_tokens: list[int], priorities: list[int] | None = None,
+        num_blocks: int = 18):
     limits = SchedulerLimits(max_num_batched_tokens=32, max_num_seqs=6, max_model_len=64, block_size=BLOCK,
                              num_blocks=num_blocks, enable_prefix_caching=True)
     connector = None
     if mode is not None:
         config = KVOffloadConfig(KVTransferConfig("OffloadingConnector"), 1, mode)
         connector = OffloadingScheduler(config, BLOCK, num_host_blocks=40)
-    sched = Scheduler(limits, connector=connector, swap_preemption=mode == "swap")
+    sched = Scheduler(limits, connector=connector, swap_preemption=mode == "swap",
+                      policy="fcfs" if priorities is None else "priority")
     oracle = KVOracle()
     outputs: dict[str, list[int]] = {}
-    pending = list(enumerate(zip(prompts, max_tokens)))
+    pending = list(enumerate(zip(prompts, max_tokens, priorities or [0] * len(prompts))))
     steps = 0
     while pending or sched.has_unfinished_requests():
         if pending and steps % 3 == 0:  # requests keep arriving
-            i, (prompt, n) = pending.pop(0)
+            i, (prompt, n, priority) = pending.pop(0)
             sched.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=prompt,
                                                 sampling_params=SamplingParams(max_tokens=n, ignore_eos=True),
-                                                eos_token_ids=frozenset({2}), max_tokens=n))
+                                                eos_token_ids=frozenset({2}), max_tokens=n, priority=priority))
         for result in sched.update_from_output(oracle.execute(sched.schedule())):
             outputs.setdefault(result.req_id, []).extend(result.new_token_ids)
         steps += 1
@@ -104,3 +106,20 @@ def test_every_step_reads_its_own_kv_with_host_tier_and_swap(seed):
         if mode == "swap":
             assert stats.kv_transfer.swaps_out == stats.num_preemptions > 0
             assert stats.kv_transfer.swaps_in > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_priority_preemption_withdraws_no_kv_into_the_caches(seed):
+    """A waiting request of higher priority preempts a running one whose step is withdrawn: the
+    blocks it registered for those tokens hold no KV, and neither the prefix cache nor the host tier
+    may serve them."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(3, 60) for _ in range(rng.randrange(6, 20))] for _ in range(3)]
+    prompts = [rng.choice(shared) + [rng.randrange(3, 60) for _ in range(rng.randrange(1, 14))] for _ in range(24)]
+    max_tokens = [rng.randrange(1, 20) for _ in prompts]
+    priorities = [rng.randrange(3) for _ in prompts]
+    expected, _ = run(None, prompts, max_tokens, priorities)
+    for mode in ("recompute", "swap"):
+        got, stats = run(mode, prompts, max_tokens, priorities)
+        assert got == expected, mode
+        assert stats.num_preemptions > 0

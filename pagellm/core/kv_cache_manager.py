@@ -217,6 +217,15 @@ class KVCacheManager:
         for block_id in block_ids:
             self.pool.uncache(self.pool.blocks[block_id])
 
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Forget the prefix-cache entries of the request's blocks from its first not computed token
+        on: registered when allocated, for tokens of a step that then withdrew them."""
+        first = request.num_computed_tokens // self.block_size
+        for blocks in self.req_to_blocks.get(request.request_id, ()):
+            for block in blocks[first:]:
+                if block is not None:
+                    self.pool.uncache(block)
+
     def holds_any(self, request_id: str, block_ids: set[int]) -> bool:
         """Whether the request holds one of `block_ids` in some group."""
         return any(b is not None and b.block_id in block_ids

@@ -371,6 +371,9 @@ class Scheduler:
         if not self.running or self.running[-1].record.priority <= request.record.priority:
             return None
         victim = self.running.pop()
+        # Its blocks registered for the tokens withdrawn below will hold no KV: a later hit on them
+        # (or a copy to the host tier when they are evicted) would read garbage.
+        self.kv.uncache_uncomputed(victim)
         self._preempt(victim, self.swap_preemption)
         req_id = victim.request_id
         spec_tokens.pop(req_id, None)
