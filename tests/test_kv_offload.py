@@ -314,3 +314,16 @@ def test_swap_with_ngram_speculation_and_prompt_logprobs(model_dir):
     swap, stats = run(kv_offloading_size=HOST_GIB, preemption_mode="swap")
     assert swap == off
     assert stats.num_preemptions > 0 and stats.kv_transfer.swaps_in > 0 and stats.spec.num_drafts > 0
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_kv_role_limits_the_tier_to_saves_or_loads(model_dir, role):
+    rng = random.Random(7)
+    prefix, suffix = tokens(rng, 6 * BLOCK), tokens(rng, 10)
+    config = {"kv_connector": "OffloadingConnector", "kv_role": role}
+    llm = engine(model_dir, 16, kv_transfer_config=config, kv_offloading_size=HOST_GIB)
+    _, _, stats = _evicted_prefix_run(llm, prefix, suffix, rng)
+    assert (stats.kv_transfer.bytes_to_host > 0) == (role == "kv_producer")
+    assert stats.kv_transfer.host_hit_tokens == 0 and stats.kv_transfer.bytes_to_device == 0
+    with pytest.raises(ValueError, match="--preemption-mode.*kv_both"):
+        EngineArgs(kv_transfer_config=config, kv_offloading_size=HOST_GIB, preemption_mode="swap").validate()

@@ -61,7 +61,7 @@ class KVTransferConfig:
     kv_connector: str
     """A `KV_CONNECTOR_REGISTRY` name."""
     kv_role: str = "kv_both"
-    """kv_producer (saves only) | kv_consumer (loads only) | kv_both."""
+    """kv_producer (saves only) | kv_consumer (loads only) | kv_both. Swap preemption needs both."""
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     """The connector's own settings."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -150,6 +150,9 @@ def resolve_kv_offload(kv_transfer_config: "str | dict | None", kv_offloading_si
                          "tier: give it memory with --kv-offloading-size GiB (or --swap-space GiB)")
     if transfer is None:
         return None
+    if mode == "swap" and transfer.kv_role != "kv_both":
+        raise ValueError(f"preemption_mode (--preemption-mode) swap saves and loads: {FLAG} kv_role must be "
+                         f"kv_both, got {transfer.kv_role!r}")
     host_bytes = 0 if size is None else int(size)
     if host_bytes:
         free = available_host_memory()

@@ -84,7 +84,7 @@ class OffloadingScheduler(KVConnectorScheduler):
         """Host slots read or written this step: not reused before the step's copies are queued."""
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        if request.skips_prefix_cache:
+        if request.skips_prefix_cache or not self.config.transfer.is_consumer:
             return 0
         bs = self.block_size
         request.update_block_hashes(bs)
@@ -118,10 +118,11 @@ class OffloadingScheduler(KVConnectorScheduler):
             self.index.drop(_swap_key(request))  # loaded, or lost: it resumes from here either way
 
     def blocks_evicted(self, evicted: Sequence[tuple[int, BlockHash]]) -> None:
-        self._pending_saves += [(h, b) for b, h in evicted]
+        if self.config.transfer.is_producer:
+            self._pending_saves += [(h, b) for b, h in evicted]
 
     def request_preempted(self, request: Request, block_ids: Sequence[int]) -> bool:
-        if request.skips_prefix_cache:
+        if request.skips_prefix_cache or not self.config.transfer.is_producer:
             return False
         bs = self.block_size
         request.update_block_hashes(bs)
