@@ -316,8 +316,10 @@ def test_matches_hugging_faces_mixtral_experts(gen: torch.Generator) -> None:
 
 @pytest.mark.slow  # the benchmark's CPU path: some seconds under the interpreter
 def test_benchmark_smoke_checks_and_records_each_case(tmp_path: Path) -> None:
-    payload = moe_benchmark.main(["--smoke", "--tokens", "1", "4", "--out-dir", str(tmp_path)])
+    payload = moe_benchmark.main(["--smoke", "--tokens", "1", "4", "--out-dir", str(tmp_path),
+                                  "--sweep", "--sweep-configs", "16,16,64,4,3"])
     records = payload["results"]
+    assert all([s["config"] for s in r["sweep"]] == ["16,16,64,4,3"] and r["sweep"][0]["us"] > 0 for r in records)
     assert [(r["model"], r["tokens"]) for r in records] == [(m, t) for m in moe_benchmark.MODELS for t in (1, 4)]
     assert all(r["max_abs_error"] <= moe_benchmark.TOLERANCE * r["max_abs_output"] for r in records)
     assert all(0 < r["experts_read"] <= r["experts"] and r["weight_bytes"] > 0 for r in records)
