@@ -14,8 +14,6 @@ from typing import Protocol
 
 from pagellm.core.request import Request
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
-
 
 def priority_key(request: Request) -> tuple[int, float]:
     """A request's place under the priority policy: lower runs first, the earlier arrival among equals."""
@@ -49,15 +47,6 @@ class RequestQueue(Protocol):
     def __len__(self) -> int: ...
 
     def __iter__(self) -> Iterator[Request]: ...
-
-
-def create_request_queue(policy: str) -> RequestQueue:
-    if policy == "fcfs":
-        return FCFSRequestQueue()
-    if policy == "priority":
-        return PriorityRequestQueue()
-    raise ValueError(f"scheduling_policy (--scheduling-policy) must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                     f"got {policy!r}")
 
 
 class FCFSRequestQueue(deque):
@@ -142,6 +131,18 @@ class PriorityRequestQueue:
     def __iter__(self) -> Iterator[Request]:
         """In admission order (sorts: for tests and debugging, not the step loop)."""
         return (entry[3] for entry in sorted(self._entries.values()))
+
+
+QUEUES: dict[str, type[RequestQueue]] = {"fcfs": FCFSRequestQueue, "priority": PriorityRequestQueue}
+"""The waiting queue of each `--scheduling-policy`."""
+SCHEDULING_POLICIES = tuple(QUEUES)
+
+
+def create_request_queue(policy: str) -> RequestQueue:
+    if policy not in QUEUES:
+        raise ValueError(f"scheduling_policy (--scheduling-policy) must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                         f"got {policy!r}")
+    return QUEUES[policy]()
 
 
 def _count(counter: Counter[int], request: Request, delta: int) -> None:
