@@ -155,6 +155,10 @@ class Request(RecordFields):
     """Up to this many tokens, the blocks it holds have room, no block fills and no sliding window
     has more than a decode's blocks to give back: allocating them changes nothing (kept by
     `KVCacheManager`), so a decode step need not call it."""
+    num_swapped_tokens: int = 0
+    """Tokens whose KV a swap preemption saved to the host tier, until it resumes (KV connector)."""
+    load_failed: bool = False
+    """A KV connector's load into its blocks failed: it recomputes, and loads nothing more."""
     worker_out_of_date: bool = False
     """Its computed tokens moved other than by the tokens scheduled (rejected drafts rolled back):
     the next step tells the workers where it stands."""

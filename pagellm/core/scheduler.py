@@ -14,6 +14,7 @@ lower priority (larger value) to make room.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from pagellm.core.interfaces import AdapterStore, DraftProposer, GrammarCompiler
 from pagellm.core.kv_cache_groups import max_blocks_held
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from pagellm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -84,7 +86,8 @@ class Scheduler:
     def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
                  grammars: GrammarCompiler | None = None, speculative: SpeculativeConfig | None = None,
                  proposer: DraftProposer | None = None, adapters: AdapterStore | None = None,
-                 policy: str = "fcfs") -> None:
+                 policy: str = "fcfs", connector: KVConnectorScheduler | None = None,
+                 swap_preemption: bool = False) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
         token before it is scheduled again (no placeholders), and the scheduler output carries it.
@@ -92,7 +95,9 @@ class Scheduler:
         `speculative`: propose draft tokens for decoding requests (None: no speculation), with
         `proposer` beside the scheduler, or (None) from the workers' proposals (`propose_drafts`).
         `adapters`: the LoRA adapters (None: requests that name one are refused).
-        `policy`: fcfs or priority (`--scheduling-policy`, see the module's docstring)."""
+        `policy`: fcfs or priority (`--scheduling-policy`, see the module's docstring).
+        `connector`: the KV connector's scheduler half (a host tier; None: none), and with
+        `swap_preemption` a preempted request's blocks are saved through it instead of recomputed."""
         self.limits = limits
         self.grammars = grammars
         self.rejected: list[tuple[str, str]] = []
@@ -125,6 +130,12 @@ class Scheduler:
         """Adapter id -> running requests that use it: at most `adapters.max_loras` ids."""
         self._waiting_loras: Counter[int] = Counter()
         self._lora_names: dict[int, str] = {}
+        self.connector = connector
+        self.swap_preemption = swap_preemption and connector is not None
+        if connector is not None:
+            self.kv.record_evictions()
+        self._load_failed: list[Request] = []
+        """Running requests whose KV a connector failed to load: preempted (to recompute) next step."""
         self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
                            if speculative is not None else None)
 
@@ -168,6 +179,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         del self.requests[request.request_id]
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
@@ -212,6 +225,8 @@ class Scheduler:
         # Decided once, before preemptions shrink the batch: a step scheduled while another is in
         # flight (can_overlap) must not carry drafts.
         speculate = self._speculating
+        if self._load_failed:
+            preempted_now = self._recompute_failed_loads()
 
         i = 0
         running = self.running
@@ -235,7 +250,7 @@ class Scheduler:
                     new_ids = self.kv.allocate_slots(request, num_new)
                 while new_ids is None:
                     victim = running.pop()
-                    self._preempt(victim)
+                    self._preempt(victim, self.swap_preemption)
                     preempted_now = True
                     if victim is request:
                         break
@@ -274,11 +289,17 @@ class Scheduler:
                     lora_full = lora_full or self._lora_blocked(request)
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            lookahead = self._lookahead(request, num_hit_tokens + num_new, speculate)
-            new_ids = self.kv.allocate_slots(request, num_new + lookahead, hit_blocks)
+            num_external = 0  # tokens the KV connector loads after the device's hit
+            if self.connector is not None and not request.load_failed:
+                # Never the last token (it must run to give logits), whatever the connector says.
+                num_external = max(0, min(self.connector.get_num_new_matched_tokens(request, num_hit_tokens),
+                                          request.num_tokens - 1 - num_hit_tokens))
+            num_computed = num_hit_tokens + num_external
+            num_new = min(request.num_tokens - num_computed, budget)
+            lookahead = self._lookahead(request, num_computed + num_new, speculate)
+            new_ids = self.kv.allocate_slots(request, num_external + num_new + lookahead, hit_blocks)
             if new_ids is None and lookahead:  # the prompt alone may still fit
-                new_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
+                new_ids = self.kv.allocate_slots(request, num_external + num_new, hit_blocks)
             if new_ids is None:
                 given_back = self._preempt_lower(request, num_scheduled, cached_reqs, spec_tokens) \
                     if self.by_priority else None
@@ -286,14 +307,18 @@ class Scheduler:
                     break
                 budget += given_back
                 continue  # its prefix hits and room, again
+            if self.connector is not None:
+                first_block = num_hit_tokens // self.limits.block_size
+                self.connector.update_state_after_alloc(
+                    request, first_block, new_ids[0][:-(-num_external // self.limits.block_size)], num_external)
             self.waiting.pop_next()
             self._count_lora(self._waiting_loras, request, -1)
             self._count_lora(self._running_loras, request, 1)
             if not request.skips_prefix_cache:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             if self.by_priority:
@@ -307,7 +332,7 @@ class Scheduler:
                 record=request.record,
                 output_token_ids=request.output_token_ids,
                 block_ids=self.kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit_tokens,
+                num_computed_tokens=num_computed,
             ))
         self.waiting.push_front_all(compiling)
 
@@ -321,6 +346,9 @@ class Scheduler:
             scheduled_spec_tokens=spec_tokens,
             propose_drafts=speculate and self.lookahead > 0,
         )
+        if self.connector is not None:
+            self.connector.blocks_evicted(self.kv.take_evicted())
+            output.kv_connector_metadata = self.connector.build_connector_meta()
         self._freed_req_ids = set()
         # The tokens handed out are counted as computed once scheduled: the step that computes
         # them is always launched before the next schedule(). One reaching the end of its known
@@ -343,7 +371,10 @@ class Scheduler:
         if not self.running or self.running[-1].record.priority <= request.record.priority:
             return None
         victim = self.running.pop()
-        self._preempt(victim)
+        # Its blocks registered for the tokens withdrawn below will hold no KV: a later hit on them
+        # (or a copy to the host tier when they are evicted) would read garbage.
+        self.kv.uncache_uncomputed(victim)
+        self._preempt(victim, self.swap_preemption)
         req_id = victim.request_id
         spec_tokens.pop(req_id, None)
         for i, cached in enumerate(cached_reqs):
@@ -452,7 +483,11 @@ class Scheduler:
         if counter[lora.lora_int_id] <= 0:
             del counter[lora.lora_int_id]
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, swap: bool = False) -> None:
+        """Back to the head of the waiting queue, its blocks freed: recomputed when it resumes, or
+        with `swap` loaded back from where the KV connector saved them."""
+        if swap:
+            self.connector.request_preempted(request, self.kv.get_block_ids(request.request_id)[0])
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -469,8 +504,38 @@ class Scheduler:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
 
+    def _recompute_failed_loads(self) -> bool:
+        """Preempt the running requests whose KV failed to load, to recompute; whether any was."""
+        preempted = False
+        for request in self._load_failed:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+                preempted = True
+        self._load_failed = []
+        return preempted
+
+    def _connector_output(self, report: KVConnectorOutput) -> set[str]:
+        """Apply a step's KV connector report; returns the requests whose sampled tokens are dropped
+        (they read KV that failed to load, and are recomputed next step)."""
+        self.connector.update_connector_output(report)
+        failed = report.failed_block_ids
+        if not failed:
+            return set()
+        # Rare: a scan of the running requests is fine here.
+        self.kv.uncache_blocks(failed)
+        dropped = {r.request_id for r in self.running if self.kv.holds_any(r.request_id, failed)}
+        for request in self.running:
+            if request.request_id in dropped:
+                request.load_failed = True
+                self._load_failed.append(request)
+        self.connector.stats.failed_loads += len(dropped)
+        logger.warning("KV connector: %d block(s) failed to load; %d request(s) recompute", len(failed), len(dropped))
+        return dropped
+
     def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free what finished."""
+        dropped = self._connector_output(output.kv_connector_output) if output.kv_connector_output else ()
         results = self._finish_pooled(output.pooler_output) if output.pooler_output else []
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
@@ -479,7 +544,8 @@ class Scheduler:
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(req_id)
             if (request is None or request.status is not running  # aborted or preempted meanwhile
-                    or request.num_output_placeholders == 0):  # sampled before a preemption: dropped
+                    or request.num_output_placeholders == 0  # sampled before a preemption: dropped
+                    or req_id in dropped):  # from KV that failed to load
                 continue
             request.num_output_placeholders -= 1
             if request.spec_token_ids:
@@ -568,4 +634,5 @@ class Scheduler:
                 waiting=sorted(self._lora_names[i] for i in self._waiting_loras),
                 max_loras=self.adapters.max_loras, num_loads=self.adapters.num_loads,
                 num_evictions=self.adapters.num_evictions),
+            kv_transfer=None if self.connector is None else dataclasses.replace(self.connector.stats),
         )

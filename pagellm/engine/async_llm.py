@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_connector import KVTransferStats
 from pagellm.core.outputs import LoRAStats, SchedulerStats, SpecDecodeStats, merge_step_outputs
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import CoreClient
@@ -282,13 +283,15 @@ class AsyncLLM:
         """The replicas' latest scheduler stats, summed (KV usage: their mean)."""
         total = SchedulerStats()
         for field in dataclasses.fields(SchedulerStats):
-            if field.name not in ("spec", "lora", "num_waiting_by_priority"):
+            if field.name not in ("spec", "lora", "num_waiting_by_priority", "kv_transfer"):
                 setattr(total, field.name, sum(getattr(core.stats, field.name) for core in self._cores))
         total.kv_cache_usage /= len(self._cores)
         total.num_waiting_by_priority = dict(sum((Counter(core.stats.num_waiting_by_priority) for core in self._cores),
                                                  Counter()))
         total.spec = SpecDecodeStats.total([core.stats.spec for core in self._cores if core.stats.spec is not None])
         total.lora = LoRAStats.total([core.stats.lora for core in self._cores if core.stats.lora is not None])
+        total.kv_transfer = KVTransferStats.total([core.stats.kv_transfer for core in self._cores
+                                                   if core.stats.kv_transfer is not None])
         return total
 
     @property

@@ -102,6 +102,19 @@ class PrometheusStatLogger:
             "pagellm:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted at each position of the drafts (0-based).",
             labels + ["position"], registry=self.registry)
+        self.kv_offload = {
+            "host_hit_tokens": counter("pagellm:kv_offload_hit_tokens",
+                                       "Prompt tokens loaded from the host KV tier instead of computed."),
+            "bytes_to_host": counter("pagellm:kv_offload_bytes_to_host",
+                                     "Bytes of KV blocks copied from the device to the host tier (driver rank)."),
+            "bytes_to_device": counter("pagellm:kv_offload_bytes_to_device",
+                                       "Bytes of KV blocks copied from the host tier to the device (driver rank)."),
+            "swaps_out": counter("pagellm:kv_offload_swaps_out", "Preempted requests whose blocks were swapped out."),
+            "swaps_in": counter("pagellm:kv_offload_swaps_in", "Swapped-out requests resumed from the host tier."),
+            "failed_loads": counter("pagellm:kv_offload_failed_loads",
+                                    "Requests recomputed because the KV connector failed to load their blocks."),
+        }
+        self._kv_offload_deltas = [{key: CumulativeDelta() for key in self.kv_offload} for _ in range(num_engines)]
         self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
                                        labels + ["finished_reason"], registry=self.registry)
 
@@ -185,6 +198,10 @@ class PrometheusStatLogger:
         self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
         if scheduler_stats.spec is not None:
             self._record_spec(scheduler_stats.spec, labels, self._spec_deltas[engine_index])
+        if scheduler_stats.kv_transfer is not None:
+            deltas = self._kv_offload_deltas[engine_index]
+            for key, family in self.kv_offload.items():
+                family.labels(*labels).inc(deltas[key].update(getattr(scheduler_stats.kv_transfer, key)))
         if scheduler_stats.lora is not None and self._lora is not None:
             self._lora.record(scheduler_stats.lora, engine_index)
 
