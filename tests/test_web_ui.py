@@ -222,10 +222,13 @@ def last_reply(driver):
 
 
 def reply_state(driver) -> tuple[str | None, str]:
-    reply = last_reply(driver)
-    if reply is None:
-        return None, ""
-    return reply.get_attribute("data-state"), reply.find_element(By.CSS_SELECTOR, ".content").text
+    """The last reply's state (streaming, done, stopped, error) and text, read at one instant: the page
+    re-renders its messages, so an element found in one call may be gone by the next."""
+    state, text = driver.execute_script(
+        "const replies = document.querySelectorAll('#messages .msg.assistant');"
+        "const last = replies[replies.length - 1];"
+        "return last ? [last.dataset.state, last.querySelector('.content').innerText] : [null, ''];")
+    return state, text
 
 
 def set_field(driver, element_id: str, value: str) -> None:
@@ -346,7 +349,13 @@ def test_the_dashboard_charts_a_load_and_the_cache_emptying_after(server, browse
         wait(browser, lambda d: d.find_element(By.ID, "tile-requests").text not in ("–", "0 / 0"), "running requests")
         legend = browser.find_element(By.CSS_SELECTOR, ".chart .legend").text
         assert re.search(r"output: [\d.]+", legend) and "output: 0" not in legend, legend
+        # More requests (about 10 s of them), for a screenshot with lines to see (in the dark theme).
+        finished = int(browser.find_element(By.ID, "tile-finished").text.replace(",", ""))
+        wait(browser, lambda d: int(d.find_element(By.ID, "tile-finished").text.replace(",", "")) >= finished + 18,
+             "18 more requests finished")
+        browser.find_element(By.ID, "theme").click()
         browser.save_screenshot(str(screenshots / "web-ui-dashboard.png"))
+        browser.find_element(By.ID, "theme").click()
     finally:
         stop.set()
         for thread in threads:

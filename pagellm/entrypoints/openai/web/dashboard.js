@@ -6,6 +6,7 @@ import { LineChart } from "./chart.js";
 const POLL_MS = 1000;
 const KEEP_S = 900; // the longest window offered
 const PERCENTILE_WINDOW_S = 30; // latency percentiles over the requests of the last 30 s
+const MIN_WINDOW_S = 30; // until this much is charted, the x axis spans what there is (not a sliver at its end)
 const RATE_WINDOW_S = 5; // rates (tokens/s, hit rate) over the last 5 s, so that one slow poll does not spike them
 const $ = (id) => document.getElementById(id);
 
@@ -93,7 +94,8 @@ function record(snapshot) {
 }
 
 function draw(row, snapshot) {
-  const windowSeconds = Number($("window").value);
+  const elapsed = points.times[points.times.length - 1] - points.times[0];
+  const windowSeconds = Math.min(Number($("window").value), Math.max(MIN_WINDOW_S, Math.ceil(elapsed / 10) * 10));
   const series = (...keys) => keys.map((key) => points[key]);
   charts.throughput.draw(points.times, series("output", "input"), windowSeconds);
   charts.requests.draw(points.times, series("running", "waiting"), windowSeconds);
