@@ -324,6 +324,55 @@ def test_the_stop_button_aborts_the_request_on_the_server(server, browser):
 
 
 @pytest.mark.slow
+def test_edit_and_resend_regenerate_and_json_schema_mode(server, browser):
+    open_chat(browser, server)
+    browser.find_element(By.ID, "new-chat").click()
+    browser.execute_script(RECORD_REQUESTS)
+    set_field(browser, "max-tokens", "16")
+    send_message(browser, "Name a colour.")
+    wait(browser, lambda d: reply_state(d)[0] == "done", "the first reply")
+
+    browser.find_element(By.CSS_SELECTOR, "#messages .msg.user .edit").click()
+    editor = browser.find_element(By.CSS_SELECTOR, "#messages .msg.user .editor")
+    editor.clear()
+    editor.send_keys("Name a fruit.")
+    browser.find_element(By.XPATH, "//button[text()='Save & send']").click()
+    wait(browser, lambda d: reply_state(d)[0] == "done" and len(d.execute_script("return window.sentBodies")) == 2,
+         "the edited message's reply")
+    browser.find_element(By.CSS_SELECTOR, "#messages .msg.assistant .regenerate").click()
+    wait(browser, lambda d: reply_state(d)[0] == "done" and len(d.execute_script("return window.sentBodies")) == 3,
+         "the regenerated reply")
+    sent = browser.execute_script("return window.sentBodies")
+    assert [body["messages"] for body in sent[1:]] == [[{"role": "user", "content": "Name a fruit."}]] * 2
+    assert len(browser.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 2
+
+    browser.find_element(By.ID, "json-mode").click()
+    set_field(browser, "max-tokens", "200")
+    send_message(browser, "Answer in JSON: what is the capital of France?")
+    wait(browser, lambda d: reply_state(d)[0] == "done", "the JSON reply")
+    body = browser.execute_script("return window.sentBodies")[-1]
+    assert body["response_format"]["type"] == "json_schema"
+    schema = body["response_format"]["json_schema"]["schema"]
+    reply = json.loads(reply_state(browser)[1])
+    assert set(schema["required"]) <= set(reply) and isinstance(reply["answer"], str)
+    browser.find_element(By.ID, "json-mode").click()  # off again for the tests after
+    assert console_errors(browser) == []
+
+
+@pytest.mark.slow
+def test_the_markdown_renderer_escapes_html_and_renders_code(server, browser):
+    open_chat(browser, server)
+    html = browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "import('/ui/markdown.js').then((m) => done(m.renderMarkdown(arguments[0])));",
+        "<img src=x onerror=alert(1)> **bold** [link](javascript:alert(1))\n\n```python\nprint('<b>')\n```")
+    assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "<strong>bold</strong>" in html and "javascript:" in html and "href=\"javascript" not in html
+    assert '<div class="code-head"><span>python</span>' in html
+    assert "print" in html and "&lt;b&gt;" in html and "<b>" not in html
+
+
+@pytest.mark.slow
 def test_the_dashboard_charts_a_load_and_the_cache_emptying_after(server, browser, screenshots):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     stop = threading.Event()
