@@ -316,6 +316,10 @@ def test_the_stop_button_aborts_the_request_on_the_server(server, browser):
     assert stats(server)["requests"]["running"] == 1
     browser.find_element(By.ID, "stop").click()
     wait(browser, lambda d: reply_state(d)[0] == "stopped", "the reply marked stopped")
+    wait(browser, lambda d: re.fullmatch(r"stopped · ~\d+ tokens · [\d.]+ tokens/s · first token \d+ ms",
+                                          d.execute_script("return document.querySelector("
+                                                           "'#messages .msg.assistant:last-child .stats')"
+                                                           ".textContent")), "the stopped reply's counts")
     wait(browser, lambda d: stats(server)["requests"]["running"] == 0, "the server stops running it")
     after = stats(server)
     assert after["requests"]["finished"]["abort"] == aborted_before + 1

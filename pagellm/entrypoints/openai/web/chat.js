@@ -82,6 +82,7 @@ function statsText(stats) {
   if (!stats) return "";
   const parts = [];
   if (stats.completionTokens != null) parts.push(`${stats.promptTokens} prompt + ${stats.completionTokens} tokens`);
+  else if (stats.chunks) parts.push(`~${stats.chunks} tokens`); // stopped: no usage came, a chunk is about a token
   if (stats.tokensPerSecond) parts.push(`${stats.tokensPerSecond.toFixed(1)} tokens/s`);
   if (stats.ttft != null) parts.push(`first token ${(stats.ttft * 1000).toFixed(0)} ms`);
   if (stats.finishReason) parts.push(stats.finishReason);
@@ -261,6 +262,7 @@ async function reply(conversation) {
   let firstToken = null;
   let usage = null;
   let finishReason = null;
+  let chunks = 0; // the chunks that carried text
   let pending = false;
   const refresh = () => { // at most once a frame, however fast chunks come
     if (pending) return;
@@ -285,6 +287,7 @@ async function reply(conversation) {
       const delta = choice.delta || {};
       const text = (delta.content || "") + (delta.reasoning_content || "");
       if (text && firstToken === null) firstToken = performance.now();
+      if (text) chunks += 1;
       message.content += delta.content || "";
       message.reasoning += delta.reasoning_content || "";
       if (choice.finish_reason) finishReason = choice.finish_reason;
@@ -303,10 +306,11 @@ async function reply(conversation) {
     setBusy(false);
   }
   const now = performance.now();
-  const generated = usage?.completion_tokens;
+  const generated = usage?.completion_tokens ?? chunks;
   message.stats = {
     promptTokens: usage?.prompt_tokens ?? null,
-    completionTokens: generated ?? null,
+    completionTokens: usage?.completion_tokens ?? null,
+    chunks,
     ttft: firstToken === null ? null : (firstToken - started) / 1000,
     tokensPerSecond: generated > 1 && firstToken !== null && now > firstToken
       ? (generated - 1) / ((now - firstToken) / 1000) : null,
@@ -375,8 +379,8 @@ async function loadModels() {
 }
 
 async function loadDefaults() {
-  // /stats is behind the key only with --protect-metrics; the page works with the OpenAI defaults without it.
-  const response = await fetch("/stats");
+  // Without /stats (an older server, a proxy that hides it) the page keeps the OpenAI defaults.
+  const response = await apiFetch("/stats");
   if (!response.ok) return;
   const { engine } = await response.json();
   for (const key of ["temperature", "top_p"]) {
