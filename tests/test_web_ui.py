@@ -255,6 +255,7 @@ def server(smollm2_server):
 
 @pytest.fixture(scope="module")
 def browser():
+    """Requested before the server by each test, so that a machine without a browser skips before starting it."""
     driver = start_browser()
     yield driver
     driver.quit()
@@ -266,7 +267,7 @@ def screenshots(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_a_reply_streams_into_the_page_with_the_chosen_temperature_and_survives_a_reload(server, browser,
+def test_a_reply_streams_into_the_page_with_the_chosen_temperature_and_survives_a_reload(browser, server,
                                                                                        screenshots):
     open_chat(browser, server)
     assert browser.find_element(By.ID, "model").get_attribute("value") == SHARED_SERVER_NAME
@@ -305,7 +306,7 @@ def test_a_reply_streams_into_the_page_with_the_chosen_temperature_and_survives_
 
 
 @pytest.mark.slow
-def test_the_stop_button_aborts_the_request_on_the_server(server, browser):
+def test_the_stop_button_aborts_the_request_on_the_server(browser, server):
     open_chat(browser, server)
     browser.find_element(By.ID, "new-chat").click()
     set_field(browser, "temperature", "0")
@@ -328,7 +329,7 @@ def test_the_stop_button_aborts_the_request_on_the_server(server, browser):
 
 
 @pytest.mark.slow
-def test_edit_and_resend_regenerate_and_json_schema_mode(server, browser):
+def test_edit_and_resend_regenerate_and_json_schema_mode(browser, server):
     open_chat(browser, server)
     browser.find_element(By.ID, "new-chat").click()
     browser.execute_script(RECORD_REQUESTS)
@@ -364,7 +365,7 @@ def test_edit_and_resend_regenerate_and_json_schema_mode(server, browser):
 
 
 @pytest.mark.slow
-def test_the_markdown_renderer_escapes_html_and_renders_code(server, browser):
+def test_the_markdown_renderer_escapes_html_and_renders_code(browser, server):
     open_chat(browser, server)
     html = browser.execute_async_script(
         "const done = arguments[arguments.length - 1];"
@@ -377,7 +378,7 @@ def test_the_markdown_renderer_escapes_html_and_renders_code(server, browser):
 
 
 @pytest.mark.slow
-def test_the_dashboard_charts_a_load_and_the_cache_emptying_after(server, browser, screenshots):
+def test_the_dashboard_charts_a_load_and_the_cache_emptying_after(browser, server, screenshots):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -426,8 +427,8 @@ def test_the_dashboard_charts_a_load_and_the_cache_emptying_after(server, browse
 
 @pytest.mark.slow
 def test_the_page_asks_for_the_api_key_once_and_then_works(smollm2_path, screenshots):
+    driver = start_browser(390, 800)  # a phone-sized screen (first: it skips where there is no browser)
     remote = RemoteServer(smollm2_path, *SHARED_SERVER_FLAGS, "--api-key", API_KEY)
-    driver = start_browser(390, 800)  # a phone-sized screen
     try:
         driver.get(f"{remote.url}/")
         dialog = wait(driver, lambda d: d.find_element(By.ID, "key-dialog").is_displayed()
