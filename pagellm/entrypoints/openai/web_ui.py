@@ -6,6 +6,7 @@ build step, nothing fetched from elsewhere (they work offline).
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,14 @@ SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penal
 """The generation_config.json fields the chat page shows as the server's defaults."""
 
 
+def web_files() -> dict[str, Path]:
+    """The files served under STATIC_PREFIX, by name."""
+    return {path.name: path for path in WEB_DIR.iterdir() if path.suffix in MEDIA_TYPES}
+
+
 def web_ui_paths() -> frozenset[str]:
     """The pages and their files: open without the API key (they hold no data; what they fetch asks for it)."""
-    return frozenset(PAGES) | {STATIC_PREFIX + path.name for path in WEB_DIR.iterdir() if path.suffix in MEDIA_TYPES}
+    return frozenset(PAGES) | {STATIC_PREFIX + name for name in web_files()}
 
 
 def engine_summary(engine: AsyncLLM, served_names: list[str]) -> dict[str, Any]:
@@ -80,9 +86,9 @@ def add_stats_route(app: FastAPI, engine: AsyncLLM, served_names: list[str],
 
 def add_web_ui_routes(app: FastAPI) -> None:
     """The chat page at `/`, the dashboard at `/dashboard`, their files under STATIC_PREFIX."""
-    files = {path.name: path for path in WEB_DIR.iterdir() if path.suffix in MEDIA_TYPES}
+    files = web_files()
 
-    def page(name: str):  # noqa: ANN202 (FastAPI reads the route's signature)
+    def page(name: str) -> Callable[[], Awaitable[FileResponse]]:
         async def serve_page() -> FileResponse:
             return FileResponse(WEB_DIR / name, media_type=MEDIA_TYPES[".html"])
         return serve_page
