@@ -426,9 +426,11 @@ def test_the_dashboard_charts_a_load_and_the_cache_emptying_after(browser, serve
 
 
 @pytest.mark.slow
-def test_the_page_asks_for_the_api_key_once_and_then_works(smollm2_path, screenshots):
+def test_the_page_asks_for_the_api_key_once_and_then_works_and_folds_the_reasoning(smollm2_path, screenshots):
+    """With deepseek_r1's parser (its reasoning opens in the prompt), SmolLM2's whole reply, which never closes
+    a </think>, is reasoning: the page shows it folded, with no answer."""
     driver = start_browser(390, 800)  # a phone-sized screen (first: it skips where there is no browser)
-    remote = RemoteServer(smollm2_path, *SHARED_SERVER_FLAGS, "--api-key", API_KEY)
+    remote = RemoteServer(smollm2_path, *SHARED_SERVER_FLAGS, "--api-key", API_KEY, "--reasoning-parser", "deepseek_r1")
     try:
         driver.get(f"{remote.url}/")
         dialog = wait(driver, lambda d: d.find_element(By.ID, "key-dialog").is_displayed()
@@ -438,9 +440,16 @@ def test_the_page_asks_for_the_api_key_once_and_then_works(smollm2_path, screens
         wait(driver, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "true", "page ready")
         set_field(driver, "max-tokens", "24")
         send_message(driver, "Say hello.")
-        wait(driver, lambda d: reply_state(d)[0] == "done" and reply_state(d)[1], "a reply")
+        wait(driver, lambda d: reply_state(d)[0] == "done", "a reply")
         assert not driver.find_element(By.ID, "key-dialog").is_displayed(), "asked once"
         assert driver.execute_script("return sessionStorage.getItem('pagellm.apiKey')") == API_KEY
+
+        reasoning = last_reply(driver).find_element(By.CSS_SELECTOR, ".reasoning")
+        assert reasoning.is_displayed() and reasoning.get_attribute("open") is None, "shown, folded"
+        assert reply_state(driver)[1] == ""
+        reasoning.find_element(By.TAG_NAME, "summary").click()
+        text = reasoning.find_element(By.CSS_SELECTOR, ".reasoning-text").text
+        assert len(text) > 10, text
         driver.save_screenshot(str(screenshots / "web-ui-phone.png"))
         # The 401 that made the page ask is the one error the console may show.
         assert console_errors(driver, allowed=r"status of 401") == []
