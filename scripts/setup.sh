@@ -26,3 +26,16 @@ fi
 # because it would pull datasets and more that the tests do not use (its import needs only torch
 # and transformers).
 .venv/bin/pip install -q --no-deps autoawq==0.2.9
+# Headless Chromium and its WebDriver for the browser tests of the web page (tests/test_web_ui.py),
+# from Debian/Ubuntu packages (Selenium drives them; it is in the test extra). Where they cannot be
+# installed (not root, no apt), those tests skip and say why.
+if ! { command -v chromium || command -v chromium-browser; } >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; }; } \
+      || echo "setup.sh: could not install chromium and chromium-driver; the browser tests will be skipped" >&2
+  else
+    echo "setup.sh: no chromium/chromedriver, and no root apt-get to install them; the browser tests will be" \
+         "skipped (install Debian's chromium and chromium-driver packages)" >&2
+  fi
+fi

@@ -56,6 +56,7 @@ class PrometheusStatLogger:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
         self.model_name = model_name
+        self.num_engines = num_engines
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["model_name", "engine"]
 

@@ -50,6 +50,7 @@ from pagellm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
+from pagellm.entrypoints.openai.web_ui import STATS_PATH, add_stats_route, add_web_ui_routes, web_ui_paths
 from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
@@ -71,14 +72,15 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
               chat_template: str | None = None, metrics: PrometheusStatLogger | None = None,
               limits: ServerLimits | None = None, traffic: TrafficState | None = None,
               protect_metrics: bool = False, auto_tool_parser: str | None = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, web_ui: bool = True) -> FastAPI:
     """The app serving `engine`; requests may name any of the served names (the first is the default),
     or, given ServedModels, one of its LoRA adapters too.
 
     `traffic` bounds requests and their work in flight, and their time (default:
     TrafficLimits.for_engine); with an `api_key`, only PROBE_PATHS are open, and not /metrics if `protect_metrics`.
     `auto_tool_parser` (a TOOL_PARSER_REGISTRY name) enables tool_choice "auto" on chat completions.
-    `allow_runtime_lora_updating` adds the routes that load and unload adapters."""
+    `allow_runtime_lora_updating` adds the routes that load and unload adapters. `web_ui`: the chat page at
+    `/` and the dashboard at `/dashboard` (open without the key; /stats, with `metrics`, is open as /metrics is)."""
     if isinstance(served_model_name, ServedModels):
         models = served_model_name
     else:
@@ -96,7 +98,9 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
     # Inside the API key check: an unauthenticated client takes no place in the queue.
     app.add_middleware(TrafficMiddleware, state=traffic)
     if api_key:
-        open_paths = PROBE_PATHS - {"/metrics"} if protect_metrics else PROBE_PATHS
+        open_paths = PROBE_PATHS | {STATS_PATH} if not protect_metrics else PROBE_PATHS - {"/metrics"}
+        if web_ui:
+            open_paths |= web_ui_paths()
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     # Added last, so outermost: every response (a 401 or 413 too) carries X-Request-Id.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=limits.max_request_body_bytes)
@@ -128,6 +132,10 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
         @app.get("/metrics")
         async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
+
+        add_stats_route(app, engine, list(models.base_names), metrics)
+    if web_ui:
+        add_web_ui_routes(app)
 
     def model_card(model: ServedModel) -> ModelCard:
         max_model_len = engine.config.model.max_model_len
@@ -288,11 +296,13 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         app = build_app(engine, models, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
                         traffic=traffic, protect_metrics=ns.protect_metrics,
                         auto_tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                        allow_runtime_lora_updating=allow_lora_updating)
+                        allow_runtime_lora_updating=allow_lora_updating, web_ui=not ns.disable_web_ui)
         host, port = sock.getsockname()[:2]
         served = [model.name for model in models]
         logger.info("serving %s on http://%s:%d%s", ", ".join(served), host, port,
                     " (API key required)" if api_key else "")
+        if not ns.disable_web_ui:
+            logger.info("chat page: http://%s:%d/  dashboard: http://%s:%d/dashboard", host, port, host, port)
         if allow_lora_updating:
             logger.warning("runtime LoRA updating is on: clients may load adapters from any folder this server "
                            "can read (/v1/load_lora_adapter)")

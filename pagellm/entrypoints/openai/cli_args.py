@@ -47,6 +47,8 @@ def add_serve_args(serve: argparse.ArgumentParser) -> None:
                             f"safer (a command line is visible to every user of the machine)")
     serve.add_argument("--protect-metrics", action="store_true",
                        help="with an API key, require it on /metrics too")
+    serve.add_argument("--disable-web-ui", action="store_true",
+                       help="do not serve the chat page at / and the dashboard at /dashboard")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="log level of the HTTP server (uvicorn), access log included")
