@@ -151,8 +151,9 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
 
     headers: dict[str, str] = {}
     tokenizer = table.tokenizers.get(model)
-    if tokenizer is not None and path in GENERATION_PATHS:
+    if path in GENERATION_PATHS:
         try:
+            # On a thread: tokenizing a long prompt takes milliseconds the other requests need not wait.
             governed = await asyncio.to_thread(govern, body, tokenizer, route.config, key)
         except LengthError as e:
             state.metrics.rejections.labels(model).inc()

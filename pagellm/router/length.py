@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.router.body import requested_max_tokens
+from pagellm.router.body import estimate_tokens, prompt_text, requested_max_tokens
 from pagellm.router.config import KeyConfig, ModelConfig
 from pagellm.tokenizer import Tokenizer
 
@@ -42,11 +42,14 @@ def limits(model: ModelConfig, key: KeyConfig | None) -> tuple[int | None, int |
             smaller(model.max_output_tokens, key and key.max_output_tokens))
 
 
-def govern(body: dict[str, Any], tokenizer: Tokenizer, model: ModelConfig, key: KeyConfig | None) -> Governed:
-    """Apply the limits to a completions or chat body; LengthError under the reject policy."""
+def govern(body: dict[str, Any], tokenizer: Tokenizer | None, model: ModelConfig, key: KeyConfig | None) -> Governed:
+    """Apply the limits to a completions or chat body; LengthError under the reject policy. Without a
+    tokenizer (then the model has no max_input_tokens) the prompt's tokens are estimated."""
     max_in, max_out = limits(model, key)
     body = dict(body)
     _govern_output(body, max_out, model.length_policy)
+    if tokenizer is None:
+        return Governed(body, estimate_tokens(prompt_text(body)))
     if "messages" in body:
         return _govern_chat(body, tokenizer, max_in, model.length_policy)
     return _govern_completion(body, tokenizer, max_in, model.length_policy)
