@@ -19,7 +19,7 @@ import tiers  # noqa: E402
 
 # pytester: tests/test_tiers.py runs the guard on a suite of its own. router_utils: the router tests'
 # fake backends and in-process router (fixtures `fakes`, `router`).
-pytest_plugins = ("pytester", "tests.router_utils")
+pytest_plugins = ("pytester", "router_utils")
 
 
 def pytest_configure(config: pytest.Config) -> None:

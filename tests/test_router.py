@@ -8,12 +8,12 @@ import threading
 import httpx
 import openai
 import pytest
+from router_utils import QUIET
+from server_utils import metric_samples
 
 from pagellm.cli.main import main
 from pagellm.router.balance import Backend, ModelRoute, prefix_hashes
 from pagellm.router.config import parse_config
-from tests.router_utils import QUIET
-from tests.server_utils import metric_samples
 
 
 def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
