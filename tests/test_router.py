@@ -3,12 +3,15 @@ prefix affinity, failover, streaming pass-through, /v1/models, reload, metrics."
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 
 import httpx
 import openai
 import pytest
-from router_utils import QUIET
+from router_utils import QUIET, free_port, wait_until
 from server_utils import metric_samples
 
 from pagellm.cli.main import main
@@ -206,3 +209,45 @@ def test_cli_bad_config_exits_2_naming_the_key(tmp_path, capsys) -> None:
     assert "models[0].backends[0].weight" in capsys.readouterr().err
     assert main(["router", "--backend", "m=http://h:1", "--cache-url", "redis://127.0.0.1:9/0"]) == 2
     assert "cache.url" in capsys.readouterr().err
+
+
+def test_shared_system_prompt_sticks_to_one_backend(fakes, router) -> None:
+    backends = [fakes(f"b{i}") for i in range(3)]
+    r = router({"models": [{"name": "m", "backends": [b.url for b in backends]}]})
+    system = {"role": "system", "content": "You answer questions about the company handbook. " * 10}
+    with httpx.Client(base_url=r.url) as http:
+        used = {http.post("/v1/chat/completions", json={"model": "m", "messages": [
+            system, {"role": "user", "content": f"question {i}"}]}).headers["x-pagellm-backend"] for i in range(12)}
+        assert len(used) == 1
+        # Requests without a shared prefix spread by load (each ends before the next: ties are drawn).
+        spread = {http.post("/v1/completions", json={"model": "m", "prompt": f"{i} unrelated"}).headers[
+            "x-pagellm-backend"] for i in range(30)}
+    assert len(spread) > 1
+
+
+@pytest.mark.slow  # a `pagellm router` process (its imports take seconds on 2 cores)
+def test_sighup_reloads_the_config(fakes, tmp_path) -> None:
+    a = fakes("a")
+    path = tmp_path / "router.yaml"
+    path.write_text(json.dumps({"models": [{"name": "m", "backends": [a.url]}]}))
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "router", "--config", str(path),
+                                "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _ids(url) == ["m"], 60)
+        path.write_text(json.dumps({"models": [{"name": name, "backends": [a.url]} for name in ("m", "n")]}))
+        process.send_signal(signal.SIGHUP)
+        wait_until(lambda: _ids(url) == ["m", "n"], 30)
+        assert httpx.post(f"{url}/v1/completions", json={"model": "n", "prompt": "x"}).status_code == 200
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) == 0, process.stderr.read().decode()[-2000:]
+
+
+def _ids(url: str) -> list[str] | None:
+    try:
+        return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=2).json()["data"]]
+    except httpx.HTTPError:
+        return None

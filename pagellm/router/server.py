@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 
 import uvicorn
 
@@ -26,8 +27,15 @@ def run_router(ns: argparse.Namespace) -> int:
     asyncio.run(_check_store(state))
     config = uvicorn.Config(build_app(state, reload_on_sighup=True), host=ns.host, port=ns.port,
                             log_level=ns.log_level, timeout_graceful_shutdown=30)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
     uvicorn.Server(config).run()
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    # uvicorn re-raises the signal that stopped it once it has drained; exit 0, not "killed by SIGTERM".
+    raise SystemExit(0)
 
 
 async def _check_store(state: RouterState) -> None:
