@@ -79,6 +79,7 @@ class FakeBackend:
     gate: threading.Event | None = None
     bodies: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
     server: ThreadServer | None = None
 
     @property
@@ -110,6 +111,7 @@ class FakeBackend:
             body = await request.json()
             self.bodies.append(body)
             self.paths.append(request.url.path)
+            self.headers.append(dict(request.headers))
             if self.gate is not None:
                 await asyncio.to_thread(self.gate.wait, 10)
             if self.status != 200:

@@ -251,3 +251,12 @@ def _ids(url: str) -> list[str] | None:
         return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=2).json()["data"]]
     except httpx.HTTPError:
         return None
+
+
+def test_every_backend_failing_returns_the_last_answer(fakes, router) -> None:
+    a, b = fakes("a", status=503), fakes("b", status=503)
+    r = router({"models": [{"name": "m", "backends": [a.url, b.url]}]})
+    resp = httpx.post(f"{r.url}/v1/completions", json={"model": "m", "prompt": "x"})
+    assert resp.status_code == 503 and resp.json()["error"]["message"] == "fake failure"
+    assert len(a.bodies) + len(b.bodies) == 2  # the first try and one retry, no more
+    assert all(x.in_flight == 0 for x in r.state.backends.values())

@@ -29,16 +29,20 @@ def _assert_429(resp: httpx.Response, limit: str) -> None:
 
 
 def test_keys_authenticate(fakes, router) -> None:
-    a = fakes("a")
-    r = router({"models": [{"name": "m", "backends": [a.url]}], "keys": [KEY]})
+    a, b = fakes("a"), fakes("b")
+    r = router({"models": [{"name": "m", "backends": [a.url]},
+                           {"name": "n", "backends": [{"url": b.url, "api_key": "backend-secret"}]}],
+                "keys": [KEY]})
     with httpx.Client(base_url=r.url) as http:
         for key in (None, "wrong"):
             resp = _post(http, key)
             assert resp.status_code == 401 and resp.json()["error"]["type"] == "AuthenticationError"
         assert http.get("/v1/models").status_code == 401
         assert _post(http, "secret-a").status_code == 200
+        assert _post(http, "secret-a", model="n").status_code == 200
     assert len(a.bodies) == 1
-    assert "authorization" not in a.bodies[0]  # the client's key is not forwarded (nor in headers: see proxy)
+    assert "authorization" not in a.headers[0]  # the client's key is not forwarded
+    assert b.headers[0]["authorization"] == "Bearer backend-secret"  # the backend's own is sent
 
 
 def test_requests_per_minute(fakes, router) -> None:

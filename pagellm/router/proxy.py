@@ -65,14 +65,21 @@ async def open_upstream(state: RouterState, route: ModelRoute, path: str, body: 
             last_error = f"{backend.url}: {type(e).__name__}"
             kind = "timeout" if isinstance(e, httpx.TimeoutException) else "connect"
         else:
-            if response.status_code not in RETRY_STATUSES or attempt == MAX_ATTEMPTS - 1:
+            state.metrics.first_byte.labels(model, backend.url).observe(time.monotonic() - started)
+            if response.status_code not in RETRY_STATUSES:
                 backend.remember(hashes)
-                state.metrics.first_byte.labels(model, backend.url).observe(time.monotonic() - started)
-                if response.status_code < 500:
-                    state.backend_succeeded(backend)
+                state.backend_succeeded(backend)
+                return Upstream(backend, config, response, started)
+            kind = f"http_{response.status_code}"
+            state.metrics.errors.labels(model, backend.url, kind).inc()
+            state.backend_failed(backend)
+            if attempt == MAX_ATTEMPTS - 1:  # no retry left: the client gets the backend's own answer
                 return Upstream(backend, config, response, started)
             await response.aclose()
-            last_error, kind = f"{backend.url}: HTTP {response.status_code}", f"http_{response.status_code}"
+            release_load(state, backend, load_tokens)
+            last_error = f"{backend.url}: HTTP {response.status_code}"
+            exclude.add(backend)
+            continue
         release_load(state, backend, load_tokens)
         state.metrics.errors.labels(model, backend.url, kind).inc()
         state.backend_failed(backend)

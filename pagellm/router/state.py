@@ -51,9 +51,9 @@ class RouterState:
         self._health_task: asyncio.Task | None = None
 
     def _build(self, config: RouterConfig, old: RoutingTable | None) -> RoutingTable:
-        for m in config.models:
-            for b in m.backends:
-                self.backends.setdefault(b.url, Backend(b.url))
+        # Backends the new config drops are forgotten here; requests in flight hold their own reference.
+        urls = {b.url for m in config.models for b in m.backends}
+        self.backends = {url: self.backends.get(url) or Backend(url) for url in urls}
         tokenizers = {}
         for m in config.models:
             if m.tokenizer is not None:
@@ -104,8 +104,7 @@ class RouterState:
 
     async def check_health(self) -> None:
         """Probe every backend of the current table once."""
-        urls = {b.url for m in self.table.config.models for b in m.backends}
-        await asyncio.gather(*(self._probe(self.backends[u]) for u in urls))
+        await asyncio.gather(*(self._probe(b) for b in self.backends.values()))
 
     async def _probe(self, backend: Backend) -> None:
         try:
