@@ -153,8 +153,9 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
     tokenizer = table.tokenizers.get(model)
     if path in GENERATION_PATHS:
         try:
-            # On a thread: tokenizing a long prompt takes milliseconds the other requests need not wait.
-            governed = await asyncio.to_thread(govern, body, tokenizer, route.config, key)
+            # Tokenizing a long prompt takes milliseconds the other requests need not wait: on a thread.
+            governed = (govern(body, None, route.config, key) if tokenizer is None
+                        else await asyncio.to_thread(govern, body, tokenizer, route.config, key))
         except LengthError as e:
             state.metrics.rejections.labels(model).inc()
             raise APIError(str(e), 400, e.param) from e

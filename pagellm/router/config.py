@@ -89,9 +89,6 @@ class RouterConfig:
     max_imbalance: int = 8
     """Prefix affinity yields when its backend has this many more requests in flight than the least loaded."""
 
-    def model(self, name: str) -> ModelConfig | None:
-        return next((m for m in self.models if m.name == name), None)
-
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None,
                 extra_backends: list[str] | None = None) -> RouterConfig:

@@ -18,7 +18,6 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagellm.entrypoints.openai.errors import APIError, sse_error
 from pagellm.router.balance import Backend, ModelRoute
-from pagellm.router.config import BackendConfig
 from pagellm.router.state import RouterState
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -33,7 +32,6 @@ OnDone = Callable[[int, bytes | None], Awaitable[None]]
 @dataclass(slots=True)
 class Upstream:
     backend: Backend
-    config: BackendConfig
     response: httpx.Response
     started: float
 
@@ -69,12 +67,12 @@ async def open_upstream(state: RouterState, route: ModelRoute, path: str, body: 
             if response.status_code not in RETRY_STATUSES:
                 backend.remember(hashes)
                 state.backend_succeeded(backend)
-                return Upstream(backend, config, response, started)
+                return Upstream(backend, response, started)
             kind = f"http_{response.status_code}"
             state.metrics.errors.labels(model, backend.url, kind).inc()
             state.backend_failed(backend)
             if attempt == MAX_ATTEMPTS - 1:  # no retry left: the client gets the backend's own answer
-                return Upstream(backend, config, response, started)
+                return Upstream(backend, response, started)
             await response.aclose()
             release_load(state, backend, load_tokens)
             last_error = f"{backend.url}: HTTP {response.status_code}"

@@ -39,9 +39,7 @@ def _exit_cleanly(signum: int, frame: object) -> None:
 
 
 async def _check_store(state: RouterState) -> None:
-    check = getattr(state.table.store, "check", None)
-    if check is not None:
-        try:
-            await check()
-        finally:
-            await state.table.store.close()
+    try:
+        await state.check_store()
+    finally:
+        await state.table.store.close()  # its connections belong to this short-lived loop

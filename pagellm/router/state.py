@@ -69,10 +69,13 @@ class RouterState:
         return RoutingTable(config, routes, tokenizers, {k.key: k for k in config.keys}, store,
                             RateLimiter(store), ResponseCache(config.cache, store))
 
-    async def start(self) -> None:
-        """Check Redis (a start-up error naming cache.url) and start the health checks."""
+    async def check_store(self) -> None:
+        """ValueError naming cache.url when the configured Redis does not answer."""
         if isinstance(self.table.store, RedisStore):
             await self.table.store.check()
+
+    async def start(self) -> None:
+        """Start the health checks (on the serving loop)."""
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
