@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagellm.entrypoints.openai.errors import APIError, error_response
-from pagellm.router.balance import prefix_hashes
+from pagellm.router.balance import ModelRoute, prefix_hashes
 from pagellm.router.body import DEFAULT_MAX_TOKENS_ESTIMATE, estimate_tokens, prompt_text, requested_max_tokens
 from pagellm.router.cache import BYPASS_HEADER, STATUS_HEADER, CachedResponse
 from pagellm.router.config import KeyConfig
-from pagellm.router.length import LengthError, govern
+from pagellm.router.length import Governed, LengthError, govern
 from pagellm.router.proxy import open_upstream, respond
 from pagellm.router.state import RouterState, RoutingTable
 
@@ -150,18 +150,10 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
         raise APIError(f"the model `{model}` does not exist; served: {', '.join(table.routes)}", 404, "model")
 
     headers: dict[str, str] = {}
-    tokenizer = table.tokenizers.get(model)
     if path in GENERATION_PATHS:
-        try:
-            # Tokenizing a long prompt takes milliseconds the other requests need not wait: on a thread.
-            governed = (govern(body, None, route.config, key) if tokenizer is None
-                        else await asyncio.to_thread(govern, body, tokenizer, route.config, key))
-        except LengthError as e:
-            state.metrics.rejections.labels(model).inc()
-            raise APIError(str(e), 400, e.param) from e
+        governed = await _govern(state, table, route, body, key)
         body, input_tokens = governed.body, governed.input_tokens
         if governed.truncated_from is not None:
-            state.metrics.truncations.labels(model, route.config.length_policy).inc()
             headers[TRUNCATED_HEADER] = f"{governed.truncated_from}->{input_tokens}"
     else:
         input_tokens = estimate_tokens(prompt_text(body))
@@ -215,6 +207,23 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
     except BaseException:
         await settle(0)
         raise
+
+
+async def _govern(state: RouterState, table: RoutingTable, route: ModelRoute, body: dict[str, Any],
+                  key: KeyConfig | None) -> Governed:
+    """The request under its length limits (counted in metrics); APIError 400 when rejected."""
+    model = route.config.name
+    tokenizer = table.tokenizers.get(model)
+    try:
+        # Tokenizing a long prompt takes milliseconds the other requests need not wait: on a thread.
+        governed = (govern(body, None, route.config, key) if tokenizer is None
+                    else await asyncio.to_thread(govern, body, tokenizer, route.config, key))
+    except LengthError as e:
+        state.metrics.rejections.labels(model).inc()
+        raise APIError(str(e), 400, e.param) from e
+    if governed.truncated_from is not None:
+        state.metrics.truncations.labels(model, route.config.length_policy).inc()
+    return governed
 
 
 def _replay(hit: CachedResponse, headers: dict[str, str]) -> Response:
