@@ -46,6 +46,13 @@ def test_router_over_two_engines(smollm2_server, beta_server, smollm2_path, rout
                                                 stream=True, extra_headers={"x-pagellm-cache-bypass": "1"})
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want_chat
     assert {m.id for m in routed.models.list().data} == {SHARED_SERVER_NAME, "beta"}
+    # Imported here: langchain takes seconds to import, which collecting the quick tier need not pay.
+    from langchain_openai import ChatOpenAI  # noqa: PLC0415
+
+    chat = ChatOpenAI(model="beta", base_url=f"{r.url}/v1", api_key="unused", max_tokens=8, temperature=0,
+                      default_headers={"x-pagellm-cache-bypass": "1"})
+    assert chat.invoke("Say hello.").content == want_chat  # LangChain unchanged through the router
+    assert "".join(c.content for c in chat.stream("Say hello.")) == want_chat
 
     # One long system prompt, several questions: they all go to one engine, which reuses its KV.
     system = {"role": "system", "content": "You answer questions about the Paris city guide. " * 12}
