@@ -66,9 +66,10 @@ class FakeBackend:
     """An OpenAI-compatible server that answers with its own name and records what it received.
 
     Completions answer `text` = "<name>:<n>" (n counts its requests) with `usage.completion_tokens`
-    = `output_tokens`; a stream sends `stream_events` chunks then [DONE]. Knobs: `status` (answer
-    every request with it), `healthy` (/health), `break_after` (drop the connection after that many
-    stream events), `gate` (hold requests until set)."""
+    = `output_tokens`; a stream sends `stream_events` chunks (and the usage, when the request asks
+    with `include_usage`) then [DONE]. Knobs: `status` (answer every request with it), `healthy`
+    (/health), `break_after` (drop the connection after that many stream events), `gate` (hold
+    requests until set)."""
 
     name: str
     output_tokens: int = 5
@@ -119,7 +120,8 @@ class FakeBackend:
                                                "code": self.status}}, status_code=self.status)
             n = len(self.bodies)
             if body.get("stream"):
-                return StreamingResponse(self._events(n), media_type="text/event-stream")
+                usage = (body.get("stream_options") or {}).get("include_usage", False)
+                return StreamingResponse(self._events(n, usage), media_type="text/event-stream")
             return JSONResponse({"id": f"cmpl-{n}", "object": "text_completion", "model": body.get("model"),
                                  "choices": [{"index": 0, "text": f"{self.name}:{n}", "finish_reason": "stop",
                                               "message": {"role": "assistant", "content": f"{self.name}:{n}"}}],
@@ -130,7 +132,7 @@ class FakeBackend:
             app.add_api_route(path, generate, methods=["POST"])
         return app
 
-    async def _events(self, n: int) -> AsyncIterator[bytes]:
+    async def _events(self, n: int, usage: bool) -> AsyncIterator[bytes]:
         for i in range(self.stream_events):
             if self.break_after is not None and i == self.break_after:
                 raise RuntimeError("fake backend dies mid-stream")
@@ -138,6 +140,11 @@ class FakeBackend:
                      "choices": [{"index": 0, "delta": {"content": f"{self.name}:{n}:{i} "}, "text": f"{i} ",
                                   "finish_reason": None}]}
             yield f"data: {json.dumps(chunk)}\n\n".encode()
+        if usage:
+            last = {"id": f"cmpl-{n}", "object": "chat.completion.chunk", "model": "m", "choices": [],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": self.output_tokens,
+                              "total_tokens": 1 + self.output_tokens}}
+            yield f"data: {json.dumps(last)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
 

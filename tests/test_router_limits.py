@@ -64,6 +64,15 @@ def test_output_tokens_per_minute_counts_usage(fakes, router) -> None:
         _assert_429(_post(http, "secret-a"), "output_tokens_per_minute")  # 20 used
 
 
+def test_output_tokens_of_a_stream_count_its_usage(fakes, router) -> None:
+    a = fakes("a", output_tokens=10)
+    r = router({"models": [{"name": "m", "backends": [a.url]}], "keys": [{**KEY, "output_tokens_per_minute": 15}]})
+    body = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.Client(base_url=r.url, headers={"authorization": "Bearer secret-a"}) as http:
+        assert [http.post("/v1/completions", json=body).status_code for _ in range(2)] == [200, 200]
+        _assert_429(http.post("/v1/completions", json=body), "output_tokens_per_minute")
+
+
 def test_input_tokens_per_minute(fakes, router) -> None:
     a = fakes("a")
     r = router({"models": [{"name": "m", "backends": [a.url]}], "keys": [{**KEY, "input_tokens_per_minute": 100}]})
