@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import argparse
 
-from pagellm.entrypoints.arg_types import positive_int
+from pagellm.entrypoints.arg_types import port
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file: models (backends, limits), keys, cache; "
                         "reread on SIGHUP or POST /admin/reload. See docs/router.md")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=positive_int, default=8080)
+    parser.add_argument("--port", type=port, default=8080)
     parser.add_argument("--backend", action="append", default=[], metavar="NAME=URL[@WEIGHT]",
                         help="Serve model NAME from the backend at URL (repeatable; adds to the config's models)")
     parser.add_argument("--cache-url", default=None, help="memory:// or redis://host:port/db (overrides cache.url; "
