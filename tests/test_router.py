@@ -107,7 +107,7 @@ def test_failover_before_first_byte_and_ejection(fakes, router) -> None:
         texts = [http.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"}).json()["choices"][0]["text"]
                  for i in range(6)]
     assert all(t.startswith("good:") for t in texts)
-    bad_backend = r.state.backends[bad.url]
+    bad_backend = r.state.table.backends[bad.url]
     assert bad_backend.ejected and len(bad.bodies) == 2  # taken out after its second failure
     samples = metric_samples(r.url)
     assert samples["pagellm:router_failovers_total"] == 2
@@ -142,7 +142,7 @@ def test_broken_stream_ends_with_an_error_event(fakes, router) -> None:
                                                     stream=True):
             received.append(chunk.choices[0].delta.content)
     assert received == ["a:1:0 ", "a:1:1 "]
-    assert r.state.backends[a.url].in_flight == 0  # its load is given back
+    assert r.state.table.backends[a.url].in_flight == 0  # its load is given back
 
 
 def test_reload_by_admin_route_keeps_requests_in_flight(fakes, router) -> None:
@@ -259,4 +259,4 @@ def test_every_backend_failing_returns_the_last_answer(fakes, router) -> None:
     resp = httpx.post(f"{r.url}/v1/completions", json={"model": "m", "prompt": "x"})
     assert resp.status_code == 503 and resp.json()["error"]["message"] == "fake failure"
     assert len(a.bodies) + len(b.bodies) == 2  # the first try and one retry, no more
-    assert all(x.in_flight == 0 for x in r.state.backends.values())
+    assert all(x.in_flight == 0 for x in r.state.table.backends.values())

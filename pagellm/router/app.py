@@ -86,7 +86,7 @@ def build_app(state: RouterState, reload_on_sighup: bool = False) -> FastAPI:
         _authenticate_admin(state.table, request)
         return JSONResponse([{"url": b.url, "in_flight": b.in_flight, "outstanding_tokens": b.outstanding_tokens,
                               "ejected": b.ejected, "consecutive_failures": b.consecutive_failures}
-                             for b in state.backends.values()])
+                             for b in state.table.backends.values()])
 
     return app
 

@@ -28,6 +28,8 @@ HEALTH_TIMEOUT_S = 2.0
 class RoutingTable:
     config: RouterConfig
     routes: dict[str, ModelRoute]
+    backends: dict[str, Backend]
+    """By URL: each server once, however many models it serves."""
     tokenizers: dict[str, Tokenizer]
     """By model name, for the models that name a tokenizer."""
     keys: dict[str, KeyConfig]
@@ -43,7 +45,6 @@ class RouterState:
     def __init__(self, config_path: str | None, overrides: dict, extra_backends: list[str]) -> None:
         self.config_path, self.overrides, self.extra_backends = config_path, overrides, extra_backends
         self.metrics = RouterMetrics()
-        self.backends: dict[str, Backend] = {}
         self._tokenizers_by_path: dict[str, Tokenizer] = {}
         self.table = self._build(load_config(config_path, overrides, extra_backends), None)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.table.config.request_timeout_s, connect=5.0),
@@ -51,22 +52,23 @@ class RouterState:
         self._health_task: asyncio.Task | None = None
 
     def _build(self, config: RouterConfig, old: RoutingTable | None) -> RoutingTable:
-        # Backends the new config drops are forgotten here; requests in flight hold their own reference.
-        urls = {b.url for m in config.models for b in m.backends}
-        self.backends = {url: self.backends.get(url) or Backend(url) for url in urls}
+        # Backends keep their state across reloads; those the new config drops are forgotten (requests
+        # in flight hold their own reference).
+        kept = old.backends if old is not None else {}
+        backends = {url: kept.get(url) or Backend(url) for url in (b.url for m in config.models for b in m.backends)}
         tokenizers = {}
-        for m in config.models:
+        for i, m in enumerate(config.models):
             if m.tokenizer is not None:
                 if m.tokenizer not in self._tokenizers_by_path:
                     try:
                         self._tokenizers_by_path[m.tokenizer] = load_tokenizer_at(m.tokenizer)
                     except (ValueError, OSError) as e:
-                        raise ValueError(f"models[{m.name}].tokenizer: {e}") from e
+                        raise ValueError(f"models[{i}].tokenizer: {e}") from e
                 tokenizers[m.name] = self._tokenizers_by_path[m.tokenizer]
-        routes = {m.name: ModelRoute(m, self.backends, config.max_imbalance) for m in config.models}
+        routes = {m.name: ModelRoute(m, backends, config.max_imbalance) for m in config.models}
         same_store = old is not None and old.config.cache.url == config.cache.url
         store = old.store if same_store else make_store(config.cache.url, config.cache.max_entries)
-        return RoutingTable(config, routes, tokenizers, {k.key: k for k in config.keys}, store,
+        return RoutingTable(config, routes, backends, tokenizers, {k.key: k for k in config.keys}, store,
                             RateLimiter(store), ResponseCache(config.cache, store))
 
     async def check_store(self) -> None:
@@ -107,7 +109,7 @@ class RouterState:
 
     async def check_health(self) -> None:
         """Probe every backend of the current table once."""
-        await asyncio.gather(*(self._probe(b) for b in self.backends.values()))
+        await asyncio.gather(*(self._probe(b) for b in self.table.backends.values()))
 
     async def _probe(self, backend: Backend) -> None:
         try:
