@@ -260,3 +260,17 @@ def test_every_backend_failing_returns_the_last_answer(fakes, router) -> None:
     assert resp.status_code == 503 and resp.json()["error"]["message"] == "fake failure"
     assert len(a.bodies) + len(b.bodies) == 2  # the first try and one retry, no more
     assert all(x.in_flight == 0 for x in r.state.table.backends.values())
+
+
+def test_sticky_header_pins_a_session_to_one_canary_version(fakes, router) -> None:
+    stable, canary = fakes("stable"), fakes("canary")
+    r = router({"sticky_header": "x-session-id",
+                "models": [{"name": "m", "backends": [{"url": stable.url, "weight": 50},
+                                                      {"url": canary.url, "weight": 49}]}]})
+    with httpx.Client(base_url=r.url) as http:
+        def backend(session: int, i: int) -> str:
+            return http.post("/v1/completions", json={"model": "m", "prompt": f"turn {i}"},
+                             headers={"x-session-id": f"s{session}"}).headers["x-pagellm-backend"]
+        pinned = [{backend(s, i) for i in range(3)} for s in range(16)]
+    assert all(len(p) == 1 for p in pinned)
+    assert {stable.url, canary.url} == set().union(*pinned)  # sessions still split between the versions

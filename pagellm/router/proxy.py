@@ -127,7 +127,7 @@ async def _relay(state: RouterState, up: Upstream, model: str, path: str, load_t
     chunks: list[bytes] = []
     events, usage_tokens, error = 0, None, None
     try:
-        async for chunk in up.response.aiter_raw():
+        async for chunk in up.response.aiter_bytes():  # decoded: a gzip-ing backend streams plain SSE too
             chunks.append(chunk)
             events += chunk.count(b"data: ")
             if b'"usage"' in chunk:  # the last chunk of a stream with include_usage
