@@ -3,6 +3,7 @@ prefix affinity, failover, streaming pass-through, /v1/models, reload, metrics."
 from __future__ import annotations
 
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def _route(weights: list[float], versions: list[str | None] | None = None, max_i
 
 def test_canary_split_and_sticky_sessions() -> None:
     route = _route([90, 10])
+    random.seed(0)  # the draw is random.random(): seeded, the count is the same every run
     picks = [route.choose([], None)[0].url for _ in range(1000)]
     assert abs(picks.count("http://b1:1") / 1000 - 0.10) <= 0.03
     sticky = {s: route.choose([], f"user-{s}")[0].url for s in range(200)}
@@ -103,11 +105,16 @@ def test_versions_group_backends_for_the_split() -> None:
 def test_failover_before_first_byte_and_ejection(fakes, router) -> None:
     bad, good = fakes("bad", status=503), fakes("good")
     r = router({"models": [{"name": "m", "backends": [bad.url, good.url]}], "eject_after_failures": 2})
-    with httpx.Client(base_url=r.url) as http:
-        texts = [http.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"}).json()["choices"][0]["text"]
-                 for i in range(6)]
-    assert all(t.startswith("good:") for t in texts)
     bad_backend = r.state.table.backends[bad.url]
+
+    def text(i: int) -> str:
+        return http.post("/v1/completions", json={"model": "m", "prompt": f"p{i}"}).json()["choices"][0]["text"]
+
+    with httpx.Client(base_url=r.url) as http:
+        # Loads are equal, so each request draws its first backend: go on until "bad" is taken out.
+        texts = [text(i) for i in range(40) if not bad_backend.ejected]
+        texts += [text(i) for i in range(5)]  # after which it gets nothing
+    assert all(t.startswith("good:") for t in texts)
     assert bad_backend.ejected and len(bad.bodies) == 2  # taken out after its second failure
     samples = metric_samples(r.url)
     assert samples["pagellm:router_failovers_total"] == 2

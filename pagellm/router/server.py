@@ -11,8 +11,6 @@ import uvicorn
 from pagellm.router.app import build_app
 from pagellm.router.state import RouterState
 
-logger = logging.getLogger(__name__)
-
 
 def make_state(ns: argparse.Namespace) -> RouterState:
     """The router's state from the flags; ValueError naming the config key or flag."""
@@ -21,10 +19,10 @@ def make_state(ns: argparse.Namespace) -> RouterState:
 
 
 def run_router(ns: argparse.Namespace) -> int:
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = make_state(ns)
     # Fail at start-up, naming cache.url, when Redis does not answer (uvicorn would only log it).
     asyncio.run(_check_store(state))
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(build_app(state, reload_on_sighup=True), host=ns.host, port=ns.port,
                             log_level=ns.log_level, timeout_graceful_shutdown=30)
     for sig in (signal.SIGINT, signal.SIGTERM):
