@@ -30,11 +30,12 @@ def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
             assert resp.status_code == 200
             assert resp.json()["choices"][0]["text"].startswith(fake.name + ":")
             assert resp.headers["x-pagellm-backend"] == fake.url
+        assert http.post("/v1/embeddings", json={"model": "beta", "input": "x"}).status_code == 200
         resp = http.post("/v1/chat/completions", json={"model": "gamma", "messages": []})
     assert resp.status_code == 404
     error = resp.json()["error"]
     assert error["param"] == "model" and "gamma" in error["message"] and error["code"] == 404
-    assert len(a.bodies) == 2 and len(b.bodies) == 1
+    assert len(a.bodies) == 2 and b.paths == ["/v1/completions", "/v1/embeddings"]
     assert a.bodies[0] == {"model": "alpha", "prompt": "hi"}  # forwarded unchanged
 
 
