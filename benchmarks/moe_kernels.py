@@ -21,14 +21,20 @@ written a second), or its FLOPs (2 x pairs x 3 x intermediate x hidden) at the m
 rate, whichever is longer. `graph / floor` is the floor over the graph replay's time: 1.0 would be
 the weights streamed at copy speed (decode) or the tensor cores busy throughout (prefill).
 
+With --sweep, each case's graph replay is also timed with every tile configuration of a grid
+(`SWEEP_GRID`, or --sweep-configs), each checked against the loop first, and the fastest is reported
+beside the default's: the data `pagellm.ops.triton.moe`'s table of tiles is set from.
+
 On the GPU machine, from the repository root:
     python3 -m benchmarks.moe_kernels --out-dir "$OUT" --commit SHA
+    python3 -m benchmarks.moe_kernels --sweep --tokens 1 4 16 --out-dir "$OUT" --commit SHA
 Every code path on the CPU (Triton's interpreter, tiny sizes, timings meaningless):
     TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.moe_kernels --smoke
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -46,7 +52,7 @@ from benchmarks.lora_kernels import Timer
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.benchmarks.roofline import Ceilings, measure_ceilings
 from pagellm.ops.moe import fused_moe_ref, select_experts
-from pagellm.ops.triton.moe import choose_config, fused_moe
+from pagellm.ops.triton.moe import MoEConfig, choose_config, fused_moe
 
 
 class MoEShape(NamedTuple):
@@ -65,6 +71,8 @@ TOLERANCE = 2**-5
 """Of the output's largest magnitude."""
 COPY_BYTES, MATMUL_SIZE = 1 << 30, 8192
 SMOKE_COPY_BYTES, SMOKE_MATMUL_SIZE = 1 << 24, 256
+SWEEP_GRID = [MoEConfig(16, n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (3, 5))]
+"""--sweep's tiles (BLOCK_M 16: the small batches the engine decodes)."""
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -72,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     models = {name: (SMOKE_MODELS if args.smoke else MODELS)[name] for name in args.models}
     timer = Timer(device, args.warmup, args.iters)
+    sweep = (args.sweep_configs or SWEEP_GRID) if args.sweep else []
     ceilings, ceilings_record = measure_ceilings(device, SMOKE_COPY_BYTES if args.smoke else COPY_BYTES,
                                                  SMOKE_MATMUL_SIZE if args.smoke else MATMUL_SIZE, DTYPE)
     print(f"copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s (read + written), "
@@ -84,13 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         w2 = (torch.randn(shape.experts, shape.hidden, shape.intermediate, generator=gen, device=device)
               * shape.intermediate**-0.5).to(DTYPE)
         for tokens in args.tokens:
-            record = run_case(name, shape, tokens, w13, w2, gen, timer, ceilings)
+            record = run_case(name, shape, tokens, w13, w2, gen, timer, ceilings, sweep)
             records.append(record)
             print(f"{name} T={tokens}: fused {record['fused_us']:.1f} us, graph {_fmt(record['graph_us'])} us, "
                   f"loop {record['loop_us']:.1f} us, graph / floor {_fmt(record['graph_over_floor'], '.2f')}",
                   flush=True)
         del w13, w2
-    payload = {"benchmark": "moe_kernels", **run_metadata(args.commit), "parameters": vars(args),
+    payload = {"benchmark": "moe_kernels", **run_metadata(args.commit),
+               "parameters": {**vars(args), "sweep_configs": [_config_text(c) for c in sweep]},
                "device": str(device), "dtype": str(DTYPE).removeprefix("torch."), "ceilings": ceilings_record,
                "results": records}
     path = default_result_path("moe_kernels")
@@ -109,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def run_case(name: str, shape: MoEShape, tokens: int, w13: torch.Tensor, w2: torch.Tensor, gen: torch.Generator,
-             timer: Timer, ceilings: Ceilings) -> dict[str, Any]:
-    """One model and batch: checked, then timed."""
+             timer: Timer, ceilings: Ceilings, sweep: list[MoEConfig]) -> dict[str, Any]:
+    """One model and batch: checked, then timed (and with each of `sweep`'s tiles)."""
     device = w13.device
 
     def route() -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,17 +128,33 @@ def run_case(name: str, shape: MoEShape, tokens: int, w13: torch.Tensor, w2: tor
 
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(DTYPE)
     weights, ids = route()
-    out = fused_moe(x, w13, w2, weights, ids)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
-    error, scale = (out.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
-    if error > TOLERANCE * scale:
-        raise AssertionError(f"{name} T={tokens}: the fused kernels disagree with the loop: {error} "
-                             f"(largest output {scale})")
+    scale = ref.float().abs().max().item()
+
+    def check(config: MoEConfig | None) -> float:
+        error = (fused_moe(x, w13, w2, weights, ids, config).float() - ref.float()).abs().max().item()
+        if error > TOLERANCE * scale:
+            raise AssertionError(f"{name} T={tokens} {config}: the fused kernels disagree with the loop: {error} "
+                                 f"(largest output {scale})")
+        return error
+
+    error = check(None)
 
     times = {"fused_us": timer.median_us(lambda: fused_moe(x, w13, w2, weights, ids)),
              "loop_us": timer.median_us(lambda: fused_moe_ref(x, w13, w2, weights, ids)), "graph_us": None}
+    swept = []
     if device.type == "cuda":
         times["graph_us"] = timer.median_us(capture(x, w13, w2, (weights, ids), route()).replay)
+    for config in sweep:
+        check(config)
+        call = (capture(x, w13, w2, (weights, ids), route(), config).replay if device.type == "cuda"
+                else lambda c=config: fused_moe(x, w13, w2, weights, ids, c))
+        swept.append({"config": _config_text(config), "us": timer.median_us(call)})
+    if swept:
+        fastest = min(swept, key=lambda r: r["us"])
+        print(f"{name} T={tokens}: fastest of {len(swept)} tiles {fastest['config']} {fastest['us']:.1f} us "
+              f"(default {_config_text(choose_config(tokens * shape.top_k, shape.experts, DTYPE))} "
+              f"{_fmt(times['graph_us'] or times['fused_us'])} us)", flush=True)
     experts_read = int(torch.unique(ids[ids >= 0]).numel())
     weight_bytes = experts_read * 3 * shape.intermediate * shape.hidden * w13.element_size()
     flops = 2 * tokens * shape.top_k * 3 * shape.intermediate * shape.hidden
@@ -141,29 +167,43 @@ def run_case(name: str, shape: MoEShape, tokens: int, w13: torch.Tensor, w2: tor
             "loop_over_graph": times["loop_us"] / times["graph_us"] if times["graph_us"] else None,
             "graph_over_floor": floor_us / times["graph_us"] if times["graph_us"] else None,
             "fused_over_floor": floor_us / times["fused_us"],
-            "weight_fraction_of_copy_bandwidth": weight_bytes / (best_us * 1e-6) / ceilings.copy_bytes_per_s}
+            "weight_fraction_of_copy_bandwidth": weight_bytes / (best_us * 1e-6) / ceilings.copy_bytes_per_s,
+            "sweep": swept}
 
 
 def capture(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: tuple[torch.Tensor, torch.Tensor],
-            other: tuple[torch.Tensor, torch.Tensor]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of the fused call on copies of `routing` (weights, ids), checked: bit-identical to
-    the eager call, and following `other` routing copied into its inputs. Left with `routing`."""
+            other: tuple[torch.Tensor, torch.Tensor], config: MoEConfig | None = None) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of the fused call (with `config`'s tiles; None: the default's) on copies of
+    `routing` (weights, ids), checked: bit-identical to the eager call, and following `other`
+    routing copied into its inputs. Left with `routing`."""
     static = tuple(t.clone() for t in routing)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        fused_moe(x, w13, w2, *static)
+        fused_moe(x, w13, w2, *static, config)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = fused_moe(x, w13, w2, *static)
+        static_out = fused_moe(x, w13, w2, *static, config)
     for inputs in (other, routing):
         for dst, src in zip(static, inputs):
             dst.copy_(src)
         graph.replay()
-        if not torch.equal(static_out, fused_moe(x, w13, w2, *inputs)):
+        if not torch.equal(static_out, fused_moe(x, w13, w2, *inputs, config)):
             raise AssertionError("the graph replay differs from the eager call on the routing copied in")
     return graph
+
+
+def _config_text(config: MoEConfig) -> str:
+    return ",".join(str(v) for v in (config.block_m, config.block_n, config.block_k, config.num_warps,
+                                      config.num_stages))
+
+
+def _parse_config(text: str) -> MoEConfig:
+    try:
+        return MoEConfig(*(int(v) for v in text.split(",")))
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected BLOCK_M,BLOCK_N,BLOCK_K,WARPS,STAGES, not {text!r}") from None
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -178,6 +218,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="untimed calls before them")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and batches, 3 timed calls, nothing saved "
                                                          "to benchmarks/results/ (for the CPU)")
+    p.add_argument("--sweep", action="store_true", help="also time each case with every tile configuration of "
+                                                        "the grid (see the module's docstring)")
+    p.add_argument("--sweep-configs", nargs="+", type=_parse_config, default=None, metavar="M,N,K,WARPS,STAGES",
+                   help="--sweep's configurations instead of the grid")
     p.add_argument("--out-dir", default=None, help="also write the JSON here (e.g. $OUT)")
     p.add_argument("--no-save", action="store_true", help="write the JSON only to --out-dir, not benchmarks/results/")
     p.add_argument("--commit", default=os.environ.get("PAGELLM_COMMIT"),

@@ -1,6 +1,6 @@
 """Plugins: installed packages that add to pagellm's registries (model architectures, quantization
-methods, attention backends, executors, speculative proposers, tool and reasoning parsers), as
-vLLM's `vllm.general_plugins` do.
+methods, attention backends, executors, speculative proposers, tool and reasoning parsers, KV
+connectors), as vLLM's `vllm.general_plugins` do.
 
 A plugin is a function that calls the `register_*` functions, named by an entry point of the group
 `pagellm.plugins` in its package's metadata:

@@ -28,6 +28,7 @@ if _REPO_ROOT not in sys.path:
 from benchmarks import moe_kernels as moe_benchmark  # noqa: E402
 from pagellm.ops.moe import check_moe_inputs, fused_moe, fused_moe_ref, select_experts  # noqa: E402
 from pagellm.ops.triton import moe as triton_moe  # noqa: E402
+from pagellm.ops.triton import routing as routing_kernels  # noqa: E402
 from pagellm.ops.triton.moe import _CONFIGS, MAX_EXPERTS, align_by_expert, choose_config, max_blocks  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -316,8 +317,10 @@ def test_matches_hugging_faces_mixtral_experts(gen: torch.Generator) -> None:
 
 @pytest.mark.slow  # the benchmark's CPU path: some seconds under the interpreter
 def test_benchmark_smoke_checks_and_records_each_case(tmp_path: Path) -> None:
-    payload = moe_benchmark.main(["--smoke", "--tokens", "1", "4", "--out-dir", str(tmp_path)])
+    payload = moe_benchmark.main(["--smoke", "--tokens", "1", "4", "--out-dir", str(tmp_path),
+                                  "--sweep", "--sweep-configs", "16,16,64,4,3"])
     records = payload["results"]
+    assert all([s["config"] for s in r["sweep"]] == ["16,16,64,4,3"] and r["sweep"][0]["us"] > 0 for r in records)
     assert [(r["model"], r["tokens"]) for r in records] == [(m, t) for m in moe_benchmark.MODELS for t in (1, 4)]
     assert all(r["max_abs_error"] <= moe_benchmark.TOLERANCE * r["max_abs_output"] for r in records)
     assert all(0 < r["experts_read"] <= r["experts"] and r["weight_bytes"] > 0 for r in records)
@@ -550,3 +553,45 @@ def test_gpt_oss_router_topk_softmax(gen: torch.Generator) -> None:
     torch.testing.assert_close(weights, renormalized, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="topk_softmax takes no correction_bias"):
         select_experts(logits, 4, False, "topk_softmax", correction_bias=torch.zeros(16))
+
+
+# The routing kernel (`pagellm.ops.triton.routing`): select_experts' softmax scorings in one launch.
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (5, 60, 4), (33, 128, 8), (3, 16, 1)])
+@pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("softmax", False), ("topk_softmax", False)])
+def test_routing_kernel_matches_the_definition(tokens: int, experts: int, top_k: int, scoring: str,
+                                               renormalize: bool, gen: torch.Generator) -> None:
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    weights, ids = routing_kernels.select_experts(logits.to(DEVICE), top_k, renormalize, scoring)
+    expected_ids, expected_weights = select_experts_per_token(logits, top_k, renormalize, scoring, None, None, None)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.cpu().tolist() == expected_ids
+    torch.testing.assert_close(weights.cpu(), torch.tensor(expected_weights, dtype=torch.float32), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_routing_kernel_reads_16_bit_strided_logits_and_breaks_ties_to_the_lower_id(gen: torch.Generator) -> None:
+    wide = (torch.randn(6, 40, generator=gen) * 2).to(torch.bfloat16)
+    logits = wide[:, :32]  # rows 40 apart
+    logits[0, [3, 9, 20]] = 8.0  # three-way tie at the top of row 0
+    weights, ids = routing_kernels.select_experts(logits.to(DEVICE), 4, True)
+    expected_ids, expected_weights = select_experts_per_token(logits.float(), 4, True, "softmax", None, None, None)
+    assert ids[0, :3].tolist() == [3, 9, 20]
+    assert [sorted(row) for row in ids.cpu().tolist()] == [sorted(row) for row in expected_ids]
+    torch.testing.assert_close(weights.cpu().sort(dim=1).values,
+                               torch.tensor(expected_weights).sort(dim=1).values, rtol=1e-5, atol=1e-6)
+
+
+def test_select_experts_takes_the_kernel_where_it_applies(gen: torch.Generator) -> None:
+    """impl="triton": the kernel for the softmax scorings at a power-of-two top_k; the torch path
+    (the same answer) for the others."""
+    logits = torch.randn(7, 16, generator=gen).to(DEVICE)
+    assert all(torch.equal(a, b) for a, b in zip(select_experts(logits, 4, True, impl="triton"),
+                                                  routing_kernels.select_experts(logits, 4, True)))
+    bias = torch.randn(16, generator=gen).to(DEVICE)
+    for args in ((3, True, "softmax"), (4, True, "sigmoid", bias)):
+        assert not routing_kernels.supports(args[0], 16, args[2], args[3] if len(args) > 3 else None, None)
+        for a, b in zip(select_experts(logits, *args, impl="triton"), select_experts(logits, *args, impl="torch")):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="power-of-two top_k"):
+        routing_kernels.select_experts(logits, 3, True)

@@ -15,6 +15,7 @@ from pagellm.attention import ATTENTION_BACKEND_REGISTRY, get_attn_backend, regi
 from pagellm.attention.torch_backend import TorchAttentionBackend
 from pagellm.cli import build_parser
 from pagellm.config.arch import MODEL_REGISTRY, ModelArchConfig
+from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVTransferConfig, register_kv_connector
 from pagellm.config.registry import Registry
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.openai.tool_parsers import (
@@ -52,7 +53,7 @@ from pagellm.spec_decode import (
 )
 
 REGISTRIES = (MODEL_REGISTRY, QUANTIZATION_REGISTRY, ATTENTION_BACKEND_REGISTRY, EXECUTOR_REGISTRY, PROPOSER_REGISTRY,
-              TOOL_PARSER_REGISTRY, REASONING_PARSER_REGISTRY)
+              TOOL_PARSER_REGISTRY, REASONING_PARSER_REGISTRY, KV_CONNECTOR_REGISTRY)
 CPU = torch.device("cpu")
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 16,
@@ -368,3 +369,15 @@ def _refused_as(error: type[Exception], call, *fragments: str) -> str:
     message = str(info.value)
     assert all(f in message for f in fragments), message
     return message
+
+
+def test_register_kv_connector():
+    _refused(lambda: register_kv_connector("Bad", "no_colon", "pagellm.worker.kv_offload:OffloadingWorker"),
+             "scheduler_cls", "package.module:Name")
+    _refused(lambda: register_kv_connector("OffloadingConnector", "a.b:C", "a.b:D"), "already registered")
+    register_kv_connector("LazyConnector", "my_pkg.sched:Scheduler", "my_pkg.worker:Worker", description="lazy")
+    assert "LazyConnector" in KV_CONNECTOR_REGISTRY  # nothing imported until chosen
+    assert KVTransferConfig.parse({"kv_connector": "LazyConnector", "kv_role": "kv_consumer"}).is_consumer
+    assert "LazyConnector (lazy)" in KV_CONNECTOR_REGISTRY.describe()
+    _refused(lambda: KVTransferConfig.parse('{"kv_connector": "Nope"}'), "--kv-transfer-config",
+             "OffloadingConnector", "LazyConnector")

@@ -5,6 +5,9 @@ preemption, n-gram speculation; TP=2 and PP=2 over processes), the blocks a long
 grows, and draft-model speculation refused."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -13,6 +16,13 @@ from family_utils import assert_matches_hf, save_with_tokenizer
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.kv_cache_groups import window_blocks
+
+# `benchmarks` is a folder of the repository, not part of the installed package.
+_REPO_ROOT = str(Path(__file__).resolve().parent.parent)
+if _REPO_ROOT not in sys.path:
+    sys.path.insert(0, _REPO_ROOT)
+
+from benchmarks import window_kv  # noqa: E402
 
 NEW_TOKENS = 32
 VOCAB = 256
@@ -136,3 +146,15 @@ def test_two_ranks_over_processes_match_hf(tiny, split):
         assert llm.llm_engine.get_stats().prefix_cache_hits > 0
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow  # `pagellm plan` in a subprocess, then an engine: some seconds
+def test_window_benchmark_finds_plan_and_engine_at_the_window_arithmetic(tmp_path: Path) -> None:
+    """Gemma-3's layer pattern at tiny sizes: one full group, five windowed ones; each group's blocks
+    in the engine equal the plan's and the arithmetic's, and a windowed group holds fewer."""
+    payload = window_kv.main(["--smoke", "--out-dir", str(tmp_path)])
+    groups = payload["groups"]
+    assert [g["sliding_window"] for g in groups] == [None] + [40] * 5
+    assert payload["all_match"]
+    assert all(g["engine_decode_most_blocks"] < groups[0]["engine_decode_most_blocks"] for g in groups[1:])
+    assert len(list(tmp_path.glob("window_kv*.json"))) == 1

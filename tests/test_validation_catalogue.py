@@ -237,6 +237,7 @@ CATALOGUE = [
     # Fields the server does not implement, and inconsistent ones.
     Case("audio output", CHAT, chat(modalities=["text", "audio"]), 400, "outputs text", "modalities"),
     Case("priority", CMPL, cmpl(priority=1), 400, "first come, first served", "priority"),
+    Case("priority in chat", CHAT, chat(priority=-1), 400, "--scheduling-policy priority", "priority"),
     Case("suffix", CMPL, cmpl(suffix="!"), 400, "`suffix` is not supported", "suffix"),
     Case("max_tokens 0 without echo", CMPL, cmpl(max_tokens=0), 400, "only allowed with echo", "max_tokens"),
     Case("negative max_tokens", CMPL, cmpl(max_tokens=-1), 400, "greater than or equal to 0", "max_tokens"),

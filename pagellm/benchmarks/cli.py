@@ -192,7 +192,7 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
                            "--kv-cache-dtype stores them")
-    EngineArgs.add_cli_args(plan, names=plan_command.PLAN_ENGINE_ARGS)
+    EngineArgs.add_cli_args(plan, names=plan_command.PLAN_ENGINE_ARGS + plan_command.PLAN_HOST_ARGS)
     plan.add_argument("--input-len", type=positive_int, default=1024, help="typical prompt tokens per request")
     plan.add_argument("--output-len", type=positive_int, default=128, help="typical output tokens per request")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")

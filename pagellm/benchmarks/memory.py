@@ -39,6 +39,7 @@ from pagellm.layers.moe import FusedMoE
 from pagellm.models import get_model_class
 from pagellm.quantization.gguf import GGUFConfig, kept_weight_bytes
 from pagellm.worker.cuda_graphs import capture_sizes
+from pagellm.worker.kv_offload import OffloadingWorker
 
 SAMPLER_BYTES_PER_LOGIT = 40
 """Measured on an H200: 40.0 bytes per (sequence x vocabulary entry) between 256, 384 and 1024 sequences."""
@@ -86,6 +87,9 @@ class PlanSpec:
     cpu_kv_cache_bytes: int = 4 << 30
     """The CPU's default budget for the whole replica (EngineConfig.default_cpu_kv_cache_bytes)."""
     enforce_eager: bool = False
+    host_kv_bytes: int = 0
+    """The host KV tier's pool on this rank (--kv-offloading-size; 0: none). On a GPU its copies'
+    staging buffers come out of the KV budget."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -120,11 +124,27 @@ class Ledger:
 
     @property
     def num_kv_blocks(self) -> int:
-        return max(0, self.kv_budget_bytes // self.kv_bytes_per_block)
+        return max(0, (self.kv_budget_bytes - self.staging_bytes) // self.kv_bytes_per_block)
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.kv_bytes_per_block
+
+    @property
+    def staging_bytes(self) -> int:
+        """The host tier's device staging buffers (GPU), deducted from the KV budget."""
+        if not self.spec.host_kv_bytes or self.spec.device != "cuda":
+            return 0
+        return OffloadingWorker.device_bytes(self.kv_bytes_per_block)
+
+    @property
+    def num_host_kv_blocks(self) -> int:
+        return self.spec.host_kv_bytes // self.kv_bytes_per_block
+
+    @property
+    def host_kv_tokens(self) -> int:
+        """Tokens of evicted prefixes the host tier keeps, beside the device's."""
+        return self.num_host_kv_blocks * self.spec.block_size
 
     @property
     def kv_cache_tokens(self) -> int:

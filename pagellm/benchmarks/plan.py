@@ -33,6 +33,8 @@ PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "enable_expert_parallel", "
                     "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
                     "kv_cache_memory_bytes", "enforce_eager")
 """The engine flags that change how the KV cache is sized."""
+PLAN_HOST_ARGS = ("kv_offloading_size",)
+"""Engine flags about host memory, planned but not checked against this machine's."""
 
 
 def run_cli(ns: argparse.Namespace) -> int:
@@ -92,7 +94,16 @@ def spec_from_args(ns: argparse.Namespace, arch: ModelArchConfig, path: str | No
         gguf_types=gguf_types, kv_cache_dtype=ns.kv_cache_dtype, tensor_parallel_size=ns.tensor_parallel_size,
         expert_parallel=ns.enable_expert_parallel and bool(arch.num_experts),
         kv_cache_memory_bytes=ns.kv_cache_memory_bytes, cpu_kv_cache_bytes=EngineConfig.default_cpu_kv_cache_bytes(),
-        enforce_eager=ns.enforce_eager)
+        enforce_eager=ns.enforce_eager, host_kv_bytes=_host_kv_bytes(ns.kv_offloading_size))
+
+
+def _host_kv_bytes(kv_offloading_size: float | None) -> int:
+    if kv_offloading_size is None:
+        return 0
+    if not kv_offloading_size > 0:
+        raise ValueError(f"kv_offloading_size (--kv-offloading-size) must be a positive number of GiB, "
+                         f"got {kv_offloading_size!r}")
+    return int(kv_offloading_size * _GiB)
 
 
 def _quantization(requested: str | None, arch: ModelArchConfig, path: str | None,
@@ -248,6 +259,8 @@ def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
         "kv_cache_groups": [{"sliding_window": g.sliding_window, "layers": list(g.layers), "blocks_per_seq": n}
                             for g, n in zip(ledger.kv_groups, ledger.group_blocks_per_seq(ledger.tokens_per_seq))],
         "kv_limited_seqs": ledger.kv_limited_seqs, "max_concurrent_seqs": ledger.max_concurrent_seqs,
+        "staging_bytes": ledger.staging_bytes, "num_host_kv_blocks": ledger.num_host_kv_blocks,
+        "host_kv_tokens": ledger.host_kv_tokens,
         "fits": not tips, "advice": tips,
     }
 
@@ -279,6 +292,10 @@ def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
     if on_gpu:
         rows.append(["CUDA context", _gib(ledger.non_torch_bytes), "memory outside PyTorch"])
     rows.append(["KV cache", _gib(ledger.kv_cache_bytes), f"{ledger.num_kv_blocks} blocks of {spec.block_size} tokens"])
+    if ledger.staging_bytes:
+        rows.append(["KV staging", _gib(ledger.staging_bytes), "the host tier's copy buffers, from the KV budget"])
+    if spec.host_kv_bytes:
+        rows.append(["host KV tier", _gib(spec.host_kv_bytes), "--kv-offloading-size, in host memory"])
     if on_gpu:
         rows.append(["CUDA graphs", _gib(ledger.cuda_graph_bytes),
                      "after sizing, in the activation peak's room (estimate)" if ledger.cuda_graph_bytes else
@@ -292,6 +309,9 @@ def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
                 ["sequences in the KV cache", ledger.kv_limited_seqs, f"{ledger.blocks_per_seq} blocks each"
                  + _group_note(ledger)],
                 ["max concurrent sequences", ledger.max_concurrent_seqs, f"--max-num-seqs {spec.max_num_seqs}"]]
+    if spec.host_kv_bytes:
+        capacity.append(["host KV tier tokens", ledger.host_kv_tokens,
+                         f"{ledger.num_host_kv_blocks} blocks of evicted prefixes, beside the device's"])
     lines.append(format_table(["capacity", "value", "notes"], capacity, left=(0, 2)))
     lines += ["", *(f"- {tip}" for tip in tips)] if tips else ["", "fits: every --max-num-seqs sequence runs at once"]
     return "\n".join(lines)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.config.grammar_limits import GrammarLimits
+from pagellm.config.kv_transfer import KVOffloadConfig
 from pagellm.config.lora import LoRAConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig
 from pagellm.config.speculative import SpeculativeConfig
@@ -45,6 +46,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     async_scheduling: bool = False
     """Schedule step N+1 while the device runs step N (where the engine allows it)."""
+    policy: str = "fcfs"
+    """fcfs | priority: the order requests are admitted and preempted in (`pagellm.core.request_queue`)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,6 +105,8 @@ class EngineConfig:
     """The draft model of draft_model speculation."""
     lora: LoRAConfig | None = None
     """LoRA adapters (None: off, `--enable-lora`)."""
+    kv_transfer: KVOffloadConfig | None = None
+    """The KV connector (a host tier, `--kv-offloading-size`, `--kv-transfer-config`; None: none)."""
 
     @property
     def is_pooling(self) -> bool:

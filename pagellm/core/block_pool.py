@@ -66,6 +66,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVCacheBlock] = {}
+        self.evicted: list[tuple[int, BlockHash]] | None = None
+        """(block id, hash) of cached blocks reallocated since last taken, when someone keeps
+        them (a KV connector saves them); None: not recorded."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +92,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.evicted is not None:
+                        self.evicted.append((block.block_id, block.block_hash))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
@@ -116,6 +121,12 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Make a block unfindable (its content is not what its hash says: a failed load)."""
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only allowed when no block is in use."""

@@ -203,6 +203,34 @@ class KVCacheManager:
             self.pool.free(b for i in reversed(range(len(groups[0]))) for blocks in groups
                            if (b := blocks[i]) is not None)
 
+    def record_evictions(self) -> None:
+        """Keep the cached blocks evicted from now on, for `take_evicted`."""
+        self.pool.evicted = []
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the cached blocks reallocated since the last call."""
+        evicted, self.pool.evicted = self.pool.evicted, []
+        return evicted
+
+    def uncache_blocks(self, block_ids: set[int]) -> None:
+        """Forget the prefix-cache entries of blocks whose content is wrong (a failed load)."""
+        for block_id in block_ids:
+            self.pool.uncache(self.pool.blocks[block_id])
+
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Forget the prefix-cache entries of the request's blocks from its first not computed token
+        on: registered when allocated, for tokens of a step that then withdrew them."""
+        first = request.num_computed_tokens // self.block_size
+        for blocks in self.req_to_blocks.get(request.request_id, ()):
+            for block in blocks[first:]:
+                if block is not None:
+                    self.pool.uncache(block)
+
+    def holds_any(self, request_id: str, block_ids: set[int]) -> bool:
+        """Whether the request holds one of `block_ids` in some group."""
+        return any(b is not None and b.block_id in block_ids
+                   for blocks in self.req_to_blocks.get(request_id, ()) for b in blocks)
+
     def get_block_ids(self, request_id: str) -> BlockIds:
         """Per group, the request's block ids (`SKIPPED_BLOCK_ID` for blocks a window gave back)."""
         groups = self.req_to_blocks.get(request_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagellm.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
 from pagellm.core.request import EngineCoreRequest
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class SchedulerOutput:
     propose_drafts: bool = False
     """Whether the worker's draft model proposes once this step's tokens are known (draft_model
     speculation, unless paused by disable_by_batch_size: then steps overlap instead)."""
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """The KV connector's transfers for this step (None: none), run before the forward."""
 
     @property
     def is_empty(self) -> bool:
@@ -107,6 +110,8 @@ class ModelRunnerOutput:
     little-endian float32 bytes."""
     draft_token_ids: dict[str, list[int]] | None = None
     """draft_model speculation: per request, the draft model's proposal for its next step."""
+    kv_connector_output: KVConnectorOutput | None = None
+    """The KV connector's report of the step (failed loads, bytes moved), from the driver."""
 
 
 @dataclass(slots=True)
@@ -159,6 +164,8 @@ class SchedulerStats:
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_waiting_by_priority: dict[int, int] = field(default_factory=dict)
+    """Waiting requests per priority (only the priorities of requests waiting now)."""
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -170,6 +177,8 @@ class SchedulerStats:
     """Speculative decoding's counters (totals), when it is on."""
     lora: "LoRAStats | None" = None
     """LoRA adapters in use, when they are enabled."""
+    kv_transfer: KVTransferStats | None = None
+    """The KV connector's counters (host tier hits, bytes, swaps), when there is one."""
 
 
 @dataclass(slots=True)

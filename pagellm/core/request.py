@@ -54,6 +54,9 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     lora_request: LoRARequest | None = None
     """The adapter it runs with (None: the base model). Its blocks' hashes chain the adapter's id
     in: KV computed under one adapter is never reused under another."""
+    priority: int = 0
+    """Under the priority scheduling policy (`--scheduling-policy priority`), requests with a lower
+    value are admitted first and preempted last; arrival_time breaks ties. 0 under fcfs."""
 
 
 class RecordFields:
@@ -152,6 +155,10 @@ class Request(RecordFields):
     """Up to this many tokens, the blocks it holds have room, no block fills and no sliding window
     has more than a decode's blocks to give back: allocating them changes nothing (kept by
     `KVCacheManager`), so a decode step need not call it."""
+    num_swapped_tokens: int = 0
+    """Tokens whose KV a swap preemption saved to the host tier, until it resumes (KV connector)."""
+    load_failed: bool = False
+    """A KV connector's load into its blocks failed: it recomputes, and loads nothing more."""
     worker_out_of_date: bool = False
     """Its computed tokens moved other than by the tokens scheduled (rejected drafts rolled back):
     the next step tells the workers where it stands."""

@@ -4,12 +4,20 @@ There are no prefill and decode phases. Each request has `num_computed_tokens` a
 `num_tokens`; a step hands out at most `max_num_batched_tokens` tokens to at most `max_num_seqs`
 requests. Chunked prefill and prefix-cache hits fall out of that. When blocks run out, the most
 recently admitted running request is preempted and later recomputed.
+
+The scheduling policy (`--scheduling-policy`) orders the waiting queue (`request_queue.py`) and the
+running list: fcfs by arrival and admission; priority by (priority, arrival_time), so that the
+running request preempted is the one of the lowest priority (the largest value, the latest arrival
+among equals), and a waiting request that finds no blocks preempts running requests of a strictly
+lower priority (larger value) to make room.
 """
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -17,6 +25,7 @@ from typing import TYPE_CHECKING
 from pagellm.core.interfaces import AdapterStore, DraftProposer, GrammarCompiler
 from pagellm.core.kv_cache_groups import max_blocks_held
 from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from pagellm.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -29,6 +38,7 @@ from pagellm.core.outputs import (
     SpecDecodeStats,
 )
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus, check_prompt_fits
+from pagellm.core.request_queue import create_request_queue, priority_key
 
 if TYPE_CHECKING:
     from pagellm.config.speculative import SpeculativeConfig
@@ -75,14 +85,19 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, workers_see_samples: bool = True,
                  grammars: GrammarCompiler | None = None, speculative: SpeculativeConfig | None = None,
-                 proposer: DraftProposer | None = None, adapters: AdapterStore | None = None) -> None:
+                 proposer: DraftProposer | None = None, adapters: AdapterStore | None = None,
+                 policy: str = "fcfs", connector: KVConnectorScheduler | None = None,
+                 swap_preemption: bool = False) -> None:
         """`workers_see_samples`: whether the workers learn each sampled token themselves (one
         pipeline stage: the driver shares it with its TP peers). If not, a request waits for its
         token before it is scheduled again (no placeholders), and the scheduler output carries it.
         `grammars`: compiles and matches structured-output requests (None: they are refused).
         `speculative`: propose draft tokens for decoding requests (None: no speculation), with
         `proposer` beside the scheduler, or (None) from the workers' proposals (`propose_drafts`).
-        `adapters`: the LoRA adapters (None: requests that name one are refused)."""
+        `adapters`: the LoRA adapters (None: requests that name one are refused).
+        `policy`: fcfs or priority (`--scheduling-policy`, see the module's docstring).
+        `connector`: the KV connector's scheduler half (a host tier; None: none), and with
+        `swap_preemption` a preempted request's blocks are saved through it instead of recomputed."""
         self.limits = limits
         self.grammars = grammars
         self.rejected: list[tuple[str, str]] = []
@@ -92,9 +107,10 @@ class Scheduler:
         self.kv = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_prefix_caching,
                                  limits.sliding_windows)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = create_request_queue(policy)
+        self.by_priority = policy == "priority"
         self.running: list[Request] = []
-        """In admission order: the last one is the first to be preempted."""
+        """The last one is the first to be preempted: in admission order (fcfs), or by `priority_key`."""
         self._freed_req_ids: set[str] = set()
         """Requests the workers must forget at the next step."""
         self._known_to_workers: set[str] = set()
@@ -114,6 +130,12 @@ class Scheduler:
         """Adapter id -> running requests that use it: at most `adapters.max_loras` ids."""
         self._waiting_loras: Counter[int] = Counter()
         self._lora_names: dict[int, str] = {}
+        self.connector = connector
+        self.swap_preemption = swap_preemption and connector is not None
+        if connector is not None:
+            self.kv.record_evictions()
+        self._load_failed: list[Request] = []
+        """Running requests whose KV a connector failed to load: preempted (to recompute) next step."""
         self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
                            if speculative is not None else None)
 
@@ -157,6 +179,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv.free(request)
+        if self.connector is not None:
+            self.connector.request_finished(request)
         del self.requests[request.request_id]
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
@@ -201,6 +225,8 @@ class Scheduler:
         # Decided once, before preemptions shrink the batch: a step scheduled while another is in
         # flight (can_overlap) must not carry drafts.
         speculate = self._speculating
+        if self._load_failed:
+            preempted_now = self._recompute_failed_loads()
 
         i = 0
         running = self.running
@@ -224,7 +250,7 @@ class Scheduler:
                     new_ids = self.kv.allocate_slots(request, num_new)
                 while new_ids is None:
                     victim = running.pop()
-                    self._preempt(victim)
+                    self._preempt(victim, self.swap_preemption)
                     preempted_now = True
                     if victim is request:
                         break
@@ -254,33 +280,51 @@ class Scheduler:
         adapters then wait too, so those adapters drain and it gets its turn (no starvation)."""
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.limits.max_num_seqs):
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if ((request.grammar is not None and not self._grammar_ready(request))
                     or (request.record.lora_request is not None and not self._adapter_admits(request, lora_full))):
-                self.waiting.popleft()
+                self.waiting.pop_next()
                 if not request.status.is_finished:
                     compiling.append(request)  # others go ahead meanwhile
                     lora_full = lora_full or self._lora_blocked(request)
                 continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            lookahead = self._lookahead(request, num_hit_tokens + num_new, speculate)
-            new_ids = self.kv.allocate_slots(request, num_new + lookahead, hit_blocks)
+            num_external = 0  # tokens the KV connector loads after the device's hit
+            if self.connector is not None and not request.load_failed:
+                # Never the last token (it must run to give logits), whatever the connector says.
+                num_external = max(0, min(self.connector.get_num_new_matched_tokens(request, num_hit_tokens),
+                                          request.num_tokens - 1 - num_hit_tokens))
+            num_computed = num_hit_tokens + num_external
+            num_new = min(request.num_tokens - num_computed, budget)
+            lookahead = self._lookahead(request, num_computed + num_new, speculate)
+            new_ids = self.kv.allocate_slots(request, num_external + num_new + lookahead, hit_blocks)
             if new_ids is None and lookahead:  # the prompt alone may still fit
-                new_ids = self.kv.allocate_slots(request, num_new, hit_blocks)
+                new_ids = self.kv.allocate_slots(request, num_external + num_new, hit_blocks)
             if new_ids is None:
-                break
-            self.waiting.popleft()
+                given_back = self._preempt_lower(request, num_scheduled, cached_reqs, spec_tokens) \
+                    if self.by_priority else None
+                if given_back is None:
+                    break
+                budget += given_back
+                continue  # its prefix hits and room, again
+            if self.connector is not None:
+                first_block = num_hit_tokens // self.limits.block_size
+                self.connector.update_state_after_alloc(
+                    request, first_block, new_ids[0][:-(-num_external // self.limits.block_size)], num_external)
+            self.waiting.pop_next()
             self._count_lora(self._waiting_loras, request, -1)
             self._count_lora(self._running_loras, request, 1)
             if not request.skips_prefix_cache:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = num_computed
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort(self.running, request, key=priority_key)
+            else:
+                self.running.append(request)
             self._known_to_workers.add(request.request_id)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
@@ -288,9 +332,9 @@ class Scheduler:
                 record=request.record,
                 output_token_ids=request.output_token_ids,
                 block_ids=self.kv.get_block_ids(request.request_id),
-                num_computed_tokens=num_hit_tokens,
+                num_computed_tokens=num_computed,
             ))
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.push_front_all(compiling)
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -302,6 +346,9 @@ class Scheduler:
             scheduled_spec_tokens=spec_tokens,
             propose_drafts=speculate and self.lookahead > 0,
         )
+        if self.connector is not None:
+            self.connector.blocks_evicted(self.kv.take_evicted())
+            output.kv_connector_metadata = self.connector.build_connector_meta()
         self._freed_req_ids = set()
         # The tokens handed out are counted as computed once scheduled: the step that computes
         # them is always launched before the next schedule(). One reaching the end of its known
@@ -313,6 +360,28 @@ class Scheduler:
                 request.num_output_placeholders += 1
         self.num_scheduled_tokens_total += output.total_num_scheduled_tokens
         return output
+
+    def _preempt_lower(self, request: Request, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
+                       spec_tokens: dict[str, list[int]]) -> int | None:
+        """Priority policy: make room for waiting `request` by preempting the lowest-priority running
+        request, if its priority value is strictly larger (equals never preempt each other, which
+        would only thrash). Its part of this step is withdrawn; returns the tokens that gives back
+        to the step's budget, None if there is no such request. The victim was not admitted in this
+        step: those admitted before `request` come first by priority."""
+        if not self.running or self.running[-1].record.priority <= request.record.priority:
+            return None
+        victim = self.running.pop()
+        # Its blocks registered for the tokens withdrawn below will hold no KV: a later hit on them
+        # (or a copy to the host tier when they are evicted) would read garbage.
+        self.kv.uncache_uncomputed(victim)
+        self._preempt(victim, self.swap_preemption)
+        req_id = victim.request_id
+        spec_tokens.pop(req_id, None)
+        for i, cached in enumerate(cached_reqs):
+            if cached.req_id == req_id:
+                del cached_reqs[i]
+                break
+        return num_scheduled.pop(req_id, 0)
 
     def _lookahead(self, request: Request, end: int, speculate: bool) -> int:
         """Room to allocate past a step's tokens, drafts included (up to position `end`), for the
@@ -398,7 +467,7 @@ class Scheduler:
             self.adapters.wait(timeout_s)
 
     def _enqueue(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.push(request)
         self._count_lora(self._waiting_loras, request, 1)
 
     def _stop_running(self, request: Request) -> None:
@@ -414,7 +483,11 @@ class Scheduler:
         if counter[lora.lora_int_id] <= 0:
             del counter[lora.lora_int_id]
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, swap: bool = False) -> None:
+        """Back to the head of the waiting queue, its blocks freed: recomputed when it resumes, or
+        with `swap` loaded back from where the KV connector saved them."""
+        if swap:
+            self.connector.request_preempted(request, self.kv.get_block_ids(request.request_id)[0])
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -424,15 +497,45 @@ class Scheduler:
         request.worker_out_of_date = False  # it comes back to the workers as a new request
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
         self._count_lora(self._running_loras, request, -1)
         self._count_lora(self._waiting_loras, request, 1)
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
 
+    def _recompute_failed_loads(self) -> bool:
+        """Preempt the running requests whose KV failed to load, to recompute; whether any was."""
+        preempted = False
+        for request in self._load_failed:
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+                preempted = True
+        self._load_failed = []
+        return preempted
+
+    def _connector_output(self, report: KVConnectorOutput) -> set[str]:
+        """Apply a step's KV connector report; returns the requests whose sampled tokens are dropped
+        (they read KV that failed to load, and are recomputed next step)."""
+        self.connector.update_connector_output(report)
+        failed = report.failed_block_ids
+        if not failed:
+            return set()
+        # Rare: a scan of the running requests is fine here.
+        self.kv.uncache_blocks(failed)
+        dropped = {r.request_id for r in self.running if self.kv.holds_any(r.request_id, failed)}
+        for request in self.running:
+            if request.request_id in dropped:
+                request.load_failed = True
+                self._load_failed.append(request)
+        self.connector.stats.failed_loads += len(dropped)
+        logger.warning("KV connector: %d block(s) failed to load; %d request(s) recompute", len(failed), len(dropped))
+        return dropped
+
     def update_from_output(self, output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply stop conditions, free what finished."""
+        dropped = self._connector_output(output.kv_connector_output) if output.kv_connector_output else ()
         results = self._finish_pooled(output.pooler_output) if output.pooler_output else []
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
@@ -441,7 +544,8 @@ class Scheduler:
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(req_id)
             if (request is None or request.status is not running  # aborted or preempted meanwhile
-                    or request.num_output_placeholders == 0):  # sampled before a preemption: dropped
+                    or request.num_output_placeholders == 0  # sampled before a preemption: dropped
+                    or req_id in dropped):  # from KV that failed to load
                 continue
             request.num_output_placeholders -= 1
             if request.spec_token_ids:
@@ -515,6 +619,7 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
+            num_waiting_by_priority=dict(self.waiting.num_by_priority),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_stats.queries,
             prefix_cache_hits=self.kv.prefix_stats.hits,
@@ -529,4 +634,5 @@ class Scheduler:
                 waiting=sorted(self._lora_names[i] for i in self._waiting_loras),
                 max_loras=self.adapters.max_loras, num_loads=self.adapters.num_loads,
                 num_evictions=self.adapters.num_evictions),
+            kv_transfer=None if self.connector is None else dataclasses.replace(self.connector.stats),
         )

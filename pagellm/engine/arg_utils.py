@@ -29,8 +29,10 @@ from pagellm.config import (
 )
 from pagellm.config.cpu_threads import resolve_cpu_threads
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
+from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVOffloadConfig, resolve_kv_offload
 from pagellm.config.model import RUNNERS
 from pagellm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
+from pagellm.core.request_queue import SCHEDULING_POLICIES
 from pagellm.executor import EXECUTOR_REGISTRY
 from pagellm.loader import LOAD_FORMATS, resolve_model
 from pagellm.ops.c import cpu_ops
@@ -81,6 +83,12 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, 'Most sequences in one step.')
     max_num_batched_tokens: int | None = _arg(None, 'Token budget of one step (prefill chunks + decodes). None: 8192 on GPU, 2048 on CPU.')
     attention_backend: str | None = _arg(None, lambda: f'Attention implementation: {ATTENTION_BACKEND_REGISTRY.describe()}. None: triton on CUDA (when Triton is installed); on a CPU, cpu for float32 where the C kernels build, else torch.')
+    scheduling_policy: str = _arg(
+        "fcfs", "fcfs (first come, first served) | priority: requests are admitted by their priority (lower first, "
+                "arrival order among equals; LLM.generate(..., priority=[...]), the OpenAI extra field priority), the "
+                "running request of the lowest priority is preempted first when KV blocks run out, and a waiting "
+                "request that finds no blocks preempts running ones of a lower priority "
+                "(docs/serving.md#priority-scheduling). Under fcfs a priority other than 0 is refused.")
     async_scheduling: bool | None = _arg(None, 'Schedule and prepare the next step while the device runs the current one (requests with penalties, bad words or min_tokens step without overlap). None: on for CUDA, off for the CPU, where nothing runs asynchronously.')
     enforce_eager: bool = _arg(False, 'Run every step eagerly: no CUDA graphs for decode steps (GPU only; the CPU is always eager).')
     tensor_parallel_size: int = _arg(1, "Ranks each layer is split across (tensor parallel): GPUs on CUDA, processes on the CPU.")
@@ -109,6 +117,10 @@ class EngineArgs:
     max_lora_rank: int = _arg(16, "With enable_lora: largest adapter rank accepted (every slot is this wide); a larger adapter is refused.")
     max_cpu_loras: int | None = _arg(None, "With enable_lora: adapters kept loaded in host memory, least recently used ones dropped (>= max_loras). None: max_loras.")
     lora_dtype: str = _arg("auto", "With enable_lora: auto (the model's dtype on a GPU, float32 on a CPU) | float32 | bfloat16 | float16: how adapter weights are stored and multiplied.")
+    kv_offloading_size: float | None = _arg(None, "GiB of host memory per rank for a second tier of the KV cache (the OffloadingConnector): full blocks evicted from the device's prefix cache are copied there (pinned memory on a GPU) and copied back when a later prompt shares the prefix; least recently used blocks are dropped. Full-attention models only (no sliding windows). None: off. docs/kv-offload.md.")
+    swap_space: float | None = _arg(None, "Alias of kv_offloading_size (the older name).")
+    preemption_mode: str | None = _arg(None, "What happens to a request preempted when device blocks run out: recompute (its KV is dropped and recomputed when it resumes; the default) | swap (its computed blocks are copied to the host tier and copied back when it resumes; needs kv_offloading_size).")
+    kv_transfer_config: str | dict | None = _arg(None, lambda: f'The KV connector, as vLLM: JSON like \'{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {{"cpu_bytes_to_use": 8589934592}}}}\'. Connectors: {KV_CONNECTOR_REGISTRY.describe()}. None: none, unless kv_offloading_size picks the OffloadingConnector.')
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
@@ -133,6 +145,9 @@ class EngineArgs:
             raise ValueError(f"{_flag('gpu_memory_utilization')} must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.attention_backend is not None:
             ATTENTION_BACKEND_REGISTRY.get(self.attention_backend)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"{_flag('scheduling_policy')} must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         _check_positive("max_model_len", self.max_model_len)
         _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _check_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
@@ -171,6 +186,7 @@ class EngineArgs:
         if self.reasoning_parser is not None:
             REASONING_PARSER_REGISTRY.get(self.reasoning_parser)
         self._validate_lora()
+        self._kv_offload()
         if isinstance(self.structured_outputs_compile_timeout, bool) or not (
                 isinstance(self.structured_outputs_compile_timeout, (int, float))
                 and self.structured_outputs_compile_timeout > 0):
@@ -186,6 +202,12 @@ class EngineArgs:
             raise ValueError(f"{_flag('distributed_executor_backend')} {executor.name!r} runs {most}, but "
                              f"tensor_parallel_size x pipeline_parallel_size is {world_size}: use "
                              f"{' or '.join(fits)}")
+
+    def _kv_offload(self) -> KVOffloadConfig | None:
+        """The KV connector from its flags, checked against this machine's host memory."""
+        return resolve_kv_offload(self.kv_transfer_config, self.kv_offloading_size, self.swap_space,
+                                  self.preemption_mode, self.tensor_parallel_size * self.pipeline_parallel_size
+                                  * self.data_parallel_size)
 
     def _validate_lora(self) -> None:
         _check_positive("max_loras", self.max_loras)
@@ -272,6 +294,7 @@ class EngineArgs:
                     device, self.max_num_seqs),
                 async_scheduling=self.async_scheduling if self.async_scheduling is not None
                 else device.type == "cuda",
+                policy=self.scheduling_policy,
             ),
             parallel=parallel,
             structured_outputs=StructuredOutputsConfig(
@@ -284,6 +307,7 @@ class EngineArgs:
             draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device,
                                  kv_cache_groups(arch.sliding_windows, max_model_len)),
             lora=self._lora_config(dtype, device),
+            kv_transfer=_check_kv_offload(self._kv_offload(), arch, max_model_len, model, speculative),
         )
 
     @classmethod
@@ -390,6 +414,23 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
     except ValueError as e:
         raise ValueError(f"{flag} {speculative.model!r}: {e}") from None
     return DraftModelConfig(source, quantization)
+
+
+def _check_kv_offload(offload: KVOffloadConfig | None, arch: ModelArchConfig, max_model_len: int,
+                      model: ModelConfig, speculative: SpeculativeConfig | None) -> KVOffloadConfig | None:
+    """Refuse a KV connector where its blocks would not hold a prefix's whole KV."""
+    if offload is None:
+        return None
+    what = "kv_transfer_config (--kv-transfer-config) / kv_offloading_size (--kv-offloading-size)"
+    groups = kv_cache_groups(arch.sliding_windows, max_model_len)
+    if len(groups) > 1 or groups[0].sliding_window is not None:
+        raise ValueError(f"{what}: {arch.architecture} has sliding-window layers, whose blocks follow their own "
+                         f"rule; the host tier takes full-attention models only")
+    if model.is_pooling:
+        raise ValueError(f"{what}: the pooling runner keeps no prefix cache to extend")
+    if speculative is not None and speculative.model is not None:
+        raise ValueError(f"{what}: a draft model's KV shares the blocks and is not copied; speculate with ngram")
+    return offload
 
 
 def _flag(name: str) -> str:

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import torch
@@ -19,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_connector import KVTransferStats
 from pagellm.core.outputs import LoRAStats, SchedulerStats, SpecDecodeStats, merge_step_outputs
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.core_client import CoreClient
@@ -98,17 +100,19 @@ class AsyncLLM:
     # -- requests -------------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
-                       request_id: str, lora_request: LoRARequest | None = None,
+                       request_id: str, lora_request: LoRARequest | None = None, *, priority: int = 0,
                        ) -> AsyncIterator[RequestOutput | EmbeddingRequestOutput]:
         """Outputs of one request, as its output_kind says (n > 1: all sequences in one output);
-        stopping the iteration aborts it in the engine. `lora_request`: the adapter it runs with."""
+        stopping the iteration aborts it in the engine. `lora_request`: the adapter it runs with.
+        `priority`: lower runs first (with scheduling_policy priority)."""
         self._raise_if_dead()
         self._ensure_output_task()
         if request_id in self._mailboxes:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(sampling_params, SamplingParams) and sampling_params.structured_outputs is not None:
             await asyncio.to_thread(self.processor.check_structured_outputs, sampling_params)
-        record, text = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request)
+        record, text = self.processor.process(request_id, prompt, sampling_params, lora_request=lora_request,
+                                              priority=priority)
         core_records = self.output_processor.add_request(record, text)
         cost = sum(len(r.prompt_token_ids) + r.max_tokens for r in core_records)
         core = self._cores[self.router.route(record.prompt_token_ids, cost, [c.load for c in self._cores],
@@ -279,11 +283,15 @@ class AsyncLLM:
         """The replicas' latest scheduler stats, summed (KV usage: their mean)."""
         total = SchedulerStats()
         for field in dataclasses.fields(SchedulerStats):
-            if field.name not in ("spec", "lora"):
+            if field.name not in ("spec", "lora", "num_waiting_by_priority", "kv_transfer"):
                 setattr(total, field.name, sum(getattr(core.stats, field.name) for core in self._cores))
         total.kv_cache_usage /= len(self._cores)
+        total.num_waiting_by_priority = dict(sum((Counter(core.stats.num_waiting_by_priority) for core in self._cores),
+                                                 Counter()))
         total.spec = SpecDecodeStats.total([core.stats.spec for core in self._cores if core.stats.spec is not None])
         total.lora = LoRAStats.total([core.stats.lora for core in self._cores if core.stats.lora is not None])
+        total.kv_transfer = KVTransferStats.total([core.stats.kv_transfer for core in self._cores
+                                                   if core.stats.kv_transfer is not None])
         return total
 
     @property

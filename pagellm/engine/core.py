@@ -5,7 +5,10 @@ import logging
 from collections import deque
 
 from pagellm.config import EngineConfig
+from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVOffloadConfig
+from pagellm.config.registry import resolve
 from pagellm.core.kv_cache_groups import kv_cache_groups
+from pagellm.core.kv_connector import KVConnectorScheduler
 from pagellm.core.outputs import EngineCoreOutput, SchedulerStats
 from pagellm.core.request import EngineCoreRequest, Request, RequestStatus
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
@@ -62,9 +65,14 @@ class EngineCore:
             config.structured_outputs.reasoning_parser)
         self.adapters = None if config.lora is None else HostAdapterStore(
             config.model.source.arch, config.lora, self.executor.add_lora, self.executor.remove_lora)
+        transfer = config.kv_transfer
         self.scheduler = Scheduler(limits, workers_see_samples=not pipelined and not config.is_pooling,
                                    grammars=self.grammars, speculative=config.speculative,
-                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters)
+                                   proposer=build_host_proposer(config.speculative), adapters=self.adapters,
+                                   policy=config.scheduler.policy,
+                                   connector=None if transfer is None else build_kv_connector_scheduler(
+                                       transfer, config.cache.block_size, self.executor.num_host_blocks()),
+                                   swap_preemption=transfer is not None and transfer.preemption_mode == "swap")
         self.num_blocks = num_blocks
         # Overlap pays only where the device runs asynchronously to the host. The pooling runner
         # steps without it, which is simpler and keeps any placeholder token from ever being
@@ -103,7 +111,7 @@ class EngineCore:
         while len(self._in_flight) >= depth:  # e.g. overlap just ended: tokens must be known first
             outputs += self._collect()
         so = self.scheduler.schedule()
-        launched = not (so.is_empty and not so.freed_req_ids)
+        launched = not (so.is_empty and not so.freed_req_ids and so.kv_connector_metadata is None)
         if launched:
             self._in_flight.append(self.executor.execute_model(so))
         if self._in_flight and (len(self._in_flight) >= depth or not launched):
@@ -139,6 +147,17 @@ class EngineCore:
         if self.adapters is not None:
             self.adapters.shutdown()
         self.executor.shutdown()
+
+
+def build_kv_connector_scheduler(config: KVOffloadConfig, block_size: int,
+                                 num_host_blocks: int) -> KVConnectorScheduler:
+    """The scheduler half of the configured KV connector."""
+    entry = KV_CONNECTOR_REGISTRY.get(config.transfer.kv_connector)
+    cls = resolve(entry.scheduler_cls)
+    if not (isinstance(cls, type) and issubclass(cls, KVConnectorScheduler)):
+        raise ValueError(f"KV connector {entry.name!r}: scheduler_cls must be a subclass of "
+                         f"pagellm.core.kv_connector.KVConnectorScheduler, got {cls!r}")
+    return cls(config, block_size, num_host_blocks)
 
 
 def _no_kv_block_error(config: EngineConfig) -> str:

@@ -41,13 +41,15 @@ class LLMEngine:
         return str(next(self._request_counter))
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
-                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> None:
         """Queue a request (n > 1: its children); raises ValueError (naming the field) on invalid input.
         PoolingParams (None: the defaults, on a pooling engine) make an embedding request.
-        `lora_request`: the adapter it runs with (None: the base model)."""
+        `lora_request`: the adapter it runs with (None: the base model). `priority`: lower runs
+        first (with scheduling_policy priority)."""
         if params is None:
             params = PoolingParams() if self.config.is_pooling else SamplingParams()
-        record, text = self.processor.process(request_id, prompt, params, arrival_time, lora_request)
+        record, text = self.processor.process(request_id, prompt, params, arrival_time, lora_request, priority)
         for core_record in self.output_processor.add_request(record, text):
             self.engine_core.add_request(core_record)
 

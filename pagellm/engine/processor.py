@@ -53,17 +53,19 @@ class InputProcessor:
         return text, token_ids
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                arrival_time: float | None = None,
-                lora_request: LoRARequest | None = None) -> tuple[EngineCoreRequest, str | None]:
+                arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                priority: int = 0) -> tuple[EngineCoreRequest, str | None]:
         """The request's record and its prompt text (if any). SamplingParams make a generation
         request (generate runner), PoolingParams an embedding request (pooling runner); the other
         combinations are refused. `arrival_time`: time.monotonic() when it arrived (None: now).
-        `lora_request`: the adapter it runs with (an engine with enable_lora)."""
+        `lora_request`: the adapter it runs with (an engine with enable_lora). `priority`: its
+        scheduling priority (lower first), other than 0 only with scheduling_policy priority."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if arrival_time is None:
             arrival_time = time.monotonic()
         self._check_lora(lora_request)
+        self._check_priority(priority)
         cache_salt = _cache_salt(prompt)
         if self.config.is_pooling:
             if isinstance(params, SamplingParams):
@@ -72,7 +74,8 @@ class InputProcessor:
                                  "it with runner='generate' (--runner generate, the default) to generate text")
             if not isinstance(params, PoolingParams):
                 raise ValueError(f"pooling_params must be a PoolingParams, got {type(params).__name__}")
-            return self._process_pooling(request_id, prompt, params, arrival_time, cache_salt, lora_request)
+            return self._process_pooling(request_id, prompt, params, arrival_time, cache_salt, lora_request,
+                                         priority)
         if isinstance(params, PoolingParams):
             raise ValueError("embeddings need the pooling runner: start the engine with runner='pooling' "
                              "(--runner pooling); this one runs the generate runner")
@@ -99,12 +102,13 @@ class InputProcessor:
             arrival_time=arrival_time,
             cache_salt=cache_salt,
             lora_request=lora_request,
+            priority=priority,
         )
         return record, text
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float,
-                         cache_salt: str | None,
-                         lora_request: LoRARequest | None) -> tuple[EngineCoreRequest, str | None]:
+                         cache_salt: str | None, lora_request: LoRARequest | None,
+                         priority: int) -> tuple[EngineCoreRequest, str | None]:
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -119,7 +123,7 @@ class InputProcessor:
         record = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids,
                                    sampling_params=_POOLING_SAMPLING_PARAMS, eos_token_ids=frozenset(), max_tokens=0,
                                    arrival_time=arrival_time, pooling_params=params, cache_salt=cache_salt,
-                                   lora_request=lora_request)
+                                   lora_request=lora_request, priority=priority)
         return record, text
 
     def _check_lora(self, lora_request: LoRARequest | None) -> None:
@@ -130,6 +134,13 @@ class InputProcessor:
         if self.config.lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine serves no adapters; start it "
                              "with enable_lora=True (--enable-lora)")
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority}: this engine schedules first come, first served; start it with "
+                             "scheduling_policy='priority' (--scheduling-policy priority) to schedule by priority")
 
     def _validate_token_features(self, params: SamplingParams) -> None:
         """Limits that depend on the model and the engine, which SamplingParams cannot know."""

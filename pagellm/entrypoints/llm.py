@@ -47,13 +47,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A list of ints is one tokenized prompt; a prompt dict
         may carry "cache_salt" (see `PromptType`). `lora_request`: the adapter of every prompt, or
-        one per prompt (None: the base model); needs `LLM(..., enable_lora=True)`."""
+        one per prompt (None: the base model); needs `LLM(..., enable_lora=True)`. `priority`: one
+        per prompt, lower runs first (None: all 0); needs `LLM(..., scheduling_policy="priority")`
+        for values other than 0."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        return self._run(prompt_list, params_list, use_tqdm, lora_request)
+        return self._run(prompt_list, params_list, use_tqdm, lora_request, priority)
 
     def embed(
         self,
@@ -93,11 +96,13 @@ class LLM:
         *,
         cache_salt: str | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
         `cache_salt` (not in vLLM's `LLM.chat`, whose prompts cannot carry one): every conversation's
         prefix-cache blocks are shared only with requests of the same salt, as a prompt dict's
-        "cache_salt" does in `generate`. `lora_request` as in `generate`."""
+        "cache_salt" does in `generate`. `lora_request` and
+        `priority` (one per conversation) as in `generate`."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.get_tokenizer()
         prompts = [
@@ -108,7 +113,7 @@ class LLM:
         # The template already carries any BOS token: don't let the tokenizer add a second one.
         token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
                           "cache_salt": cache_salt} for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -118,17 +123,18 @@ class LLM:
         return beam_search(engine, token_prompts, params, engine.processor.eos_token_ids)
 
     def _run(self, prompts: list[PromptType], params: list[SamplingParams] | list[PoolingParams], use_tqdm: bool,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None, priority: Sequence[int] | None = None,
              ) -> list[RequestOutput] | list[EmbeddingRequestOutput]:
         engine = self.llm_engine
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         for lora in {lora for lora in loras if isinstance(lora, LoRARequest)}:
             engine.check_lora(lora)
         ids = []
         try:
-            for prompt, sp, lora in zip(prompts, params, loras):
+            for prompt, sp, lora, prio in zip(prompts, params, loras, priorities):
                 request_id = engine.next_request_id()
-                engine.add_request(request_id, prompt, _final_only(sp), lora_request=lora)
+                engine.add_request(request_id, prompt, _final_only(sp), lora_request=lora, priority=prio)
                 ids.append(request_id)
         except ValueError:
             engine.abort_request(ids)  # a bad prompt in the batch must not leave the rest queued
@@ -175,6 +181,16 @@ def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:
     if len(lora_request) != n:
         raise ValueError(f"lora_request has {len(lora_request)} entries but there are {n} prompts")
     return list(lora_request)
+
+
+def _as_priority_list(priority: Any, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if not isinstance(priority, Sequence) or isinstance(priority, str):
+        raise ValueError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
+    if len(priority) != n:
+        raise ValueError(f"priority has {len(priority)} entries but there are {n} prompts")
+    return list(priority)
 
 
 def _as_params_list(params: Any, n: int) -> list[SamplingParams]:

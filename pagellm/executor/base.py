@@ -65,6 +65,10 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
+    def num_host_blocks(self) -> int:
+        """The KV connector's blocks outside the device, on the smallest rank (0: none)."""
+        return min(self.collective_rpc("num_host_blocks"))
+
     def add_lora(self, adapter: Any) -> None:
         """Hand every rank a LoRA adapter the engine core loaded (`pagellm.lora.adapter.LoRAAdapter`)."""
         self.collective_rpc("add_lora", (adapter,))

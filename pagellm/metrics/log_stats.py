@@ -38,6 +38,7 @@ class _Interval:
     num_prefix_hits: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_host_hits: int = 0
 
 
 class LoggingStatLogger:
@@ -63,6 +64,7 @@ class LoggingStatLogger:
         self._prefix_hits = [CumulativeDelta() for _ in range(num_engines)]
         self._spec_drafted = [CumulativeDelta() for _ in range(num_engines)]
         self._spec_accepted = [CumulativeDelta() for _ in range(num_engines)]
+        self._host_hits = [CumulativeDelta() for _ in range(num_engines)]
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats, engine_index: int = 0) -> None:
         interval = self._intervals[engine_index]
@@ -72,6 +74,9 @@ class LoggingStatLogger:
         # covers exactly the queries made since the previous line.
         interval.num_prefix_queries += self._prefix_queries[engine_index].update(scheduler_stats.prefix_cache_queries)
         interval.num_prefix_hits += self._prefix_hits[engine_index].update(scheduler_stats.prefix_cache_hits)
+        host = scheduler_stats.kv_transfer
+        if host is not None:
+            interval.num_host_hits += self._host_hits[engine_index].update(host.host_hit_tokens)
         spec = scheduler_stats.spec
         if spec is not None:
             interval.num_draft_tokens += self._spec_drafted[engine_index].update(spec.num_draft_tokens)
@@ -84,13 +89,16 @@ class LoggingStatLogger:
         hit_rate = (interval.num_prefix_hits / interval.num_prefix_queries
                     if interval.num_prefix_queries else 0.0)
         prefix_args = (engine_index,) if self._prefix else ()
+        # The host tier's share of the prompt tokens looked up, beside the device's.
+        host_part, host_args = ("", ()) if host is None else (", Host KV hit rate: %.1f%%", (
+            100 * interval.num_host_hits / interval.num_prefix_queries if interval.num_prefix_queries else 0.0,))
         self._logger.info(
             self._prefix + "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-            "Prefix cache hit rate: %.1f%%", *prefix_args,
+            "Prefix cache hit rate: %.1f%%" + host_part, *prefix_args,
             interval.num_prompt_tokens / elapsed, interval.num_generation_tokens / elapsed,
             scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
-            scheduler_stats.kv_cache_usage * 100, hit_rate * 100)
+            scheduler_stats.kv_cache_usage * 100, hit_rate * 100, *host_args)
         if spec is not None:
             self._logger.info(
                 self._prefix + "Speculative decoding: %d draft tokens, %d accepted, acceptance rate %.1f%%",

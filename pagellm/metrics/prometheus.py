@@ -73,6 +73,13 @@ class PrometheusStatLogger:
                                           "Number of requests in model execution batches.")
         self.num_requests_waiting = gauge("pagellm:num_requests_waiting",
                                           "Number of requests waiting to be scheduled.")
+        self.num_requests_waiting_by_priority = Gauge(
+            "pagellm:num_requests_waiting_by_priority",
+            "Number of requests waiting to be scheduled, per priority (only priorities with waiting requests: a "
+            "series goes when its last request is scheduled or aborted).",
+            labels + ["priority"], registry=self.registry)
+        self._waiting_priorities: list[set[int]] = [set() for _ in range(num_engines)]
+        """Per engine, the priorities whose series exist."""
         self.kv_cache_usage = gauge("pagellm:kv_cache_usage_perc",
                                     "Fraction of KV-cache blocks in use (0 to 1).")
 
@@ -95,6 +102,19 @@ class PrometheusStatLogger:
             "pagellm:spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted at each position of the drafts (0-based).",
             labels + ["position"], registry=self.registry)
+        self.kv_offload = {
+            "host_hit_tokens": counter("pagellm:kv_offload_hit_tokens",
+                                       "Prompt tokens loaded from the host KV tier instead of computed."),
+            "bytes_to_host": counter("pagellm:kv_offload_bytes_to_host",
+                                     "Bytes of KV blocks copied from the device to the host tier (driver rank)."),
+            "bytes_to_device": counter("pagellm:kv_offload_bytes_to_device",
+                                       "Bytes of KV blocks copied from the host tier to the device (driver rank)."),
+            "swaps_out": counter("pagellm:kv_offload_swaps_out", "Preempted requests whose blocks were swapped out."),
+            "swaps_in": counter("pagellm:kv_offload_swaps_in", "Swapped-out requests resumed from the host tier."),
+            "failed_loads": counter("pagellm:kv_offload_failed_loads",
+                                    "Requests recomputed because the KV connector failed to load their blocks."),
+        }
+        self._kv_offload_deltas = [{key: CumulativeDelta() for key in self.kv_offload} for _ in range(num_engines)]
         self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
                                        labels + ["finished_reason"], registry=self.registry)
 
@@ -143,6 +163,16 @@ class PrometheusStatLogger:
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
 
+    def _record_waiting_by_priority(self, counts: dict[int, int], labels: tuple[str, str], engine_index: int) -> None:
+        # Priorities are the clients' integers: a series per priority ever seen would grow without
+        # bound, so the series of a priority nobody waits at any more is removed.
+        seen = self._waiting_priorities[engine_index]
+        for priority in seen - counts.keys():
+            self.num_requests_waiting_by_priority.remove(*labels, str(priority))
+        for priority, n in counts.items():
+            self.num_requests_waiting_by_priority.labels(*labels, str(priority)).set(n)
+        self._waiting_priorities[engine_index] = set(counts)
+
     def _record_spec(self, spec: SpecDecodeStats, labels: tuple[str, str], deltas: dict[str, CumulativeDelta]) -> None:
         totals = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
                   "accepted": spec.num_accepted_tokens,
@@ -158,6 +188,7 @@ class PrometheusStatLogger:
         labels = (self.model_name, str(engine_index))
         self.num_requests_running.labels(*labels).set(scheduler_stats.num_running_reqs)
         self.num_requests_waiting.labels(*labels).set(scheduler_stats.num_waiting_reqs)
+        self._record_waiting_by_priority(scheduler_stats.num_waiting_by_priority, labels, engine_index)
         self.kv_cache_usage.labels(*labels).set(scheduler_stats.kv_cache_usage)
 
         # These arrive as totals since the engine started; Prometheus counters want increments.
@@ -167,6 +198,10 @@ class PrometheusStatLogger:
         self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
         if scheduler_stats.spec is not None:
             self._record_spec(scheduler_stats.spec, labels, self._spec_deltas[engine_index])
+        if scheduler_stats.kv_transfer is not None:
+            deltas = self._kv_offload_deltas[engine_index]
+            for key, family in self.kv_offload.items():
+                family.labels(*labels).inc(deltas[key].update(getattr(scheduler_stats.kv_transfer, key)))
         if scheduler_stats.lora is not None and self._lora is not None:
             self._lora.record(scheduler_stats.lora, engine_index)
 

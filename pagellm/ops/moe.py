@@ -33,7 +33,7 @@ MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: Scoring = "softmax",
                    correction_bias: torch.Tensor | None = None, num_groups: int | None = None,
-                   topk_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   topk_groups: int | None = None, impl: Impl | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int32).
 
     `scoring`: softmax over all experts (Mixtral, Qwen-MoE), a sigmoid per expert (DeepSeek-V3), or
@@ -43,7 +43,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     `renormalize`: the k weights rescaled to sum to 1 (they already do with topk_softmax);
     `correction_bias` [E]: added to the scores for choosing experts only, not to their weights;
     `num_groups` / `topk_groups`: experts split in groups, and only the `topk_groups` groups with
-    the best two scores each are chosen from."""
+    the best two scores each are chosen from.
+
+    On a GPU (`pagellm.ops.dispatch`) the softmax and topk_softmax scorings without bias or groups
+    run as one Triton kernel (`pagellm.ops.triton.routing`); the rest, and the CPU, here."""
+    if resolve_impl(router_logits, impl) == "triton":
+        from pagellm.ops.triton import routing
+
+        if routing.supports(top_k, router_logits.shape[-1], scoring, correction_bias, num_groups):
+            return routing.select_experts(router_logits, top_k, renormalize, scoring)
     scores = router_logits.float()
     if scoring == "topk_softmax":
         if correction_bias is not None or num_groups is not None:

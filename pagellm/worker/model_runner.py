@@ -11,6 +11,7 @@ from pagellm.attention import ATTENTION_BACKEND_REGISTRY
 from pagellm.attention.backend import AttentionMetadata
 from pagellm.config import EngineConfig
 from pagellm.core.kv_cache_groups import kv_cache_groups
+from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.lora.manager import LoRAManager
@@ -24,6 +25,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode import DeviceProposer, build_device_proposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
 from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, MAX_CAPTURE_TOKENS, DecodeGraphs
+from pagellm.worker.kv_connector import KVConnectorWorker, build_kv_connector_worker
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ class ModelRunner:
         draft_model); None otherwise."""
         self.lora: LoRAManager | None = None
         """The adapters' slots on the model's layers (enable_lora)."""
+        self.kv_connector: KVConnectorWorker | None = None
+        """The KV connector's worker half (a host tier), once the cache exists; None: none."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -128,6 +132,7 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks)
         if self.lora is not None:
             self.lora.bind_fused_layers()
+        self.kv_connector = build_kv_connector_worker(self.config, self.kv_caches)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode graphs, unless eager mode is asked for or nothing supports them (the CPU;
@@ -194,6 +199,10 @@ class ModelRunner:
         are read.
         """
         self.requests.update(so)
+        if so.kv_connector_metadata is not None:
+            # Outside CUDA graphs, before any layer reads the blocks (the device waits, not the host).
+            self.kv_connector.start_load_kv(so.kv_connector_metadata)
+            self.kv_connector.wait_for_layer_load()
         if so.is_empty:
             return StepInFlight.done(ModelRunnerOutput([], []))
         batch = self.requests.build(so)
@@ -235,6 +244,10 @@ class ModelRunner:
             return StepInFlight.done(ModelRunnerOutput([], []))
         return StepInFlight(self, _HostCopy(to_host), plan, req_ids, states, num_drafts=batch.num_drafts,
                             propose=so.propose_drafts)
+
+    def take_connector_output(self) -> KVConnectorOutput | None:
+        """The KV connector's report of the step just launched (None: nothing to report)."""
+        return None if self.kv_connector is None else self.kv_connector.get_finished()
 
     def _pool(self, so: SchedulerOutput, batch: FlatBatch, hidden: torch.Tensor) -> "StepInFlight":
         """Fold this step's final hidden states into each pooling request's result, incrementally

@@ -9,10 +9,12 @@ from collections import deque
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_distributed, parallel_state
 from pagellm.lora.adapter import LoRAAdapter
 from pagellm.plugins import load_plugins
+from pagellm.worker.kv_connector import kv_connector_worker_class
 from pagellm.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.runner = ModelRunner(config)
-        self._in_flight: deque[StepInFlight] = deque()
+        self._in_flight: deque[tuple[StepInFlight, KVConnectorOutput | None]] = deque()
+        """Launched steps, each with its KV connector report."""
 
     @property
     def is_driver(self) -> bool:
@@ -72,6 +75,9 @@ class Worker:
             budget = self.config.default_cpu_kv_cache_bytes() // self.config.parallel.world_size
         else:
             budget = self._gpu_kv_budget()
+        connector = kv_connector_worker_class(self.config)
+        if connector is not None and self.config.device.type == "cuda":
+            budget -= connector.device_bytes(block_bytes)
         num_blocks = budget // block_bytes
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, cache.block_size,
                     num_blocks * block_bytes / _GiB)
@@ -99,6 +105,11 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()
 
+    def num_host_blocks(self) -> int:
+        """Blocks the KV connector keeps outside the device on this rank (0: none)."""
+        connector = self.runner.kv_connector
+        return 0 if connector is None else connector.num_host_blocks
+
     def add_lora(self, adapter: LoRAAdapter) -> None:
         self.runner.lora.add(adapter)
 
@@ -107,13 +118,18 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> None:
         """Launch a step; its results are read by a later `collect`, steps in launch order."""
-        self._in_flight.append(self.runner.launch_step(so))
+        step = self.runner.launch_step(so)
+        self._in_flight.append((step, self.runner.take_connector_output()))
 
     def collect(self) -> ModelRunnerOutput | None:
         """Wait for the oldest step launched, record its tokens in this worker's own states, and
         return its results on the driver (None on the other ranks)."""
-        output = self._in_flight.popleft().result()
-        return output if self.is_driver else None
+        step, connector_output = self._in_flight.popleft()
+        output = step.result()
+        if not self.is_driver:
+            return None
+        output.kv_connector_output = connector_output
+        return output
 
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():

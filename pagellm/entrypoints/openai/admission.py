@@ -11,6 +11,12 @@ it has waited `patience_s` (a quarter of the queue timeout): from then on the ro
 kept for it, and later requests wait behind it. Without that, a request of two sequences under a
 steady stream of one-sequence requests would almost never find two free at once. A request larger
 than the whole budget is charged the whole budget: it runs once nothing else is in flight.
+
+Under `--scheduling-policy priority` the waiting requests are admitted by (priority, arrival)
+instead: room goes to the best priority first, and the patience rule holds within that order (a
+request that has waited `patience_s` keeps the room for itself against requests of its priority or
+a lower one; a request of a higher priority still passes it). Under fcfs every priority is 0 and
+this is the arrival order above.
 """
 from __future__ import annotations
 
@@ -26,9 +32,9 @@ from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
 
 TICKET_SCOPE_KEY = "pagellm.ticket"
+"""Where the traffic middleware puts a generation request's Ticket in the ASGI scope."""
 DEFAULT_PATIENCE_S = 10.0
 """How long a waiting request lets later ones pass it when waits are not bounded (no --queue-timeout)."""
-"""Where the traffic middleware puts a generation request's Ticket in the ASGI scope."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +85,14 @@ class Admission:
         """How long a waiting request lets later ones pass it (see the module's docstring)."""
         self.seqs = 0
         self.tokens = 0
-        self._waiting: dict[asyncio.Future[None], tuple[Work, float]] = {}
-        """Each waiting request's grant, the work it was charged and when it began to wait, in arrival order."""
+        self._waiting: dict[int, dict[asyncio.Future[None], tuple[Work, float]]] = {}
+        """Per priority, each waiting request's grant, the work it was charged and when it began to
+        wait, in arrival order (a priority's dict goes when its last request does)."""
+        self._num_waiting = 0
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._num_waiting
 
     def full_reason(self) -> str | None:
         """Why even a one-sequence request would be refused now (None: it would be admitted or wait)."""
@@ -92,17 +100,18 @@ class Admission:
         return self._queue_full_reason() if at_limit else None
 
     def _queue_full_reason(self) -> str | None:
-        if len(self._waiting) < self.max_waiting:
+        if self._num_waiting < self.max_waiting:
             return None
         return (f"the server is at capacity ({self.seqs} sequences and {self.tokens} tokens in flight, "
-                f"{len(self._waiting)} requests waiting for room, the most --max-waiting-requests allows)")
+                f"{self._num_waiting} requests waiting for room, the most --max-waiting-requests allows)")
 
-    async def acquire(self, work: Work) -> Work:
-        """Admit `work`, waiting for room if need be; returns what it was charged, for `release`.
-        Refused when too many requests wait already, or when it waited past the queue timeout."""
+    async def acquire(self, work: Work, priority: int = 0) -> Work:
+        """Admit `work` (of a request of `priority`, lower first), waiting for room if need be;
+        returns what it was charged, for `release`. Refused when too many requests wait already, or
+        when it waited past the queue timeout."""
         charged = Work(min(work.seqs, self.max_seqs),
                        work.tokens if self.max_tokens is None else min(work.tokens, self.max_tokens))
-        if self._fits(charged) and not self._held_back():
+        if self._fits(charged) and not self._held_back(priority):
             self._take(charged)
             return charged
         full = self._queue_full_reason()
@@ -110,45 +119,57 @@ class Admission:
             raise Refused(f"{full}; this request asks for {work.seqs} sequences and {work.tokens} tokens",
                           "at_capacity")
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[granted] = (charged, time.monotonic())
+        self._waiting.setdefault(priority, {})[granted] = (charged, time.monotonic())
+        self._num_waiting += 1
         try:
             await asyncio.wait((granted,), timeout=self.queue_timeout_s)
         except BaseException:  # cancelled: the client left, or its request timeout passed
-            self._leave(granted, charged)
+            self._leave(granted, charged, priority)
             raise
         if not granted.done():
-            self._leave(granted, charged)
+            self._leave(granted, charged, priority)
             raise Refused(f"the request waited {self.queue_timeout_s:g} s (--queue-timeout) for room for its "
                           f"{work.seqs} sequences and {work.tokens} tokens ({self.seqs} sequences and "
                           f"{self.tokens} tokens in flight); ask for less, or retry", "queue_timeout")
         return charged
 
-    def _leave(self, granted: asyncio.Future[None], charged: Work) -> None:
+    def _leave(self, granted: asyncio.Future[None], charged: Work, priority: int) -> None:
         """A waiting request gives up: out of the queue, or, granted in the same instant, gives its room back."""
         if granted.done():
             self.release(charged)
         else:
-            del self._waiting[granted]
+            self._dequeue(priority, granted)
+
+    def _dequeue(self, priority: int, granted: asyncio.Future[None]) -> None:
+        level = self._waiting[priority]
+        del level[granted]
+        self._num_waiting -= 1
+        if not level:
+            del self._waiting[priority]
 
     def release(self, charged: Work) -> None:
         """Give back what `acquire` charged, and admit the waiting requests that fit now."""
         self.seqs -= charged.seqs
         self.tokens -= charged.tokens
         now = time.monotonic()
-        for granted, (work, since) in list(self._waiting.items()):
-            if granted.done():
-                continue
-            if self._fits(work):
-                del self._waiting[granted]
-                self._take(work)
-                granted.set_result(None)
-            elif now - since >= self.patience_s:
-                break  # the room that frees is kept for it
+        # Few distinct priorities wait at once (one under fcfs): sorting them is cheap.
+        for priority in sorted(self._waiting):
+            for granted, (work, since) in list(self._waiting[priority].items()):
+                if granted.done():
+                    continue
+                if self._fits(work):
+                    self._dequeue(priority, granted)
+                    self._take(work)
+                    granted.set_result(None)
+                elif now - since >= self.patience_s:
+                    return  # the room that frees is kept for it
 
-    def _held_back(self) -> bool:
-        """Whether the oldest waiting request may no longer be passed."""
-        oldest = next(iter(self._waiting.values()), None)
-        return oldest is not None and time.monotonic() - oldest[1] >= self.patience_s
+    def _held_back(self, priority: int) -> bool:
+        """Whether a request of `priority` may not pass the waiting ones: the oldest of some priority
+        as good as its own has waited `patience_s`."""
+        now = time.monotonic()
+        return any(now - next(iter(level.values()))[1] >= self.patience_s
+                   for p, level in self._waiting.items() if p <= priority)
 
     def _fits(self, work: Work) -> bool:
         return (self.seqs + work.seqs <= self.max_seqs
@@ -168,11 +189,11 @@ class Ticket:
         self._on_refused = on_refused
         self._held: Work | None = None
 
-    async def admit(self, work: Work) -> None:
+    async def admit(self, work: Work, priority: int = 0) -> None:
         if self._held is not None:
             raise RuntimeError("a request is admitted once")
         try:
-            self._held = await self._admission.acquire(work)
+            self._held = await self._admission.acquire(work, priority)
         except Refused as e:
             self._on_refused(e.why)
             raise

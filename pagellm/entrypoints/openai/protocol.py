@@ -184,7 +184,8 @@ class GenerationRequest(StrictModel):
     return_token_ids: bool = False
     """Also return the prompt's (`prompt_token_ids`) and each choice's (`token_ids`) token ids."""
     priority: Int64 = 0
-    """Scheduling priority; this server schedules first come, first served, so only 0 is accepted."""
+    """Scheduling priority (vLLM's extra): lower runs first; other than 0 only on a server started with
+    --scheduling-policy priority."""
     use_beam_search: bool = False
     response_format: ResponseFormat | None = None
     """{"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", "json_schema":
@@ -229,8 +230,6 @@ class GenerationRequest(StrictModel):
                              "structured_outputs.disable_any_whitespace for JSON without optional whitespace")
         if self.use_beam_search:
             yield "use_beam_search", "is not supported by the HTTP server (beam search is offline: LLM.beam_search)"
-        if self.priority != 0:
-            yield "priority", "is not supported: this server schedules first come, first served"
 
     def logprob_fields(self) -> dict[str, int | None]:
         """Request field -> top logprobs per token it asks for (None: not asked), for the

@@ -161,6 +161,10 @@ class OpenAIServing:
         """The request's SamplingParams, constrained by `constraint`; 400 naming the field that asks
         for more than the server's limits (logprobs, sequences, stop strings) or for token ids outside
         the vocabulary."""
+        if request.priority != 0 and self.engine.config.scheduler.policy != "priority":
+            raise APIError(f"priority {request.priority} is not supported: this server schedules first come, first "
+                           "served (start it with --scheduling-policy priority to schedule by priority)",
+                           param="priority")
         limit = self.engine.config.model.max_logprobs
         for name, value in request.logprob_fields().items():
             if value is not None and value > limit:
@@ -225,8 +229,9 @@ class OpenAIServing:
                 "the prompt", param=param)
 
     async def admit(self, raw_request: Request, prompt_lens: Sequence[int], params: SamplingParams | PoolingParams,
-                    prompt_param: str, max_tokens_param: str | None = None) -> None:
-        """Take the request's place among the work in flight (admission.py), by the sequences and
+                    prompt_param: str, max_tokens_param: str | None = None, priority: int = 0) -> None:
+        """Take the request's place among the work in flight (admission.py, by `priority` under the
+        priority policy), by the sequences and
         tokens its prompts (of `prompt_lens` tokens, from the field `prompt_param`) ask for; 400
         naming a field when the request alone asks for more than --max-request-seqs or
         --max-request-tokens allow, 503 when no room comes in time."""
@@ -242,7 +247,7 @@ class OpenAIServing:
             raise APIError(f"this request's {work.seqs} sequences may reach {work.tokens} tokens in all (prompt + "
                            f"{max_tokens_param or 'output'} each), more than this server's --max-request-tokens "
                            f"({max_tokens}); ask for fewer tokens or sequences", param=max_tokens_param or prompt_param)
-        await ticket_of(raw_request.scope).admit(work)
+        await ticket_of(raw_request.scope).admit(work, priority)
 
     @staticmethod
     def make_request_id(prefix: str, requested: str | None, raw_request: Request) -> str:
@@ -251,12 +256,13 @@ class OpenAIServing:
         return f"{prefix}-{requested or request_id_of(raw_request.scope) or uuid.uuid4().hex}"
 
     async def start(self, prompt: dict[str, Any], params: SamplingParams | PoolingParams, request_id: str,
-                    constraint: OutputConstraint | None = None, lora_request: LoRARequest | None = None) -> Started:
-        """Submit a request (with the adapter `lora_request`) and wait for its first output, so that
+                    constraint: OutputConstraint | None = None, lora_request: LoRARequest | None = None,
+                    priority: int = 0) -> Started:
+        """Submit a request (with the adapter `lora_request`, at `priority`) and wait for its first output, so that
         input the engine rejects (an adapter that fails to load too) is a 400 before a (streamed)
         response has begun; one whose `constraint` (the params' structured output) cannot be
         compiled names the request field it came from."""
-        outputs = self.engine.generate(prompt, params, request_id, lora_request)
+        outputs = self.engine.generate(prompt, params, request_id, lora_request, priority=priority)
         try:
             first = await anext(outputs)
         except GrammarError as e:
@@ -271,12 +277,12 @@ class OpenAIServing:
 
     async def start_all(self, prompts: Sequence[dict[str, Any]], params: SamplingParams | PoolingParams,
                         request_id: str, constraint: OutputConstraint | None = None,
-                        lora_request: LoRARequest | None = None) -> list[Started]:
+                        lora_request: LoRARequest | None = None, priority: int = 0) -> list[Started]:
         """`start` for the prompts of one request at once (they are batched together), as
         `request_id` (one prompt) or `request_id-i`; if any fails, the others are aborted and the
         first failure is raised."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        results = await asyncio.gather(*(self.start(p, params, i, constraint, lora_request)
+        results = await asyncio.gather(*(self.start(p, params, i, constraint, lora_request, priority)
                                          for p, i in zip(prompts, ids)), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
@@ -306,9 +312,9 @@ class OpenAIServing:
             params = self.sampling_params(request, max_tokens, constraint)
             if tools.parser is not None and tools.parser.needs_special_tokens:
                 params.skip_special_tokens = False  # the parser's marker is one
-            await self.admit(raw_request, [len(token_ids)], params, "messages", param)
+            await self.admit(raw_request, [len(token_ids)], params, "messages", param, request.priority)
             prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
-            started = await self.start(prompt, params, request_id, constraint, model.lora_request)
+            started = await self.start(prompt, params, request_id, constraint, model.lora_request, request.priority)
         except APIError as e:
             if e.param is not None:
                 e.param = names.get(e.param, e.param)

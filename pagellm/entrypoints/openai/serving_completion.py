@@ -59,10 +59,11 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint = one_constraint(request_constraints(request))
         params = self.sampling_params(request, max_tokens, constraint)
         await self.admit(raw_request, [len(p["prompt_token_ids"]) for p in engine_prompts], params, "prompt",
-                         "max_tokens")
+                         "max_tokens", request.priority)
         request_id = self.make_request_id("cmpl", request.request_id, raw_request)
 
-        started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request)
+        started = await self.start_all(engine_prompts, params, request_id, constraint, model.lora_request,
+                                       request.priority)
         # After truncate_prompt_tokens the echo is what the model saw.
         submitted = [_Prompt(s, self._echo_text(prompt, s[0], len(p["prompt_token_ids"]), request)
                              if request.echo else "")
