@@ -62,6 +62,9 @@ async def open_upstream(state: RouterState, route: ModelRoute, path: str, body: 
         except httpx.HTTPError as e:
             last_error = f"{backend.url}: {type(e).__name__}"
             kind = "timeout" if isinstance(e, httpx.TimeoutException) else "connect"
+        except BaseException:  # the client went away while waiting: not the backend's failure
+            release_load(state, backend, load_tokens)
+            raise
         else:
             state.metrics.first_byte.labels(model, backend.url).observe(time.monotonic() - started)
             if response.status_code not in RETRY_STATUSES:
@@ -112,6 +115,9 @@ async def respond(state: RouterState, up: Upstream, model: str, path: str, strea
             _finish(state, up, model, load_tokens, error=type(e).__name__)
             await on_done(0, None)
             raise APIError(f"backend {up.backend.url} broke off its response ({type(e).__name__})", 502) from e
+        except BaseException:  # the client went away while waiting
+            release_load(state, up.backend, load_tokens)
+            raise
         finally:
             await up.response.aclose()
         _finish(state, up, model, load_tokens)
