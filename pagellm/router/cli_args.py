@@ -9,7 +9,7 @@ from pagellm.entrypoints.arg_types import port
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="YAML file: models (backends, limits), keys, cache; "
                         "reread on SIGHUP or POST /admin/reload. See docs/router.md")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for every interface")
     parser.add_argument("--port", type=port, default=8080)
     parser.add_argument("--backend", action="append", default=[], metavar="NAME=URL[@WEIGHT]",
                         help="Serve model NAME from the backend at URL (repeatable; adds to the config's models)")
