@@ -17,8 +17,9 @@ if not torch.cuda.is_available():
 from pagellm.loader import default_model_path  # noqa: E402
 import tiers  # noqa: E402
 
-# pytester: tests/test_tiers.py runs the guard on a suite of its own.
-pytest_plugins = ("pytester",)
+# pytester: tests/test_tiers.py runs the guard on a suite of its own. router_utils: the router tests'
+# fake backends and in-process router (fixtures `fakes`, `router`).
+pytest_plugins = ("pytester", "router_utils")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -18,9 +18,10 @@ def _run(*command: str) -> subprocess.CompletedProcess:
 
 def test_import_contracts_hold_without_ignored_imports() -> None:
     """`lint-imports` checks every import, those inside functions too: the layers (each package
-    imports only from layers below it) and no cycle between the modules of any package."""
+    imports only from layers below it), no cycle between the modules of any package, and the
+    router's distance from the engine (it reaches engines by HTTP only)."""
     contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
-    assert {c["type"] for c in contracts} == {"layers", "acyclic_siblings"}
+    assert {c["type"] for c in contracts} == {"layers", "acyclic_siblings", "forbidden"}
     assert not any("ignore_imports" in c for c in contracts)
     done = _run(str(Path(sys.executable).with_name("lint-imports")))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -104,9 +104,9 @@ ENGINE_COMMANDS = {
 
 COMMAND_CASES = [
     # the top level
-    ([], "{generate,serve,bench,plan,eval}"),
-    (["translate"], "{generate,serve,bench,plan,eval}"),
-    (["--bogus-flag"], "{generate,serve,bench,plan,eval}"),
+    ([], "{generate,serve,router,bench,plan,eval}"),
+    (["translate"], "{generate,serve,router,bench,plan,eval}"),
+    (["--bogus-flag"], "{generate,serve,router,bench,plan,eval}"),
     (["bench"], "{throughput,latency,serve,sweep}"),
     (["bench", "speed"], "{throughput,latency,serve,sweep}"),
     # generate
@@ -125,6 +125,12 @@ COMMAND_CASES = [
     (["generate", "/no/such/model.gguf", "--prompt", "hi"], "model"),
     (["generate", *CPU, "--data-parallel-size", "2", "--prompt", "hi"], "--data-parallel-size"),
     # serve
+    # router (each fails before anything is served)
+    (["router", "--port", "99999"], "--port"),
+    (["router", "--bogus-flag"], "--bogus-flag"),
+    (["router", "--backend", "alpha"], "--backend"),
+    (["router", "--config", "/no/such/router.yaml"], "--config"),
+    (["router"], "models"),
     (["serve", "--port", "99999"], "--port"),
     (["serve", "--port", "-1"], "--port"),
     (["serve", "--port", "http"], "--port"),
@@ -300,7 +306,7 @@ def _command(argv: list[str]) -> list[str]:
     """The (sub)command words that start `argv`, as far as they are real commands."""
     if argv[:1] == ["bench"]:
         return argv[:2] if argv[1:2] and argv[1] in ("throughput", "latency", "serve", "sweep") else argv[:1]
-    return argv[:1] if argv[:1] and argv[0] in ("generate", "serve", "plan", "eval") else []
+    return argv[:1] if argv[:1] and argv[0] in ("generate", "serve", "router", "plan", "eval") else []
 
 
 @pytest.mark.parametrize("argv, flag", COMMAND_CASES, ids=_case_id)

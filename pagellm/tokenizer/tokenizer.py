@@ -97,16 +97,7 @@ def load_tokenizer(source: ModelSource) -> Tokenizer | None:
     """The source's tokenizer; None when there is none (a dummy preset, or a dummy config-only folder)."""
     path = source.path
     if os.path.isfile(path) and path.endswith(".gguf"):
-        with GGUFFile(path) as gguf:
-            spec = build_gguf_tokenizer(gguf.metadata, path)
-        return Tokenizer(
-            spec.backend,
-            bos_token=spec.bos_token,
-            eos_token=spec.eos_token,
-            unk_token=spec.unk_token,
-            pad_token=spec.pad_token,
-            chat_template=spec.chat_template,
-        )
+        return _load_gguf_tokenizer(path)
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
         return _load_hf_tokenizer(path, source.generation_config)
     if source.load_format == "dummy":
@@ -115,6 +106,24 @@ def load_tokenizer(source: ModelSource) -> Tokenizer | None:
         f"model {path!r} has no tokenizer.json; pagellm reads only the fast-tokenizer format. Create it once "
         "with transformers: AutoTokenizer.from_pretrained(path).save_pretrained(path)"
     )
+
+
+def load_tokenizer_at(path: str) -> Tokenizer:
+    """The tokenizer of a `.gguf` file or of a directory with `tokenizer.json`, without the model's
+    architecture (the router counts tokens with it and never loads a model)."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return _load_gguf_tokenizer(path)
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        generation_config = read_json(os.path.join(path, "generation_config.json"), missing_ok=True)
+        return _load_hf_tokenizer(path, generation_config)
+    raise ValueError(f"tokenizer {path!r} is neither a .gguf file nor a directory with tokenizer.json")
+
+
+def _load_gguf_tokenizer(path: str) -> Tokenizer:
+    with GGUFFile(path) as gguf:
+        spec = build_gguf_tokenizer(gguf.metadata, path)
+    return Tokenizer(spec.backend, bos_token=spec.bos_token, eos_token=spec.eos_token, unk_token=spec.unk_token,
+                     pad_token=spec.pad_token, chat_template=spec.chat_template)
 
 
 def _load_hf_tokenizer(directory: str, generation_config: dict[str, Any]) -> Tokenizer:

@@ -1,0 +1,260 @@
+"""The router's HTTP front: the OpenAI routes of `pagellm serve`, /health, /metrics and /admin.
+
+A generation request goes: API key -> model's route -> length governance (tokenizer) -> rate
+limits -> response cache -> a backend (failover) -> the response, passed through; the key's
+counters and the cache are settled when the response ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pagellm.entrypoints.openai.errors import APIError, error_response
+from pagellm.router.balance import ModelRoute, prefix_hashes
+from pagellm.router.body import DEFAULT_MAX_TOKENS_ESTIMATE, estimate_tokens, prompt_text, requested_max_tokens
+from pagellm.router.cache import BYPASS_HEADER, STATUS_HEADER, CachedResponse
+from pagellm.router.config import KeyConfig
+from pagellm.router.length import Governed, LengthError, govern
+from pagellm.router.proxy import open_upstream, respond
+from pagellm.router.state import RouterState, RoutingTable
+
+logger = logging.getLogger(__name__)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+TRUNCATED_HEADER = "x-pagellm-truncated"
+"""`<tokens before>-><tokens after>` when the prompt was truncated under the model's length policy."""
+BACKEND_HEADER = "x-pagellm-backend"
+
+
+def build_app(state: RouterState, reload_on_sighup: bool = False) -> FastAPI:
+    """The app; `reload_on_sighup` (the main thread's loop only) rereads the config on SIGHUP."""
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        if reload_on_sighup:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload_in_background, state)
+        yield
+        await state.stop()
+
+    app = FastAPI(title="pagellm router", lifespan=lifespan)
+    app.state.router = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    for path in (*GENERATION_PATHS, "/v1/embeddings"):
+        app.add_api_route(path, _proxy_route(state, path), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authenticate(state.table, request)
+        return JSONResponse({"object": "list", "data": await _merged_models(state)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        table = state.table
+        up = {m.name: any(not b.ejected for b, _ in (bc for v in table.routes[m.name].versions for bc in v.backends))
+              for m in table.config.models}
+        return JSONResponse({"models": up}, status_code=200 if any(up.values()) else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/reload")
+    async def reload(request: Request) -> JSONResponse:
+        _authenticate_admin(state.table, request)
+        try:
+            table = await state.reload()
+        except ValueError as e:
+            raise APIError(f"config not reloaded, the running one is kept: {e}", 400) from e
+        return JSONResponse({"models": [m.name for m in table.config.models], "keys": len(table.config.keys)})
+
+    @app.get("/admin/backends")
+    async def backends(request: Request) -> JSONResponse:
+        _authenticate_admin(state.table, request)
+        return JSONResponse([{"url": b.url, "in_flight": b.in_flight, "outstanding_tokens": b.outstanding_tokens,
+                              "ejected": b.ejected, "consecutive_failures": b.consecutive_failures}
+                             for b in state.table.backends.values()])
+
+    return app
+
+
+_background: set[asyncio.Task] = set()
+"""Reloads in progress (the loop keeps only weak references to tasks)."""
+
+
+def _reload_in_background(state: RouterState) -> None:
+    async def reload() -> None:
+        try:
+            await state.reload()
+        except ValueError as e:
+            logger.error("SIGHUP: config not reloaded, the running one is kept: %s", e)
+    task = asyncio.create_task(reload())
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+
+def _authenticate(table: RoutingTable, request: Request) -> KeyConfig | None:
+    """The request's key; None when the config lists no keys (no auth); 401 otherwise."""
+    if not table.keys:
+        return None
+    secret = _bearer(request)
+    key = table.keys.get(secret) if secret is not None else None
+    if key is None:
+        raise APIError("missing or unknown API key: send `Authorization: Bearer <key>`", 401)
+    return key
+
+
+def _authenticate_admin(table: RoutingTable, request: Request) -> None:
+    admin = table.config.admin_key
+    secret = _bearer(request)
+    if admin is None or secret is None or not secrets.compare_digest(secret.encode(), admin.encode()):
+        raise APIError("the admin routes need `Authorization: Bearer <admin_key>` (admin_key in the config)", 401)
+
+
+def _proxy_route(state: RouterState, path: str):
+    async def route(request: Request) -> Response:
+        return await _handle(state, state.table, path, request)
+    route.__name__ = path.strip("/").replace("/", "_")
+    return route
+
+
+async def _handle(state: RouterState, table: RoutingTable, path: str, request: Request) -> Response:
+    key = _authenticate(table, request)
+    try:
+        body = json.loads(await request.body())
+    except ValueError as e:
+        raise APIError(f"the request body is not valid JSON: {e}", 400) from e
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", 400)
+    model = body.get("model")
+    route = table.routes.get(model) if isinstance(model, str) else None
+    if route is None:
+        raise APIError(f"the model `{model}` does not exist; served: {', '.join(table.routes)}", 404, "model")
+
+    headers: dict[str, str] = {}
+    if path in GENERATION_PATHS:
+        governed = await _govern(state, table, route, body, key)
+        body, input_tokens = governed.body, governed.input_tokens
+        if governed.truncated_from is not None:
+            headers[TRUNCATED_HEADER] = f"{governed.truncated_from}->{input_tokens}"
+    else:
+        input_tokens = estimate_tokens(prompt_text(body))
+
+    if key is not None:
+        throttle = await table.limiter.admit(key, input_tokens)
+        if throttle is not None:
+            state.metrics.throttled.labels(key.name, throttle.limit).inc()
+            response = error_response(APIError(throttle.message(key), 429))
+            response.headers["retry-after"] = str(throttle.retry_after_s)
+            return response
+
+    settled = False
+
+    async def settle(output_tokens: int) -> None:
+        nonlocal settled
+        if settled:
+            return
+        settled = True
+        if key is not None:
+            await table.limiter.release(key, output_tokens)
+
+    try:
+        stream = body.get("stream") is True
+        cache_key = None
+        if path in GENERATION_PATHS and request.headers.get(BYPASS_HEADER) is None:
+            cache_key = table.cache.key(path, body, key.name if key else None)
+        if cache_key is not None:
+            hit = await table.cache.get(cache_key)
+            state.metrics.cache.labels(model, "hit" if hit else "miss").inc()
+            if hit is not None:
+                await settle(0)
+                return _replay(hit, {**headers, STATUS_HEADER: "hit"})
+            headers[STATUS_HEADER] = "miss"
+
+        _, max_tokens = requested_max_tokens(body)
+        load = input_tokens + (max_tokens or DEFAULT_MAX_TOKENS_ESTIMATE)
+        sticky_header = table.config.sticky_header
+        sticky = request.headers.get(sticky_header) if sticky_header else None
+        hashes = prefix_hashes(model, prompt_text(body))
+        up = await open_upstream(state, route, path, body, dict(request.headers), hashes, sticky, load)
+        headers[BACKEND_HEADER] = up.backend.url
+        media_type = up.response.headers.get("content-type", "")
+
+        async def on_done(output_tokens: int, content: bytes | None) -> None:
+            if cache_key is not None and content is not None:
+                await table.cache.put(cache_key, CachedResponse(up.response.status_code, media_type, content))
+            await settle(output_tokens)
+
+        return await respond(state, up, model, path, stream, load, headers, on_done)
+    except BaseException:
+        await settle(0)
+        raise
+
+
+async def _govern(state: RouterState, table: RoutingTable, route: ModelRoute, body: dict[str, Any],
+                  key: KeyConfig | None) -> Governed:
+    """The request under its length limits (counted in metrics); APIError 400 when rejected."""
+    model = route.config.name
+    tokenizer = table.tokenizers.get(model)
+    try:
+        # Tokenizing a long prompt takes milliseconds the other requests need not wait: on a thread.
+        governed = (govern(body, None, route.config, key) if tokenizer is None
+                    else await asyncio.to_thread(govern, body, tokenizer, route.config, key))
+    except LengthError as e:
+        state.metrics.rejections.labels(model).inc()
+        raise APIError(str(e), 400, e.param) from e
+    if governed.truncated_from is not None:
+        state.metrics.truncations.labels(model, route.config.length_policy).inc()
+    return governed
+
+
+def _replay(hit: CachedResponse, headers: dict[str, str]) -> Response:
+    if hit.content_type.startswith("text/event-stream"):
+        async def chunks() -> AsyncIterator[bytes]:
+            yield hit.body
+        return StreamingResponse(chunks(), hit.status, headers, media_type=hit.content_type)
+    return Response(hit.body, hit.status, headers, media_type=hit.content_type)
+
+
+async def _merged_models(state: RouterState) -> list[dict[str, Any]]:
+    """Each routed model once, with what one of its backends says of it (max_model_len, ...)."""
+    table = state.table
+
+    async def describe(name: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "pagellm-router"}
+        for version in table.routes[name].versions:
+            for backend, config in version.backends:
+                if backend.ejected:
+                    continue
+                headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+                try:
+                    data = (await state.http.get(f"{backend.url}/v1/models", headers=headers, timeout=5.0)).json()
+                    listed = data.get("data") or []
+                except (httpx.HTTPError, ValueError, AttributeError):  # this backend cannot say: ask the next
+                    continue
+                match = next((m for m in listed if isinstance(m, dict) and m.get("id") == name), None)
+                if match is None and len(listed) == 1 and isinstance(listed[0], dict):
+                    match = listed[0]  # a server of one model, named otherwise there
+                if match is not None:
+                    return {**match, "id": name, "root": match.get("root", match.get("id"))}
+        return entry
+
+    return list(await asyncio.gather(*(describe(m.name) for m in table.config.models)))
