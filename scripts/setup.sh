@@ -26,16 +26,21 @@ fi
 # because it would pull datasets and more that the tests do not use (its import needs only torch
 # and transformers).
 .venv/bin/pip install -q --no-deps autoawq==0.2.9
-# Headless Chromium and its WebDriver for the browser tests of the web page (tests/test_web_ui.py),
-# from Debian/Ubuntu packages (Selenium drives them; it is in the test extra). Where they cannot be
-# installed (not root, no apt), those tests skip and say why.
-if ! { command -v chromium || command -v chromium-browser; } >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+# Real services the tests start: headless Chromium and its WebDriver for the web page's browser
+# tests (tests/test_web_ui.py; Selenium, in the test extra, drives them) and Redis for the router's
+# shared limits and cache (tests/test_router_limits.py), from Debian/Ubuntu packages. Where they
+# cannot be installed (not root, no apt), those tests skip and say why.
+missing=()
+{ command -v chromium || command -v chromium-browser; } >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    { apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
-      || { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; }; } \
-      || echo "setup.sh: could not install chromium and chromium-driver; the browser tests will be skipped" >&2
+    { apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; }; } \
+      || echo "setup.sh: could not install ${missing[*]}; the tests that need them will be skipped" >&2
   else
-    echo "setup.sh: no chromium/chromedriver, and no root apt-get to install them; the browser tests will be" \
-         "skipped (install Debian's chromium and chromium-driver packages)" >&2
+    echo "setup.sh: no ${missing[*]}, and no root apt-get to install them; the tests that need them will be" \
+         "skipped (install those Debian packages)" >&2
   fi
 fi
