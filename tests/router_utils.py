@@ -151,11 +151,11 @@ class FakeBackend:
 class RouterUnderTest:
     """A router from a config dict (written to `path`, so reload tests can change it), served in-process."""
 
-    def __init__(self, config: dict[str, Any], path: str) -> None:
+    def __init__(self, config: dict[str, Any], path: str, web_ui: bool = True) -> None:
         self.path = path
         self.write(config)
         self.state = RouterState(path, {}, [])
-        self.server = ThreadServer(build_app(self.state))
+        self.server = ThreadServer(build_app(self.state, web_ui=web_ui))
         self.url = self.server.url
 
     def write(self, config: dict[str, Any]) -> None:

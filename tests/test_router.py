@@ -12,7 +12,7 @@ import threading
 import httpx
 import openai
 import pytest
-from router_utils import QUIET, free_port, wait_until
+from router_utils import QUIET, RouterUnderTest, free_port, wait_until
 from server_utils import metric_samples
 
 from pagellm.cli.main import main
@@ -282,3 +282,24 @@ def test_sticky_header_pins_a_session_to_one_canary_version(fakes, router) -> No
         pinned = [{backend(s, i) for i in range(3)} for s in range(16)]
     assert all(len(p) == 1 for p in pinned)
     assert {stable.url, canary.url} == set().union(*pinned)  # sessions still split between the versions
+
+
+def test_chat_page_served_without_the_dashboard_and_with_keys(fakes, router, tmp_path) -> None:
+    """The router serves `pagellm serve`'s chat page (open even when keys are set: it holds no data);
+    no dashboard nor /stats (no engine here), which the page reads as: hide its dashboard link."""
+    a = fakes("a")
+    r = router({"models": [{"name": "alpha", "backends": [{"url": a.url}]}], "keys": [{"key": "k1", "name": "t"}]})
+    with httpx.Client(base_url=r.url) as http:
+        page = http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'id="dashboard-link"' in page.text
+        script = http.get("/ui/chat.js")
+        assert script.headers["content-type"].startswith("text/javascript") and "dashboard-link" in script.text
+        assert http.get("/dashboard").status_code == 404 and http.get("/stats").status_code == 404
+        assert http.get("/v1/models").status_code == 401  # what the page fetches still needs the key
+    off = RouterUnderTest({**QUIET, "models": [{"name": "alpha", "backends": [{"url": a.url}]}]},
+                          str(tmp_path / "off.yaml"), web_ui=False)
+    try:
+        assert httpx.get(off.url + "/").status_code == 404 and httpx.get(off.url + "/ui/chat.js").status_code == 404
+    finally:
+        off.stop()

@@ -30,7 +30,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.api_server import build_app
 from pagellm.entrypoints.openai.errors import install_error_handlers
-from pagellm.entrypoints.openai.web_ui import MEDIA_TYPES, PAGES, STATIC_PREFIX, WEB_DIR, add_web_ui_routes
+from pagellm.entrypoints.openai.web_pages import MEDIA_TYPES, PAGES, STATIC_PREFIX, WEB_DIR, add_web_ui_routes
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.snapshot import metrics_snapshot
 from pagellm.metrics.stats import FinishedRequestStats, IterationStats

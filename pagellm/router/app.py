@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagellm.entrypoints.openai.errors import APIError, error_response
+from pagellm.entrypoints.openai.web_pages import CHAT_PAGE, add_web_ui_routes
 from pagellm.router.balance import ModelRoute, prefix_hashes
 from pagellm.router.body import DEFAULT_MAX_TOKENS_ESTIMATE, estimate_tokens, prompt_text, requested_max_tokens
 from pagellm.router.cache import BYPASS_HEADER, STATUS_HEADER, CachedResponse
@@ -36,8 +37,9 @@ TRUNCATED_HEADER = "x-pagellm-truncated"
 BACKEND_HEADER = "x-pagellm-backend"
 
 
-def build_app(state: RouterState, reload_on_sighup: bool = False) -> FastAPI:
-    """The app; `reload_on_sighup` (the main thread's loop only) rereads the config on SIGHUP."""
+def build_app(state: RouterState, reload_on_sighup: bool = False, web_ui: bool = True) -> FastAPI:
+    """The app; `reload_on_sighup` (the main thread's loop only) rereads the config on SIGHUP;
+    `web_ui`: the chat page at `/` (`pagellm serve`'s; no dashboard: the router has no engine)."""
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
@@ -55,6 +57,8 @@ def build_app(state: RouterState, reload_on_sighup: bool = False) -> FastAPI:
 
     for path in (*GENERATION_PATHS, "/v1/embeddings"):
         app.add_api_route(path, _proxy_route(state, path), methods=["POST"])
+    if web_ui:
+        add_web_ui_routes(app, CHAT_PAGE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -18,4 +18,6 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", default=None, help="Bearer key of the /admin routes (overrides admin_key)")
     parser.add_argument("--sticky-header", default=None,
                         help="Request header whose value pins a client to one canary version (overrides sticky_header)")
+    parser.add_argument("--disable-web-ui", action="store_true",
+                        help="Do not serve the chat page at / (docs/web-ui.md)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

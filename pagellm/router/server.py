@@ -23,8 +23,8 @@ def run_router(ns: argparse.Namespace) -> int:
     # Fail at start-up, naming cache.url, when Redis does not answer (uvicorn would only log it).
     asyncio.run(_check_store(state))
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(build_app(state, reload_on_sighup=True), host=ns.host, port=ns.port,
-                            log_level=ns.log_level, timeout_graceful_shutdown=30)
+    app = build_app(state, reload_on_sighup=True, web_ui=not ns.disable_web_ui)
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=30)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _exit_cleanly)
     uvicorn.Server(config).run()

@@ -50,7 +50,8 @@ from pagellm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagellm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagellm.entrypoints.openai.serving_tokens import OpenAIServingTokens
 from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, TrafficMiddleware, TrafficState
-from pagellm.entrypoints.openai.web_ui import STATS_PATH, add_stats_route, add_web_ui_routes, web_ui_paths
+from pagellm.entrypoints.openai.web_pages import add_web_ui_routes, web_ui_paths
+from pagellm.entrypoints.openai.web_ui import STATS_PATH, add_stats_route
 from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger

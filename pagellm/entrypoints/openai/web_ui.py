@@ -1,44 +1,20 @@
-"""The web page of `pagellm serve`: a chat playground at `/`, a live dashboard at `/dashboard`, and the
-JSON `/stats` route the dashboard polls (off with --disable-web-ui, except /stats).
-
-The pages are static files shipped in the package (`web/`), plain HTML, CSS and JavaScript modules: no
-build step, nothing fetched from elsewhere (they work offline).
+"""The engine's side of the web page (`pagellm.entrypoints.openai.web_pages`): the JSON `/stats` route
+the dashboard polls, with the engine's configuration (served even with --disable-web-ui).
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.openai.errors import APIError
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.snapshot import metrics_snapshot
 
-WEB_DIR = Path(__file__).parent / "web"
-"""The page's files (package data)."""
-STATIC_PREFIX = "/ui/"
-"""Where the page's scripts and styles are served."""
-PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 STATS_PATH = "/stats"
-MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-               ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
-"""Explicit, so that the scripts load as modules whatever the machine's mimetypes database says."""
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The generation_config.json fields the chat page shows as the server's defaults."""
-
-
-def web_files() -> dict[str, Path]:
-    """The files served under STATIC_PREFIX, by name."""
-    return {path.name: path for path in WEB_DIR.iterdir() if path.suffix in MEDIA_TYPES}
-
-
-def web_ui_paths() -> frozenset[str]:
-    """The pages and their files: open without the API key (they hold no data; what they fetch asks for it)."""
-    return frozenset(PAGES) | {STATIC_PREFIX + name for name in web_files()}
 
 
 def engine_summary(engine: AsyncLLM, served_names: list[str]) -> dict[str, Any]:
@@ -82,23 +58,3 @@ def add_stats_route(app: FastAPI, engine: AsyncLLM, served_names: list[str],
     @app.get(STATS_PATH)
     async def stats() -> JSONResponse:
         return JSONResponse({"engine": summary, **metrics_snapshot(metrics)})
-
-
-def add_web_ui_routes(app: FastAPI) -> None:
-    """The chat page at `/`, the dashboard at `/dashboard`, their files under STATIC_PREFIX."""
-    files = web_files()
-
-    def page(name: str) -> Callable[[], Awaitable[FileResponse]]:
-        async def serve_page() -> FileResponse:
-            return FileResponse(WEB_DIR / name, media_type=MEDIA_TYPES[".html"])
-        return serve_page
-
-    for path, name in PAGES.items():
-        app.add_api_route(path, page(name), methods=["GET", "HEAD"], include_in_schema=False)
-
-    @app.get(STATIC_PREFIX + "{name}", include_in_schema=False)
-    async def static_file(name: str) -> FileResponse:
-        path = files.get(name)
-        if path is None:
-            raise APIError(f"no file {name!r} in the web page", 404)
-        return FileResponse(path, media_type=MEDIA_TYPES[path.suffix])

@@ -379,9 +379,10 @@ async function loadModels() {
 }
 
 async function loadDefaults() {
-  // Without /stats (an older server, a proxy that hides it) the page keeps the OpenAI defaults.
+  // Without /stats (`pagellm router`, an older server, a proxy that hides it) the page keeps the
+  // OpenAI defaults, and there is no dashboard to link to.
   const response = await apiFetch("/stats");
-  if (!response.ok) return;
+  if (!response.ok) { $("dashboard-link").hidden = true; return; }
   const { engine } = await response.json();
   for (const key of ["temperature", "top_p"]) {
     if (engine.sampling_defaults[key] != null) state.defaults[key] = engine.sampling_defaults[key];
