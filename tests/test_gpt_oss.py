@@ -13,16 +13,14 @@ import pytest
 import torch
 import transformers
 from engine_utils import assert_no_leak
-from family_utils import assert_matches_hf, save_with_tokenizer
-from lora_utils import greedy_reference
-from peft import LoraConfig, get_peft_model
+from family_utils import assert_attention_adapter_served_and_moe_adapter_refused, assert_matches_hf, save_with_tokenizer
 from safetensors.torch import load_file, save_file
 from test_mxfp4 import random_mxfp4
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import _compute_yarn_parameters
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
-from pagellm import LLM, LoRARequest, SamplingParams
+from pagellm import LLM, SamplingParams
 from pagellm.attention import get_attn_backend
 from pagellm.benchmarks.plan import resolve_arch
 from pagellm.cli.main import main as cli_main
@@ -296,26 +294,8 @@ def test_a_checkpoint_missing_expert_tensors_names_them(tiny, tmp_path):
 
 def test_attention_adapters_are_served_and_router_adapters_refused(tiny, tmp_path):
     folder, _ = tiny
-    base = hf_model()
-    torch.manual_seed(5)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 init_lora_weights=False)).eval()
-    peft_model.save_pretrained(tmp_path / "attention")
-    llm = LLM(str(folder), **CPU, enable_lora=True, max_lora_rank=8)
-    prompt = PROMPTS[2]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, logprobs=0),
-                       lora_request=LoRARequest("attention", 1, str(tmp_path / "attention")), use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == greedy_reference(peft_model, prompt, 8)[0]
-
-    router = tmp_path / "router"
-    router.mkdir()
-    (router / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
-    key = "base_model.model.model.layers.0.mlp.router.lora_A.weight"
-    save_file({key: torch.zeros(8, 64), key.replace("lora_A", "lora_B"): torch.zeros(6, 8)},
-              router / "adapter_model.safetensors")
-    with pytest.raises(ValueError, match="adapts part of a mixture-of-experts block"):
-        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2),
-                     lora_request=LoRARequest("router", 2, str(router)), use_tqdm=False)
+    assert_attention_adapter_served_and_moe_adapter_refused(hf_model(), folder, tmp_path, PROMPTS[2], "router", 64, 6,
+                                                            **CPU)
 
 
 def test_another_swiglu_is_refused():

@@ -16,12 +16,10 @@ import torch
 import transformers
 from attn_utils import build_metadata
 from engine_utils import assert_no_leak
-from family_utils import assert_matches_hf, save_with_tokenizer
-from lora_utils import greedy_reference
-from peft import LoraConfig, get_peft_model
+from family_utils import assert_attention_adapter_served_and_moe_adapter_refused, assert_matches_hf, save_with_tokenizer
 from safetensors.torch import load_file, save_file
 
-from pagellm import LLM, LoRARequest, SamplingParams
+from pagellm import LLM, SamplingParams
 from pagellm.attention import get_attn_backend
 from pagellm.config.arch import ModelArchConfig
 from pagellm.distributed import init_tensor_parallel
@@ -460,23 +458,5 @@ def test_expert_parallel_flag_is_checked_against_the_model(qwen2_moe_dir, tmp_pa
 
 
 def test_adapters_of_experts_are_refused_and_attention_adapters_served(qwen2_moe_dir, tmp_path):
-    base = hf_model("qwen2_moe")
-    torch.manual_seed(5)
-    peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 init_lora_weights=False)).eval()
-    peft_model.save_pretrained(tmp_path / "attention")
-    llm = LLM(str(qwen2_moe_dir), **CPU, enable_lora=True, max_lora_rank=8)
-    prompt = PROMPTS[2]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8, logprobs=0),
-                       lora_request=LoRARequest("attention", 1, str(tmp_path / "attention")), use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == greedy_reference(peft_model, prompt, 8)[0]
-
-    expert = tmp_path / "expert"
-    expert.mkdir()
-    (expert / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
-    key = "base_model.model.model.layers.0.mlp.experts.1.down_proj.lora_A.weight"
-    save_file({key: torch.zeros(8, 32), key.replace("lora_A", "lora_B"): torch.zeros(64, 8)},
-              expert / "adapter_model.safetensors")
-    with pytest.raises(ValueError, match="adapts part of a mixture-of-experts block"):
-        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2),
-                     lora_request=LoRARequest("expert", 2, str(expert)), use_tqdm=False)
+    assert_attention_adapter_served_and_moe_adapter_refused(hf_model("qwen2_moe"), qwen2_moe_dir, tmp_path, PROMPTS[2],
+                                                            "experts.1.down_proj", 32, 64, **CPU)
