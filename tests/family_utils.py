@@ -62,3 +62,15 @@ def assert_attention_adapter_served_and_moe_adapter_refused(base_model, folder: 
     with pytest.raises(ValueError, match="adapts part of a mixture-of-experts block"):
         llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2),
                      lora_request=LoRARequest("moe", 2, str(moe)), use_tqdm=False)
+
+
+def assert_prefix_hits_keep_the_tokens(folder: Path, model, prompts: list[list[int]], min_hits: int, params,
+                                       new_tokens: int, **engine_kwargs) -> None:
+    """The first prompt alone, then the others (which share its prefix) from the prefix cache: at
+    least `min_hits` tokens hit, and every output is still HF's."""
+    first, *rest = prompts
+    llm = LLM(str(folder), **engine_kwargs)
+    outs = llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+    outs += llm.generate([{"prompt_token_ids": p} for p in rest], params, use_tqdm=False)
+    assert llm.llm_engine.get_stats().prefix_cache_hits >= min_hits
+    assert_matches_hf(model, outs, prompts, new_tokens)

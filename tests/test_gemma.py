@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 from engine_utils import assert_no_leak
-from family_utils import assert_matches_hf, save_with_tokenizer
+from family_utils import assert_matches_hf, assert_prefix_hits_keep_the_tokens, save_with_tokenizer
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention import get_attn_backend
@@ -154,12 +154,7 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
 
 def test_prefix_cache_hits_keep_the_tokens(tiny):
     _, folder, model = tiny
-    first, *rest = prefix_prompts()
-    llm = LLM(str(folder), **CPU)
-    outs = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
-    outs += llm.generate([{"prompt_token_ids": p} for p in rest], GREEDY, use_tqdm=False)
-    assert llm.llm_engine.get_stats().prefix_cache_hits >= 2 * 40
-    assert_matches_hf(model, outs, prefix_prompts(), NEW_TOKENS)
+    assert_prefix_hits_keep_the_tokens(folder, model, prefix_prompts(), 2 * 40, GREEDY, NEW_TOKENS, **CPU)
 
 
 def test_each_group_holds_its_blocks(tiny):

@@ -13,7 +13,12 @@ import pytest
 import torch
 import transformers
 from engine_utils import assert_no_leak
-from family_utils import assert_attention_adapter_served_and_moe_adapter_refused, assert_matches_hf, save_with_tokenizer
+from family_utils import (
+    assert_attention_adapter_served_and_moe_adapter_refused,
+    assert_matches_hf,
+    assert_prefix_hits_keep_the_tokens,
+    save_with_tokenizer,
+)
 from safetensors.torch import load_file, save_file
 from test_mxfp4 import random_mxfp4
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -152,12 +157,7 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
 
 def test_prefix_cache_hits_keep_the_tokens(tiny):
     folder, model = tiny
-    first, *rest = prefix_prompts()
-    llm = LLM(str(folder), **CPU)
-    outs = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
-    outs += llm.generate([{"prompt_token_ids": p} for p in rest], GREEDY, use_tqdm=False)
-    assert llm.llm_engine.get_stats().prefix_cache_hits >= 2 * 40
-    assert_matches_hf(model, outs, prefix_prompts(), NEW_TOKENS)
+    assert_prefix_hits_keep_the_tokens(folder, model, prefix_prompts(), 2 * 40, GREEDY, NEW_TOKENS, **CPU)
 
 
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds

@@ -16,7 +16,7 @@ import torch
 import transformers
 from attn_utils import build_metadata
 from engine_utils import assert_no_leak
-from family_utils import assert_matches_hf, save_with_tokenizer
+from family_utils import assert_matches_hf, assert_prefix_hits_keep_the_tokens, save_with_tokenizer
 from lora_utils import greedy_reference, save_adapter
 from safetensors.torch import load_file, save_file
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
@@ -106,12 +106,8 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
 
 def test_prefix_cache_hits_keep_the_tokens(tiny):
     _, folder, model, max_model_len = tiny
-    first, *rest = prefix_prompts()
-    llm = LLM(str(folder), max_model_len=max_model_len, **CPU)
-    outs = llm.generate([{"prompt_token_ids": first}], GREEDY, use_tqdm=False)
-    outs += llm.generate([{"prompt_token_ids": p} for p in rest], GREEDY, use_tqdm=False)
-    assert llm.llm_engine.get_stats().prefix_cache_hits >= 2 * 32
-    assert_matches_hf(model, outs, prefix_prompts(), NEW_TOKENS)
+    assert_prefix_hits_keep_the_tokens(folder, model, prefix_prompts(), 2 * 32, GREEDY, NEW_TOKENS,
+                                       max_model_len=max_model_len, **CPU)
 
 
 @pytest.mark.slow  # two rank processes (each starts Python and imports torch): tens of seconds
