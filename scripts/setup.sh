@@ -26,14 +26,16 @@ fi
 # because it would pull datasets and more that the tests do not use (its import needs only torch
 # and transformers).
 .venv/bin/pip install -q --no-deps autoawq==0.2.9
-# Real services the tests start: headless Chromium and its WebDriver for the web page's browser
-# tests (tests/test_web_ui.py; Selenium, in the test extra, drives them) and Redis for the router's
-# shared limits and cache (tests/test_router_limits.py), from Debian/Ubuntu packages. Where they
+# Real services and tools the tests use: headless Chromium and its WebDriver for the web page's
+# browser tests (tests/test_web_ui.py; Selenium, in the test extra, drives them), Redis for the
+# router's shared limits and cache (tests/test_router_limits.py), and promtool (in the prometheus
+# package) for the alert rules' unit tests (tests/test_deploy*.py), from Debian/Ubuntu packages. Where they
 # cannot be installed (not root, no apt), those tests skip and say why.
 missing=()
 { command -v chromium || command -v chromium-browser; } >/dev/null 2>&1 || missing+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     { apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 \
