@@ -28,13 +28,15 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def ray_serve_url(smollm2_path: str):
-    """One deployment, one replica (the autoscaling's floor; a few sequential requests never raise it)."""
+    """One deployment, one replica (the autoscaling's floor; a few sequential requests never raise it), made
+    from `serve run`'s string arguments as `serve run pagellm.ray_serve:app_builder ...` would."""
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"model": smollm2_path, **ENGINE_ARGS}, served_model_name=NAME,
-                            max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 1}, **SCALING),
+        flags = {"model": smollm2_path, **ENGINE_ARGS, **SCALING, "served-model-name": NAME,
+                 "max-ongoing-requests": MAX_ONGOING, "num-cpus": 1}
+        serve.run(app_builder({key.replace("_", "-"): str(value) for key, value in flags.items()}),
                   name="pagellm", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
         serve.shutdown()
