@@ -15,7 +15,6 @@ from pagellm.entrypoints.openai import api_server
 from pagellm.entrypoints.openai.served_models import ServedModels
 from pagellm.entrypoints.openai.traffic import SEQS_IN_FLIGHT_PER_SEQ, TrafficLimits, TrafficState
 from pagellm.metrics.log_stats import LoggingStatLogger
-from pagellm.metrics.prometheus import PrometheusStatLogger
 
 DEPLOYMENT_NAME = "pagellm"
 
@@ -31,14 +30,8 @@ class EngineReplica:
         config = args.create_engine_config()
         names = list(served_model_name or [api_server.default_served_name(args.model)])
         self._models = ServedModels.for_engine(names, config)
-        bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-        self._metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size,
-                                             max_loras=config.lora.max_loras if config.lora is not None else None)
         self._traffic = TrafficState(TrafficLimits.for_engine(args.max_num_seqs * args.data_parallel_size))
-        self._traffic.on_turned_away = self._metrics.record_turned_away
-        admission = self._traffic.admission
-        self._metrics.watch_admission(lambda: admission.seqs, lambda: admission.tokens,
-                                      lambda: admission.num_waiting)
+        self._metrics = api_server.server_metrics(args, config, names[0], self._traffic)
         self._api_key = api_key
         self._chat_template = chat_template
         self._web_ui = web_ui
