@@ -2,7 +2,10 @@
 openai SDK, against LLM.generate on the same model; and the autoscaling Ray Serve was given."""
 from __future__ import annotations
 
+import time
+
 import httpx
+import psutil
 import pytest
 from server_utils import free_port
 
@@ -12,7 +15,7 @@ import openai  # noqa: E402
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 from ray.serve.context import _get_global_client  # noqa: E402
-from ray.serve.schema import ServeInstanceDetails  # noqa: E402
+from ray.serve.schema import DeploymentDetails, ServeInstanceDetails  # noqa: E402
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.ray_serve import app_builder, autoscaling_config, build_app  # noqa: E402
@@ -24,6 +27,7 @@ SCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 3}
 MAX_ONGOING = 6
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 MAX_TOKENS = 8
+REPLACEMENT_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +85,31 @@ def test_models_health_and_metrics_routes(client: openai.OpenAI, ray_serve_url: 
 
 @pytest.mark.slow
 def test_deployment_autoscales_as_asked(ray_serve_url: str) -> None:
-    details = ServeInstanceDetails(**_get_global_client().get_serve_details())
-    config = details.applications["pagellm"].deployments["pagellm"].deployment_config
+    config = _deployment().deployment_config
     assert config.max_ongoing_requests == MAX_ONGOING
     asked = config.autoscaling_config
     assert {key: asked[key] for key in SCALING} == SCALING
+
+
+@pytest.mark.slow
+def test_a_replica_whose_engine_died_is_replaced(client: openai.OpenAI, ray_serve_url: str) -> None:
+    """Last of the module's served tests: it costs a second model load."""
+    (replica,) = _deployment().replicas
+    # The replica's other children: multiprocessing's resource tracker.
+    (engine_core,) = [p for p in psutil.Process(replica.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    engine_core.kill()
+    engine_core.wait(timeout=30)
+    assert httpx.get(f"{ray_serve_url}/health").status_code == 503
+    deadline = time.monotonic() + REPLACEMENT_TIMEOUT_S
+    while not any(r.pid != replica.pid and r.state == "RUNNING" for r in _deployment().replicas):
+        assert time.monotonic() < deadline, f"no new replica within {REPLACEMENT_TIMEOUT_S:.0f} s"
+        time.sleep(0.5)
+    assert client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=2, temperature=0).choices[0].text
+
+
+def _deployment() -> DeploymentDetails:
+    details = ServeInstanceDetails(**_get_global_client().get_serve_details())
+    return details.applications["pagellm"].deployments["pagellm"]
 
 
 def test_autoscaling_defaults_to_a_full_batch_per_replica() -> None:
