@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from pagellm.config.engine import EngineConfig
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.gc_freeze import freeze_startup_objects
@@ -238,6 +239,18 @@ def load_chat_template(value: str | None) -> str | None:
     return template
 
 
+def server_metrics(args: EngineArgs, config: EngineConfig, model_name: str,
+                   traffic: TrafficState) -> PrometheusStatLogger:
+    """The Prometheus metrics of a server of `config`'s engine, counting what `traffic` admits and turns away."""
+    bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    metrics = PrometheusStatLogger(model_name, **bucket_bound, num_engines=args.data_parallel_size,
+                                   max_loras=config.lora.max_loras if config.lora is not None else None)
+    traffic.on_turned_away = metrics.record_turned_away
+    admission = traffic.admission
+    metrics.watch_admission(lambda: admission.seqs, lambda: admission.tokens, lambda: admission.num_waiting)
+    return metrics
+
+
 def default_served_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_MODEL_FILE.split(".")[0]
 
@@ -285,12 +298,7 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
     config = args.create_engine_config()
     models = ServedModels.for_engine(names, config)
     await _load_lora_modules(models, ns.lora_modules or ())  # before the engine starts: a bad one fails fast
-    bucket_bound = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    metrics = PrometheusStatLogger(names[0], **bucket_bound, num_engines=args.data_parallel_size,
-                                   max_loras=config.lora.max_loras if config.lora is not None else None)
-    traffic.on_turned_away = metrics.record_turned_away
-    admission = traffic.admission
-    metrics.watch_admission(lambda: admission.seqs, lambda: admission.tokens, lambda: admission.num_waiting)
+    metrics = server_metrics(args, config, names[0], traffic)
     engine = AsyncLLM(config, stat_loggers=[metrics, LoggingStatLogger(num_engines=args.data_parallel_size)],
                       stall_timeout_s=ns.engine_stall_timeout or None)
     try:
