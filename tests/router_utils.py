@@ -7,12 +7,15 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 import yaml
@@ -169,6 +172,44 @@ class RouterUnderTest:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+class RouterProcess:
+    """`pagellm router --config PATH` in a subprocess on an ephemeral port (ready once /health
+    answers 200) until `stop()`; its output goes to a log file that failures quote."""
+
+    def __init__(self, config_path: str, timeout_s: float = 60.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-router-", suffix=".log")
+        self.process = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "router", "--config", config_path,
+                                         "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+                                        stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(self._ready, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"router exited with code {self.process.returncode}:\n{self.log_tail()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        self._log.seek(0)
+        return self._log.read()[-num_chars:]
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status (0 when it drained and exited cleanly)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        code = self.process.wait(timeout=30)
+        self._log.close()
+        return code
 
 
 QUIET = {"health_interval_s": 3600}

@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
-import sys
 import threading
 
 import httpx
 import openai
 import pytest
-from router_utils import QUIET, RouterUnderTest, free_port, wait_until
+from router_utils import QUIET, RouterProcess, RouterUnderTest, wait_until
 from server_utils import metric_samples
 
 from pagellm.cli.main import main
@@ -238,20 +236,16 @@ def test_sighup_reloads_the_config(fakes, tmp_path) -> None:
     a = fakes("a")
     path = tmp_path / "router.yaml"
     path.write_text(json.dumps({"models": [{"name": "m", "backends": [a.url]}]}))
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "router", "--config", str(path),
-                                "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    process = RouterProcess(str(path))
     try:
-        wait_until(lambda: _ids(url) == ["m"], 60)
+        assert _ids(process.url) == ["m"]
         path.write_text(json.dumps({"models": [{"name": name, "backends": [a.url]} for name in ("m", "n")]}))
-        process.send_signal(signal.SIGHUP)
-        wait_until(lambda: _ids(url) == ["m", "n"], 30)
-        assert httpx.post(f"{url}/v1/completions", json={"model": "n", "prompt": "x"}).status_code == 200
+        process.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: _ids(process.url) == ["m", "n"], 30)
+        assert httpx.post(f"{process.url}/v1/completions", json={"model": "n", "prompt": "x"}).status_code == 200
     finally:
-        process.terminate()
-        assert process.wait(timeout=30) == 0, process.stderr.read().decode()[-2000:]
+        log = process.log_tail()
+        assert process.stop() == 0, log
 
 
 def _ids(url: str) -> list[str] | None:

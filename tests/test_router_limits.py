@@ -1,12 +1,15 @@
 """The router's API keys and per-key rate limits (requests, input and output tokens per minute, in
-flight), in memory and in Redis (shared by two routers, kept across a restart)."""
+flight), in memory and in Redis (shared by two routers, in one process and in two, kept across a restart)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
+import time
 
 import httpx
 import pytest
+from router_utils import RouterProcess
 
 from pagellm.router.config import KeyConfig
 from pagellm.router.limits import RateLimiter
@@ -153,3 +156,46 @@ def test_redis_failure_while_running_degrades_to_memory(caplog) -> None:
 def test_resp_client_reports_unreachable_redis() -> None:
     with pytest.raises(RedisError, match="unreachable"):
         asyncio.run(RedisClient("redis://127.0.0.1:9/0").execute("PING"))
+
+
+SHARED_RPM = 4
+
+
+def _spread_then_restart(routers: list[RouterProcess], path: str) -> list[httpx.Response]:
+    """SHARED_RPM requests alternating over the two routers, one more on each, then one on the
+    second router restarted: every response."""
+    responses = [_post_to(routers[i % 2].url, f"p{i}") for i in range(SHARED_RPM)]
+    responses += [_post_to(r.url, "over") for r in routers]
+    routers[1].stop()
+    routers[1] = RouterProcess(path)
+    return [*responses, _post_to(routers[1].url, "after restart")]
+
+
+def _post_to(url: str, prompt: str) -> httpx.Response:
+    with httpx.Client(base_url=url) as http:
+        return _post(http, "secret-a", prompt)
+
+
+@pytest.mark.slow
+def test_limits_shared_by_two_router_processes(fakes, redis_url, tmp_path) -> None:
+    a = fakes("a")
+    path = str(tmp_path / "router.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"models": [{"name": "m", "backends": [a.url]}], "cache": {"url": redis_url},
+                   "keys": [{**KEY, "requests_per_minute": SHARED_RPM}]}, f)
+    routers = [RouterProcess(path), RouterProcess(path)]
+    try:
+        # The counters are per wall-clock minute: a run that crossed into the next minute is
+        # repeated once, wholly inside the new one.
+        for _ in range(2):
+            window, seen = time.time() // 60, len(a.bodies)
+            responses = _spread_then_restart(routers, path)
+            if time.time() // 60 == window:
+                break
+    finally:
+        codes = [r.stop() for r in routers]
+    assert [r.status_code for r in responses[:SHARED_RPM]] == [200] * SHARED_RPM
+    for resp in responses[SHARED_RPM:]:  # on either router, and on the restarted one
+        _assert_429(resp, "requests_per_minute")
+    assert len(a.bodies) - seen == SHARED_RPM
+    assert codes == [0, 0]
