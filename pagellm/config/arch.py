@@ -42,6 +42,8 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("Gemma2ForCausalLM", "pagellm.models.gemma:Gemma2ForCausalLM", model_type="gemma2"),
     ArchitectureEntry("Gemma3ForCausalLM", "pagellm.models.gemma:Gemma3ForCausalLM", model_type="gemma3_text"),
     ArchitectureEntry("GptOssForCausalLM", "pagellm.models.gpt_oss:GptOssForCausalLM", model_type="gpt_oss"),
+    ArchitectureEntry("LlavaForConditionalGeneration", "pagellm.models.llava:LlavaForConditionalGeneration",
+                      model_type="llava"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
 
@@ -123,6 +125,10 @@ class ModelArchConfig:
                 f"model architecture {archs or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(MODEL_REGISTRY.names())} (a plugin may register more: pagellm.plugins)"
             )
+        if isinstance(d.get("text_config"), dict):
+            # A vision-language model: the shape is its language model's; the vision fields
+            # (vision_config, image_token_index, ...) stay beside them in hf_config.
+            d = {**d, **d["text_config"]}
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

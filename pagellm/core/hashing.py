@@ -5,6 +5,8 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from pagellm.core.multimodal import MultiModalItem, block_content_keys
+
 BlockHash = bytes
 
 _ROOT = b"pagellm-prefix-root"
@@ -24,13 +26,20 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: t
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = (),
+    multi_modal: tuple[MultiModalItem, ...] = (),
 ) -> None:
-    """Append the hashes of every full block of `token_ids` not hashed yet."""
+    """Append the hashes of every full block of `token_ids` not hashed yet. A block holding
+    placeholder tokens of a `multi_modal` item also chains in that item's content hash (its tokens
+    alone say nothing of the image)."""
     num_full = len(token_ids) // block_size
     for i in range(len(hashes), num_full):
         parent = hashes[i - 1] if i else None
-        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra_keys))
+        start, end = i * block_size, (i + 1) * block_size
+        keys = extra_keys
+        if multi_modal:
+            keys = (*extra_keys, *block_content_keys(multi_modal, start, end))
+        hashes.append(hash_block(parent, token_ids[start:end], keys))
 
 
 def group_block_hash(block_hash: BlockHash, group: int) -> BlockHash:

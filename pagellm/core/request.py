@@ -9,6 +9,7 @@ import msgspec
 
 from pagellm.core.hashing import BlockHash, extend_block_hashes
 from pagellm.core.interfaces import Grammar
+from pagellm.core.multimodal import MultiModalItem
 from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -57,6 +58,10 @@ class EngineCoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     priority: int = 0
     """Under the priority scheduling policy (`--scheduling-policy priority`), requests with a lower
     value are admitted first and preempted last; arrival_time breaks ties. 0 under fcfs."""
+    multi_modal: tuple[MultiModalItem, ...] = ()
+    """Its images, in prompt order, each with the placeholder tokens of the prompt its features
+    replace (a model that takes images: LLaVA). Each block holding a placeholder of one chains the
+    image's content hash into its hash: the same text with another image shares no KV."""
 
 
 class RecordFields:
@@ -214,7 +219,8 @@ class Request(RecordFields):
         return keys if record.cache_salt is None else (*keys, record.cache_salt)
 
     def update_block_hashes(self, block_size: int) -> None:
-        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys)
+        extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.extra_keys,
+                            self.record.multi_modal)
 
     def check_stop(self, token_id: int, max_model_len: int) -> bool:
         """After appending `token_id`: set a finished status if generation must end."""

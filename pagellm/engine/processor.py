@@ -7,7 +7,9 @@ from collections.abc import Mapping
 from typing import Union
 
 from pagellm.config import EngineConfig
+from pagellm.core.multimodal import MultiModalItem
 from pagellm.core.request import EngineCoreRequest, check_prompt_fits
+from pagellm.engine.multimodal import ImageProcessor, takes_images
 from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -18,7 +20,8 @@ from pagellm.tokenizer import Tokenizer
 PromptType = Union[str, Mapping]
 """A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt);
 a dict may carry "cache_salt": a non-empty string that keeps its prefix-cache blocks apart from those of
-requests with another salt or none."""
+requests with another salt or none, and {"prompt": text, "multi_modal_data": {"image": PIL image or list}}
+gives a model that takes images (LLaVA) the images of the text's image tokens."""
 
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 """The inert sampling params a pooling request carries (it samples nothing)."""
@@ -32,6 +35,9 @@ class InputProcessor:
         self.vocab_size = config.model.source.arch.vocab_size
         self.eos_token_ids = frozenset(_eos_ids(config, tokenizer))
         self.grammar_checker = GrammarChecker(config.structured_outputs)
+        arch = config.model.source.arch
+        self.images = ImageProcessor(config.model.source.path, arch) if takes_images(arch) else None
+        """Prepares the images of prompts that carry some (None: the model takes text only)."""
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text if any, prompt token ids)."""
@@ -43,7 +49,8 @@ class InputProcessor:
             text, token_ids = prompt["prompt"], None
         else:
             raise ValueError(
-                f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, got {type(prompt).__name__}")
+                f"prompt must be a string, {{'prompt': str}} or {{'prompt_token_ids': list[int]}}, "
+                f"got {type(prompt).__name__}")
         if token_ids is None:
             if not isinstance(text, str):
                 raise ValueError(f"prompt must be a string, got {type(text).__name__}")
@@ -81,8 +88,11 @@ class InputProcessor:
                              "(--runner pooling); this one runs the generate runner")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids, multi_modal = self._tokenize_with_media(prompt)
         if params.truncate_prompt_tokens is not None:
+            if multi_modal:
+                raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (it would cut "
+                                 "their placeholder tokens); leave it out")
             token_ids = token_ids[-params.truncate_prompt_tokens:]  # the end of a prompt matters most
         self._validate_prompt(token_ids)
         check_prompt_fits(len(token_ids), self.config.model.max_model_len)
@@ -103,12 +113,33 @@ class InputProcessor:
             cache_salt=cache_salt,
             lora_request=lora_request,
             priority=priority,
+            multi_modal=multi_modal,
         )
         return record, text
+
+    def _tokenize_with_media(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[MultiModalItem, ...]]:
+        """`tokenize`, and for a prompt with "multi_modal_data", the model's processor's token ids
+        (each image token expanded) and the images."""
+        media = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if media is None:
+            return *self.tokenize(prompt), ()
+        arch = self.config.model.source.arch.architecture
+        if self.images is None:
+            raise ValueError(f"multi_modal_data: this model ({arch}) takes text only; images need a model with a "
+                             "vision tower (LlavaForConditionalGeneration)")
+        if not isinstance(media, Mapping):
+            raise ValueError(f"multi_modal_data must be a dict such as {{'image': image}}, got {type(media).__name__}")
+        if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data must give its text as 'prompt' (with one image token "
+                             "per image), not prompt_token_ids")
+        token_ids, items = self.images.process(prompt["prompt"], media)
+        return prompt["prompt"], token_ids, items
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float,
                          cache_salt: str | None, lora_request: LoRARequest | None,
                          priority: int) -> tuple[EngineCoreRequest, str | None]:
+        if isinstance(prompt, Mapping) and "multi_modal_data" in prompt:
+            raise ValueError("multi_modal_data: the pooling runner (embeddings) takes text only")
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             token_ids = token_ids[-params.truncate_prompt_tokens:]

@@ -71,6 +71,26 @@ class CausalLM(QuantizableModel, Protocol):
     def eval(self) -> CausalLM: ...
 
 
+MultiModalEmbeds = tuple[torch.Tensor, torch.Tensor]
+"""(rows [N] int64 of the flat batch, features [N, hidden_size]): input embeddings that replace the
+token embeddings of those rows (an image's placeholder tokens)."""
+
+
+@runtime_checkable
+class SupportsImages(Protocol):
+    """A `CausalLM` that also takes images (LLaVA): the worker encodes them and hands the features
+    of the placeholder tokens each step computes to `forward`."""
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """pixel_values [B, 3, H, W] (the Hugging Face processor's) -> features [B, N, hidden_size],
+        N the placeholder tokens of each image."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                intermediate: IntermediateTensors | None = None,
+                mm_embeds: MultiModalEmbeds | None = None) -> torch.Tensor | IntermediateTensors:
+        """`CausalLM.forward`, the rows of `mm_embeds` embedded as its features instead of their tokens."""
+
+
 def _protocol_methods(protocol: type) -> tuple[str, ...]:
     """The methods `protocol` and the protocols it extends declare (those a class must have)."""
     names: dict[str, None] = {}

@@ -196,12 +196,14 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-        intermediate: IntermediateTensors | None = None,
+        intermediate: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """The last stage returns the final hidden states; the others, what the next stage takes
-        as `intermediate` (the first stage embeds `input_ids` instead)."""
+        as `intermediate` (the first stage embeds `input_ids` instead, unless given their
+        `inputs_embeds`: a vision-language model's, images' features in place of some)."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             hidden, residual = intermediate
         for i in self.local_layers:

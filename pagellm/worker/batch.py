@@ -12,6 +12,7 @@ from pagellm.core.outputs import NewRequestData, SchedulerOutput
 from pagellm.core.request import EngineCoreRequest, RecordFields
 from pagellm.lora.manager import LoRAManager
 from pagellm.sample.logits_processors import uses_logits_processors
+from pagellm.worker.encoder_cache import ScheduledImage, scheduled_images
 
 
 @dataclass(slots=True, kw_only=True)
@@ -81,6 +82,8 @@ class FlatBatch:
     """The persistent-batch rows of `sampling_req_ids`."""
     lora_slots: np.ndarray | None = None
     """[num_tokens] int64: each token's adapter slot, -1 for the base model (None: LoRA is off)."""
+    images: list[ScheduledImage] | None = None
+    """The image placeholder tokens this step computes (None: none)."""
 
 
 @dataclass(slots=True)
@@ -241,6 +244,7 @@ class RequestStates:
             placeholders=(placeholder_dev, source_dev) if len(placeholders) else None,
             sampling_rows=rows[sampling_rows],
             lora_slots=None if self.lora is None else np.repeat(self.lora_slot[rows], query_lens),
+            images=scheduled_images(states, starts, query_lens, query_start_loc) or None,
         )
         # The workers advance each request by its scheduled tokens; the scheduler says otherwise
         # (`CachedRequestData`) only when it moved some other way.

@@ -16,6 +16,7 @@ from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOut
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.lora.manager import LoRAManager
 from pagellm.models import CausalLM
+from pagellm.models.interface import MultiModalEmbeds
 from pagellm.sample.logits_processors import LogitsProcessors
 from pagellm.sample.logprobs import gather_logprobs, prompt_logprobs
 from pagellm.sample.metadata import SamplingMetadata
@@ -25,6 +26,7 @@ from pagellm.sampling_params import SamplingParams
 from pagellm.spec_decode import DeviceProposer, build_device_proposer
 from pagellm.worker.batch import CachedRequestState, FlatBatch, PromptLogprobsPlan, RequestStates, attention_layout
 from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, MAX_CAPTURE_TOKENS, DecodeGraphs
+from pagellm.worker.encoder_cache import EncoderCache
 from pagellm.worker.kv_connector import KVConnectorWorker, build_kv_connector_worker
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
 
@@ -58,6 +60,8 @@ class ModelRunner:
         """The adapters' slots on the model's layers (enable_lora)."""
         self.kv_connector: KVConnectorWorker | None = None
         """The KV connector's worker half (a host tier), once the cache exists; None: none."""
+        self.encoder_cache = EncoderCache()
+        """Images' features until their placeholders are computed (a model that takes images)."""
 
     # -- start-up ------------------------------------------------------------------------------
 
@@ -199,6 +203,8 @@ class ModelRunner:
         are read.
         """
         self.requests.update(so)
+        for req_id in so.freed_req_ids if len(self.encoder_cache) else ():
+            self.encoder_cache.release(req_id)
         if so.kv_connector_metadata is not None:
             # Outside CUDA graphs, before any layer reads the blocks (the device waits, not the host).
             self.kv_connector.start_load_kv(so.kv_connector_metadata)
@@ -209,7 +215,10 @@ class ModelRunner:
         if batch.placeholders is not None:
             rows, sources = batch.placeholders
             batch.input_ids[rows] = self._last_sampled[sources]
-        hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata, batch.lora_slots)
+        mm_embeds = None
+        if batch.images is not None and self.ps.is_first_stage:
+            mm_embeds = self.encoder_cache.embeds(batch.images, self.model.encode_images, self.device)
+        hidden = self._run_stage(batch.input_ids, batch.positions, batch.attn_metadata, batch.lora_slots, mm_embeds)
         if isinstance(hidden, _StageSend):
             return StepInFlight.sending(hidden)
         if self.pooler is not None:
@@ -287,11 +296,15 @@ class ModelRunner:
         return StepInFlight(self, _HostCopy([vectors]), None, [s.request_id for s in finished], [], pooled=True)
 
     def _run_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                   lora_slots: np.ndarray | None = None) -> "torch.Tensor | _StageSend":
+                   lora_slots: np.ndarray | None = None,
+                   mm_embeds: MultiModalEmbeds | None = None) -> "torch.Tensor | _StageSend":
         """This pipeline stage's part of the forward: the final hidden states on the last stage,
         else the send of its intermediate tensors to the next stage (started, not waited for).
-        `lora_slots`: each row's adapter slot (None: no adapter)."""
-        graph = self.graphs is not None and self.graphs.fits(md)
+        `lora_slots`: each row's adapter slot (None: no adapter). `mm_embeds`: image features that
+        replace some rows' token embeddings (the first stage of a model that takes images)."""
+        # The decode graphs embed tokens themselves: a step with image features runs eagerly.
+        graph = self.graphs is not None and self.graphs.fits(md) and mm_embeds is None
+        extra = {} if mm_embeds is None else {"mm_embeds": mm_embeds}
         if self.lora is not None:
             if lora_slots is None:
                 lora_slots = np.full(md.num_tokens, -1, dtype=np.int64)
@@ -302,14 +315,14 @@ class ModelRunner:
         if self.ps.pp_size == 1:
             if graph:
                 return self.graphs.run(input_ids, positions, md)
-            return self.model(input_ids, positions, md)
+            return self.model(input_ids, positions, md, **extra)
         intermediate = None
         if not self.ps.is_first_stage:
             shape = (md.num_tokens, self.arch.hidden_size)
             intermediate = (torch.empty(shape, dtype=self.dtype, device=self.device),
                             torch.empty(shape, dtype=self.dtype, device=self.device))
             recv_from_prev_stage(list(intermediate))
-        out = self.model(input_ids, positions, md, intermediate)
+        out = self.model(input_ids, positions, md, intermediate, **extra)
         if self.ps.is_last_stage:
             return out
         tensors = [t.contiguous() for t in out]

@@ -1,0 +1,104 @@
+"""The images whose placeholder tokens a step computes, and their encoder output kept until every
+placeholder of theirs is computed (a prompt chunked across steps encodes each image once)."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagellm.core.multimodal import MultiModalItem
+from pagellm.core.request import RecordFields
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduledImage:
+    """Placeholder tokens of one image that this step computes."""
+
+    req_id: str
+    item: MultiModalItem
+    first_row: int
+    """The flat batch row of the first of them."""
+    first_feature: int
+    """The image's feature row the first of them takes."""
+    count: int
+    completes: bool
+    """Whether its last placeholder is among them (its features are no longer needed after)."""
+
+
+def scheduled_images(states: Sequence[RecordFields], starts: np.ndarray, query_lens: np.ndarray,
+                     query_start_loc: np.ndarray) -> list[ScheduledImage]:
+    """The image placeholders among the tokens [starts[i], starts[i] + query_lens[i]) that request
+    i computes at flat batch rows from query_start_loc[i]."""
+    images = []
+    for i, state in enumerate(states):
+        items = state.record.multi_modal
+        if not items:
+            continue
+        start, end = int(starts[i]), int(starts[i] + query_lens[i])
+        for item in items:
+            lo, hi = max(item.offset, start), min(item.end, end)
+            if lo < hi:
+                images.append(ScheduledImage(state.request_id, item, int(query_start_loc[i]) + lo - start,
+                                             lo - item.offset, hi - lo, hi == item.end))
+    return images
+
+
+class EncoderCache:
+    """Each image's features by content hash, from the step that first needs them until every
+    request using them has computed all its placeholders (or was freed). It holds only images
+    partly computed, so it is bounded by the running requests' images."""
+
+    def __init__(self) -> None:
+        self._features: dict[str, torch.Tensor] = {}
+        self._holders: dict[str, set[str]] = {}
+        """Per content hash, the requests whose placeholders still need its features."""
+        self._held_by: dict[str, set[str]] = {}
+        """Per request, the content hashes it holds."""
+
+    def __len__(self) -> int:
+        return len(self._features)
+
+    def embeds(self, images: list[ScheduledImage], encode: Callable[[torch.Tensor], torch.Tensor],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat batch rows, their features) of this step's placeholders, running `encode` on the
+        images not cached (batched by pixel shape)."""
+        missing: dict[str, MultiModalItem] = {}
+        for image in images:
+            if image.item.content_hash not in self._features:
+                missing.setdefault(image.item.content_hash, image.item)
+        by_shape: dict[tuple[int, ...], list[MultiModalItem]] = {}
+        for item in missing.values():
+            by_shape.setdefault(item.shape, []).append(item)
+        for shape, items in by_shape.items():
+            pixels = torch.stack([torch.frombuffer(bytearray(item.data), dtype=torch.float32).view(shape)
+                                  for item in items]).to(device)
+            for item, features in zip(items, encode(pixels)):
+                self._features[item.content_hash] = features
+        rows = np.concatenate([np.arange(image.first_row, image.first_row + image.count) for image in images])
+        features = torch.cat([self._features[image.item.content_hash][
+            image.first_feature:image.first_feature + image.count] for image in images])
+        for image in images:
+            key = image.item.content_hash
+            if image.completes:
+                self._drop(image.req_id, key)
+            else:
+                self._holders.setdefault(key, set()).add(image.req_id)
+                self._held_by.setdefault(image.req_id, set()).add(key)
+        return torch.from_numpy(rows).to(device), features
+
+    def release(self, req_id: str) -> None:
+        """A freed request (finished, aborted, preempted) needs its images no more."""
+        for key in self._held_by.pop(req_id, ()):
+            self._drop(req_id, key, forget_request=False)
+
+    def _drop(self, req_id: str, key: str, forget_request: bool = True) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(req_id)
+        if forget_request and req_id in self._held_by:
+            self._held_by[req_id].discard(key)
+        if not holders:
+            self._holders.pop(key, None)
+            self._features.pop(key, None)

@@ -1,0 +1,148 @@
+"""LLaVA-1.5 against Hugging Face `transformers`: a tiny random `LlavaForConditionalGeneration` (CLIP
+vision tower, projector, Llama) built from `LlavaConfig` and saved with its processor (a tokenizer
+with the `<image>` token, a 32x32 CLIP image processor: 16 placeholder tokens an image). Greedy
+tokens and logprobs with one and two images of different sizes (batched, chunked prefill splitting
+an image's placeholders, preemption), the prefix cache (the same image hits, another image with the
+same text does not), and an image sent to a text-only model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from engine_utils import assert_no_leak
+from family_utils import save_with_tokenizer
+from PIL import Image
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from pagellm import LLM, SamplingParams
+
+NEW_TOKENS = 24
+VOCAB = 128
+IMAGE_TOKEN = VOCAB - 1
+IMAGE_TOKENS = 16  # (32 / 8) ** 2 patches, the class token dropped ("default" strategy)
+BLOCK = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+CPU = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=4 << 20, block_size=BLOCK)
+
+
+def image(seed: int, width: int, height: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+PROMPTS = [
+    {"prompt": "t5 t6 t9 <image> t7 t8 t9", "multi_modal_data": {"image": image(0, 40, 50)}},
+    {"prompt": "t3 <image> t4 t5 t11 t12 <image> t6", "multi_modal_data": {"image": [image(1, 64, 48),
+                                                                                     image(2, 20, 30)]}},
+    {"prompt": "t20 t21 t22 t23 t24 t25 t26 t27 t28 <image> t30",
+     "multi_modal_data": {"image": [image(3, 33, 33)]}},
+]
+
+
+def hf_llava():
+    text = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                                      architectures=["LlavaForConditionalGeneration"])
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # larger than the default init, so that images and tokens move the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def hf_processor() -> transformers.LlavaProcessor:
+    # Special tokens named apart from the words: an added token matches inside words ("t1" in "t12").
+    vocab = ({f"t{i}": i for i in range(3, VOCAB - 1)} | {"<unk>": 0, "<s>": 1, "</s>": 2, "<image>": IMAGE_TOKEN})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                                                unk_token="<unk>", pad_token="<unk>", extra_special_tokens=["<image>"])
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=fast, patch_size=8,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(its folder, the Hugging Face model, its processor)."""
+    folder = tmp_path_factory.mktemp("llava")
+    model = hf_llava()
+    model.save_pretrained(folder)
+    processor = hf_processor()
+    processor.save_pretrained(folder)
+    return folder, model, processor
+
+
+def assert_matches_hf(model, processor, outs, prompts) -> None:
+    """Each output is HF's greedy continuation of its prompt and images: the argmax of HF's logits
+    at every position (one forward pass over the prompt and the tokens before it), with HF's logprob."""
+    for prompt, out in zip(prompts, outs):
+        images = prompt["multi_modal_data"]["image"]
+        inputs = processor(text=prompt["prompt"], images=images if isinstance(images, list) else [images],
+                           return_tensors="pt")
+        ids = inputs["input_ids"][0].tolist()
+        assert out.prompt_token_ids == ids
+        seq = out.outputs[0]
+        assert len(seq.token_ids) == NEW_TOKENS
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids + seq.token_ids[:-1]]),
+                           pixel_values=inputs["pixel_values"]).logits[0, len(ids) - 1:].float()
+        assert logits.argmax(dim=-1).tolist() == seq.token_ids
+        ref = logits.log_softmax(dim=-1).gather(1, torch.tensor(seq.token_ids)[:, None])[:, 0]
+        got = torch.tensor([lp[t].logprob for lp, t in zip(seq.logprobs, seq.token_ids)])
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("variant", ["batch", "chunked", "preempted"])
+def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
+    folder, model, processor = tiny
+    kwargs = {"batch": {},
+              # At most 6 tokens a step: every image's 16 placeholders span three or more steps.
+              "chunked": {"max_num_batched_tokens": 6, "max_num_seqs": 3},
+              # Too few blocks for three sequences decoding at once: the latest admitted is preempted.
+              "preempted": {"num_gpu_blocks_override": 14, "max_model_len": 64, "max_num_batched_tokens": 64,
+                            "max_num_seqs": 3, "enable_prefix_caching": False},
+              }[variant]
+    llm = LLM(str(folder), **{**CPU, **kwargs})
+    runner = llm.llm_engine.engine_core.executor.worker.runner
+    encoded = []
+    encode = runner.model.encode_images
+    runner.model.encode_images = lambda pixels: encoded.append(len(pixels)) or encode(pixels)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_matches_hf(model, processor, outs, PROMPTS)
+    if variant == "preempted":
+        assert llm.llm_engine.engine_core.stats().num_preemptions > 0
+    else:  # each image encoded once, however many steps its placeholders took
+        assert sum(encoded) == 4
+    assert_no_leak(llm.llm_engine)
+    assert len(runner.encoder_cache) == 0
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(tiny):
+    folder, model, processor = tiny
+    first = PROMPTS[2]  # its image's placeholders fill blocks 1 and 2 (positions 9 to 24)
+    other = {**first, "multi_modal_data": {"image": image(4, 33, 33)}}
+    llm = LLM(str(folder), **CPU)
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in (first, first, other)]
+    assert_matches_hf(model, processor, outs, [first, first, other])
+    # The same image: every full block of the prompt (26 tokens) hits; another image: only the
+    # block before its placeholders.
+    assert [out.num_cached_tokens for out in outs] == [0, 3 * BLOCK, BLOCK]
+    assert outs[2].outputs[0].token_ids != outs[0].outputs[0].token_ids
+
+
+def test_an_image_for_a_text_only_model_is_refused(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, architectures=["LlamaForCausalLM"])
+    save_with_tokenizer(transformers.LlamaForCausalLM(config), tmp_path)
+    llm = LLM(str(tmp_path), **CPU)
+    with pytest.raises(ValueError, match=r"multi_modal_data: this model \(LlamaForCausalLM\) takes text only"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
