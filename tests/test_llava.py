@@ -16,6 +16,7 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine import wire
 
 NEW_TOKENS = 24
 VOCAB = 128
@@ -128,14 +129,17 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
 
 def test_the_same_image_hits_the_prefix_cache_and_another_does_not(tiny):
     folder, model, processor = tiny
-    first = PROMPTS[2]  # its image's placeholders fill blocks 1 and 2 (positions 9 to 24)
+    first = PROMPTS[2]  # its image's placeholders are positions 9 to 24: blocks 1, 2 and 3
     other = {**first, "multi_modal_data": {"image": image(4, 33, 33)}}
+    longer = {**first, "prompt": first["prompt"].replace("t30", "t31 t32 t33 t34 t35 t36 t37")}
     llm = LLM(str(folder), **CPU)
-    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in (first, first, other)]
-    assert_matches_hf(model, processor, outs, [first, first, other])
+    prompts = [first, first, other, longer]
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert_matches_hf(model, processor, outs, prompts)
     # The same image: every full block of the prompt (26 tokens) hits; another image: only the
-    # block before its placeholders.
-    assert [out.num_cached_tokens for out in outs] == [0, 3 * BLOCK, BLOCK]
+    # block before its placeholders; the same image and other text after it: the blocks before the
+    # one holding its last placeholder, which is computed from the image's features again.
+    assert [out.num_cached_tokens for out in outs] == [0, 3 * BLOCK, BLOCK, 3 * BLOCK]
     assert outs[2].outputs[0].token_ids != outs[0].outputs[0].token_ids
 
 
@@ -146,3 +150,22 @@ def test_an_image_for_a_text_only_model_is_refused(tmp_path):
     llm = LLM(str(tmp_path), **CPU)
     with pytest.raises(ValueError, match=r"multi_modal_data: this model \(LlamaForCausalLM\) takes text only"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def test_a_record_with_images_crosses_the_wire(tiny):
+    folder, _, _ = tiny
+    llm = LLM(str(folder), **CPU)
+    record, _ = llm.llm_engine.processor.process("r", PROMPTS[1], GREEDY)
+    assert wire.input_decoder.decode(wire.encoder.encode(record)).multi_modal == record.multi_modal
+
+
+def test_adjacent_images_get_one_run_each_and_a_count_mismatch_is_refused(tiny):
+    folder, model, processor = tiny
+    prompt = {"prompt": "t5 <image><image> t6", "multi_modal_data": {"image": [image(5, 32, 40), image(6, 50, 32)]}}
+    llm = LLM(str(folder), **CPU)
+    record, _ = llm.llm_engine.processor.process("r", prompt, GREEDY)
+    assert [(item.offset, item.length) for item in record.multi_modal] == [(1, IMAGE_TOKENS), (17, IMAGE_TOKENS)]
+    assert len({item.content_hash for item in record.multi_modal}) == 2
+    assert_matches_hf(model, processor, llm.generate([prompt], GREEDY, use_tqdm=False), [prompt])
+    with pytest.raises(ValueError, match=r"the prompt has 1 image tokens \('<image>'\) for 2 images"):
+        llm.generate([{**prompt, "prompt": "t5 <image> t6"}], GREEDY, use_tqdm=False)

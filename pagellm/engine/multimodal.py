@@ -41,6 +41,10 @@ class ImageProcessor:
             if not (hasattr(image, "convert") and hasattr(image, "size")):
                 raise ValueError(f"multi_modal_data's 'image' must be PIL images, got {type(image).__name__}")
         processor = self._processor()
+        image_token = getattr(processor, "image_token", None)
+        if image_token is not None and text.count(image_token) != len(images):
+            raise ValueError(f"multi_modal_data: the prompt has {text.count(image_token)} image tokens "
+                             f"({image_token!r}) for {len(images)} images; give one per image")
         try:
             out = processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="np")
         except ValueError as e:  # the processor's own check: image tokens in the text vs images given

@@ -126,6 +126,8 @@ class RequestStates:
         """Per row: its request's adapter slot, -1 for the base model."""
         self.num_special = 0
         """Live requests whose sampling needs more than temperature and filters (logits processors)."""
+        self.num_with_images = 0
+        """Live requests with images (a step looks for their placeholders only while there are some)."""
 
     def update(self, so: SchedulerOutput) -> None:
         for req_id in so.freed_req_ids:
@@ -133,11 +135,13 @@ class RequestStates:
             if state is not None:
                 self._free_rows.append(state.row)
                 self.num_special -= state.uses_processors
+                self.num_with_images -= bool(state.record.multi_modal)
                 if self.lora_slot[state.row] >= 0:
                     self.lora.release(int(self.lora_slot[state.row]))
         for new in so.scheduled_new_reqs:
             state = self.states[new.req_id] = CachedRequestState.from_new(new, row=self._take_row())
             self.num_special += state.uses_processors
+            self.num_with_images += bool(state.record.multi_modal)
             self.num_blocks[state.row] = 0
             lora = state.record.lora_request
             self.lora_slot[state.row] = -1 if lora is None else self.lora.acquire(lora.lora_int_id)
@@ -244,7 +248,8 @@ class RequestStates:
             placeholders=(placeholder_dev, source_dev) if len(placeholders) else None,
             sampling_rows=rows[sampling_rows],
             lora_slots=None if self.lora is None else np.repeat(self.lora_slot[rows], query_lens),
-            images=scheduled_images(states, starts, query_lens, query_start_loc) or None,
+            images=(scheduled_images(states, starts, query_lens, query_start_loc) or None
+                    if self.num_with_images else None),
         )
         # The workers advance each request by its scheduled tokens; the scheduler says otherwise
         # (`CachedRequestData`) only when it moved some other way.
