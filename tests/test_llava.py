@@ -16,6 +16,7 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagellm import LLM, SamplingParams
+from pagellm.config.arch import ModelArchConfig
 from pagellm.engine import wire
 
 NEW_TOKENS = 24
@@ -150,6 +151,20 @@ def test_an_image_for_a_text_only_model_is_refused(tmp_path):
     llm = LLM(str(tmp_path), **CPU)
     with pytest.raises(ValueError, match=r"multi_modal_data: this model \(LlamaForCausalLM\) takes text only"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
+def test_a_text_config_that_lists_only_its_differences_takes_transformers_defaults():
+    # llava-hf/llava-1.5-7b-hf's config.json, its vision_config shortened.
+    arch = ModelArchConfig.from_hf_dict({
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+        "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
+                        "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+        "vision_config": {"hidden_size": 1024, "image_size": 336, "model_type": "clip_vision_model"}})
+    assert (arch.architecture, arch.vocab_size, arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers,
+            arch.num_key_value_heads, arch.head_dim, arch.max_position_embeddings, arch.rms_norm_eps) == (
+        "LlavaForConditionalGeneration", 32064, 4096, 11008, 32, 32, 128, 4096, 1e-05)
+    assert arch.hf_config["image_token_index"] == 32000 and arch.hf_config["model_type"] == "llama"
 
 
 def test_a_record_with_images_crosses_the_wire(tiny):

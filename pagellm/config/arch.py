@@ -51,6 +51,15 @@ _TEXT_ONLY = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 """Multimodal architectures whose language model alone runs as another one."""
 
 
+_TEXT_CONFIG_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048),
+}
+"""transformers' defaults of a language model's config class, by model_type: a vision-language
+config.json's `text_config` lists only the fields that differ (llava-hf/llava-1.5-7b-hf's gives no
+hidden_size)."""
+
+
 @dataclass(slots=True)
 class ModelArchConfig:
     """Shape and numerics of a decoder-only transformer."""
@@ -128,7 +137,8 @@ class ModelArchConfig:
         if isinstance(d.get("text_config"), dict):
             # A vision-language model: the shape is its language model's; the vision fields
             # (vision_config, image_token_index, ...) stay beside them in hf_config.
-            d = {**d, **d["text_config"]}
+            text = d["text_config"]
+            d = {**d, **_TEXT_CONFIG_DEFAULTS.get(text.get("model_type"), {}), **text}
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
