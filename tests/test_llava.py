@@ -17,7 +17,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagellm import LLM, SamplingParams
 from pagellm.config.arch import ModelArchConfig
+from pagellm.core.multimodal import MultiModalItem
 from pagellm.engine import wire
+from pagellm.worker.encoder_cache import EncoderCache, ScheduledImage
 
 NEW_TOKENS = 24
 VOCAB = 128
@@ -184,3 +186,25 @@ def test_adjacent_images_get_one_run_each_and_a_count_mismatch_is_refused(tiny):
     assert_matches_hf(model, processor, llm.generate([prompt], GREEDY, use_tqdm=False), [prompt])
     with pytest.raises(ValueError, match=r"the prompt has 1 image tokens \('<image>'\) for 2 images"):
         llm.generate([{**prompt, "prompt": "t5 <image> t6"}], GREEDY, use_tqdm=False)
+
+
+def test_the_encoder_cache_keeps_features_while_a_request_needs_them():
+    item = MultiModalItem(modality="image", content_hash="h", offset=2, length=4,
+                          data=np.arange(6, dtype=np.float32).tobytes(), shape=(1, 2, 3))
+    encoded = []
+
+    def encode(pixels):  # features row j of an image: j + its pixels' sum
+        encoded.append(len(pixels))
+        return pixels.flatten(1).sum(1)[:, None, None] + torch.arange(4.0)[None, :, None]
+
+    cache = EncoderCache()
+    # Request a computes placeholders 0-1 at rows 5-6, b all four at rows 0-3; then a the rest.
+    rows, features = cache.embeds([ScheduledImage("a", item, 5, 0, 2, False), ScheduledImage("b", item, 0, 0, 4, True)],
+                                  encode, torch.device("cpu"))
+    assert rows.tolist() == [5, 6, 0, 1, 2, 3] and features[:, 0].tolist() == [15, 16, 15, 16, 17, 18]
+    assert len(cache) == 1  # a still needs it
+    rows, features = cache.embeds([ScheduledImage("a", item, 0, 2, 2, True)], encode, torch.device("cpu"))
+    assert features[:, 0].tolist() == [17, 18] and encoded == [1] and len(cache) == 0
+    cache.embeds([ScheduledImage("c", item, 0, 0, 1, False)], encode, torch.device("cpu"))
+    cache.release({"c"})  # freed (preempted) before its image was done
+    assert len(cache) == 0 and encoded == [1, 1]

@@ -2,7 +2,7 @@
 placeholder of theirs is computed (a prompt chunked across steps encodes each image once)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,9 +34,9 @@ def scheduled_images(states: Sequence[RecordFields], starts: np.ndarray, query_l
     images = []
     for i, state in enumerate(states):
         items = state.record.multi_modal
-        if not items:
-            continue
         start, end = int(starts[i]), int(starts[i] + query_lens[i])
+        if not items or start >= items[-1].end:  # no image, or past the last one (decoding)
+            continue
         for item in items:
             lo, hi = max(item.offset, start), min(item.end, end)
             if lo < hi:
@@ -79,26 +79,34 @@ class EncoderCache:
         rows = np.concatenate([np.arange(image.first_row, image.first_row + image.count) for image in images])
         features = torch.cat([self._features[image.item.content_hash][
             image.first_feature:image.first_feature + image.count] for image in images])
+        # Holders first: an image another request of this step still needs outlives one that completes.
         for image in images:
-            key = image.item.content_hash
+            if not image.completes:
+                self._holders.setdefault(image.item.content_hash, set()).add(image.req_id)
+                self._held_by.setdefault(image.req_id, set()).add(image.item.content_hash)
+        for image in images:
             if image.completes:
-                self._drop(image.req_id, key)
-            else:
-                self._holders.setdefault(key, set()).add(image.req_id)
-                self._held_by.setdefault(image.req_id, set()).add(key)
+                self._drop(image.req_id, image.item.content_hash)
         return torch.from_numpy(rows).to(device), features
 
-    def release(self, req_id: str) -> None:
-        """A freed request (finished, aborted, preempted) needs its images no more."""
-        for key in self._held_by.pop(req_id, ()):
-            self._drop(req_id, key, forget_request=False)
+    def release(self, freed_req_ids: Iterable[str]) -> None:
+        """Freed requests (finished, aborted, preempted) need their images no more."""
+        if not self._held_by:
+            return
+        for req_id in freed_req_ids:
+            for key in list(self._held_by.get(req_id, ())):
+                self._drop(req_id, key)
 
-    def _drop(self, req_id: str, key: str, forget_request: bool = True) -> None:
+    def _drop(self, req_id: str, key: str) -> None:
+        """`req_id` needs `key`'s features no more; they go once no request needs them."""
+        keys = self._held_by.get(req_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._held_by[req_id]
         holders = self._holders.get(key)
         if holders is not None:
             holders.discard(req_id)
-        if forget_request and req_id in self._held_by:
-            self._held_by[req_id].discard(key)
         if not holders:
             self._holders.pop(key, None)
             self._features.pop(key, None)

@@ -203,8 +203,7 @@ class ModelRunner:
         are read.
         """
         self.requests.update(so)
-        for req_id in so.freed_req_ids if len(self.encoder_cache) else ():
-            self.encoder_cache.release(req_id)
+        self.encoder_cache.release(so.freed_req_ids)
         if so.kv_connector_metadata is not None:
             # Outside CUDA graphs, before any layer reads the blocks (the device waits, not the host).
             self.kv_connector.start_load_kv(so.kv_connector_metadata)
