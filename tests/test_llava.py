@@ -186,6 +186,9 @@ def test_adjacent_images_get_one_run_each_and_a_count_mismatch_is_refused(tiny):
     assert_matches_hf(model, processor, llm.generate([prompt], GREEDY, use_tqdm=False), [prompt])
     with pytest.raises(ValueError, match=r"the prompt has 1 image tokens \('<image>'\) for 2 images"):
         llm.generate([{**prompt, "prompt": "t5 <image> t6"}], GREEDY, use_tqdm=False)
+    for no_image in ("t5 <image> t6", [5, IMAGE_TOKEN, 6]):
+        with pytest.raises(ValueError, match=r"the prompt holds the image token \(id 127\) but no image"):
+            llm.generate([no_image], GREEDY, use_tqdm=False)
 
 
 def test_the_encoder_cache_keeps_features_while_a_request_needs_them():

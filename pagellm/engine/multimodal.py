@@ -84,5 +84,13 @@ class ImageProcessor:
         if self._hf_processor is None:
             import transformers  # costs seconds: only prompts with images pay it
 
-            self._hf_processor = transformers.AutoProcessor.from_pretrained(self.model_path)
+            try:
+                self._hf_processor = transformers.AutoProcessor.from_pretrained(self.model_path)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"multi_modal_data: the model {self.model_path!r} has no Hugging Face processor "
+                                 f"to prepare images with (processor_config.json, preprocessor_config.json): {e}"
+                                 ) from None
+            if not callable(getattr(self._hf_processor, "image_processor", None)):
+                raise ValueError(f"multi_modal_data: the model {self.model_path!r} has a tokenizer but no image "
+                                 "processor (preprocessor_config.json)")
         return self._hf_processor

@@ -122,7 +122,12 @@ class InputProcessor:
         (each image token expanded) and the images."""
         media = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
         if media is None:
-            return *self.tokenize(prompt), ()
+            text, token_ids = self.tokenize(prompt)
+            if self.images is not None and self.images.image_token_id in token_ids:
+                # Its embedding is no image's features: the model would read a hole where one should be.
+                raise ValueError(f"the prompt holds the image token (id {self.images.image_token_id}) but no image: "
+                                 "give the images in multi_modal_data, one per image token")
+            return text, token_ids, ()
         arch = self.config.model.source.arch.architecture
         if self.images is None:
             raise ValueError(f"multi_modal_data: this model ({arch}) takes text only; images need a model with a "
