@@ -82,7 +82,7 @@ def test_smollm2_keeps_its_blocks_and_ties_the_head(smollm2_path):
 @pytest.mark.slow
 def test_quantization_flag_errors_name_the_flag(smollm2_path, tmp_path, monkeypatch):
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match=r"--quantization\) must be one of .*gguf, none"):
+    with pytest.raises(ValueError, match=r"--quantization\) must be one of .*gguf.*, none, got .fp4."):
         EngineArgs(quantization="fp4").validate()
     with pytest.raises(ValueError, match=r"'gguf' needs a .gguf model"):
         resolve_quantization("gguf", "safetensors", str(tmp_path), cpu)
