@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for key, value in _SMOKE.items():
             setattr(args, key, value)
     engine_flags = ["--device", args.device, "--max-model-len", str(args.input_len + args.output_len + 64),
-                    "--served-model-name", MODEL_NAME, "--no-enable-prefix-caching"]
+                    "--served-model-name", MODEL_NAME, "--no-enable-prefix-caching", "--load-format", args.load_format]
     config = ServeConfig(model=MODEL_NAME, num_prompts=args.num_prompts, input_len=args.input_len,
                          output_len=args.output_len, max_concurrency=args.max_concurrency, seed=args.seed,
                          num_warmups=args.num_warmups, disable_tqdm=True)
@@ -146,6 +146,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="", help="model path; '': the embedded SmolLM2")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--load-format", default="auto",
+                   help="'dummy': random weights of a named model's shapes (a GPU host, where the router's own cost "
+                        "is what is measured)")
     p.add_argument("--num-prompts", type=int, default=32, help="requests per target and round")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=16)
