@@ -5,6 +5,7 @@ engines' own prefix-cache counters, prompts truncated with the model's tokenizer
 engine's prompt-token count, and (last: it kills an engine) a backend killed mid-stream."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -120,6 +121,43 @@ def test_router_to_a_lora_adapter(lora_server, router) -> None:
     stream = routed.completions.create(model=ADAPTER, prompt=prompt, max_tokens=8, temperature=0, stream=True,
                                        extra_headers={"x-pagellm-cache-bypass": "1"})
     assert "".join(c.choices[0].text for c in stream if c.choices) == want
+
+
+CANARY_REQUESTS = 1000
+
+
+def test_canary_split_over_real_engines(smollm2_server, beta_server, router) -> None:
+    """A 90/10 canary over two engines: of 1,000 requests, the share each engine served (by the router's
+    header and by the engine's own request counter) is within 3 points of its weight."""
+    stable, canary = smollm2_server, beta_server
+    r = router({"models": [{"name": SHARED_SERVER_NAME, "backends": [{"url": stable.url, "weight": 90},
+                                                                     {"url": canary.url, "weight": 10}]}]})
+    counter = "pagellm:request_success_total"
+    before = {s.url: _successes(s.url, counter) for s in (stable, canary)}
+
+    async def send_all() -> list[str]:
+        limit = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(i: int) -> str:
+                async with limit:
+                    resp = await client.post(f"{r.url}/v1/completions", headers={"x-pagellm-cache-bypass": "1"},
+                                             json={"model": SHARED_SERVER_NAME, "prompt": f"Count {i}:",
+                                                   "max_tokens": 1})
+                assert resp.status_code == 200, resp.text
+                return resp.headers["x-pagellm-backend"]
+            return await asyncio.gather(*(one(i) for i in range(CANARY_REQUESTS)))
+
+    served = asyncio.run(send_all())
+    share = served.count(canary.url) / CANARY_REQUESTS
+    assert served.count(stable.url) + served.count(canary.url) == CANARY_REQUESTS
+    assert abs(share - 0.10) <= 0.03, share
+    reached = {u: _successes(u, counter) - before[u] for u in before}
+    assert reached == {stable.url: served.count(stable.url), canary.url: served.count(canary.url)}
+
+
+def _successes(url: str, name: str) -> float:
+    """The engine's finished requests, every finish reason together."""
+    return sum(v for k, v in metric_samples(url).items() if k.startswith(name))
 
 
 KILL_TIMEOUT_S = 30.0
