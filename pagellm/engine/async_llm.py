@@ -32,6 +32,7 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.engine.wire import AbortRequests, CoreOutputs, EngineFailed, encoder, heartbeat_decoder, output_decoder
 from pagellm.lora_request import LoRARequest
+from pagellm.metrics.startup import ENGINE_PROCESS_START, slowest, with_remainder
 from pagellm.metrics.stats import IterationStats, StatLogger
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -71,6 +72,7 @@ class AsyncLLM:
         self._cores: list[CoreClient] = []
         num_replicas = self.config.parallel.data_parallel_size
         self.router = DataParallelRouter(num_replicas, self.config.cache.block_size)
+        start = time.perf_counter()
         try:
             for index in range(num_replicas):
                 self._cores.append(CoreClient(_replica_config(self.config, index), index, self._ctx,
@@ -80,6 +82,11 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
+        # Replicas start side by side: the slowest one's phases, and what its process took besides.
+        self.startup_phases: dict[str, float] = with_remainder(
+            slowest(core.startup_phases for core in self._cores), time.perf_counter() - start, ENGINE_PROCESS_START)
+        """Seconds of each phase of the engine cores' start, as this process waited for them
+        (`pagellm.metrics.startup`)."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from pagellm.config import EngineConfig
@@ -16,6 +17,7 @@ from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
 from pagellm.lora.store import HostAdapterStore
+from pagellm.metrics.startup import ENGINE_OTHER, with_remainder
 from pagellm.plugins import load_plugins
 from pagellm.spec_decode import build_host_proposer
 from pagellm.structured_output.manager import GrammarManager
@@ -28,6 +30,7 @@ _GRAMMAR_WAIT_S = 0.05
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
         load_plugins()  # the engine-core process's registries (its own process for the server)
         self.config = config
         self.executor = create_executor(config)
@@ -80,6 +83,9 @@ class EngineCore:
         self.overlap = config.scheduler.async_scheduling and not pipelined and not config.is_pooling
         self._in_flight: deque[StepFuture] = deque()
         self._heap = HeapTrimmer()
+        self.startup_phases: dict[str, float] = with_remainder(self.executor.startup_phases(),
+                                                               time.perf_counter() - start, ENGINE_OTHER)
+        """Seconds of each phase of this engine's construction (`pagellm.metrics.startup`)."""
         # An engine holds no reference cycles, so dropping it still frees it.
         freeze_startup_objects()
 

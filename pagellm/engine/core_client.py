@@ -35,6 +35,8 @@ class CoreClient:
         self.liveness = LivenessMonitor(stall_timeout_s)
         self.stats = SchedulerStats()
         self.num_blocks = 0
+        self.startup_phases: dict[str, float] = {}
+        """The engine core's start-up phases, from its ready message."""
         self.failure_reason: str | None = None
         """Why this core was found dead; None while it serves."""
         self.load = 0
@@ -66,6 +68,7 @@ class CoreClient:
                 if isinstance(message, Ready):
                     logger.info("engine core ready (pid %d): %d KV blocks", self.process.pid, message.num_blocks)
                     self.num_blocks = message.num_blocks
+                    self.startup_phases = message.startup_phases
                     self.liveness.start(time.monotonic())
                     return
                 if isinstance(message, StartupFailed):

@@ -69,7 +69,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         heartbeat = threading.Thread(target=_send_heartbeats, args=(ctx, heartbeat_address, progress, stop),
                                      name="pagellm-heartbeat", daemon=True)
         heartbeat.start()
-        outputs.send(encoder.encode(Ready(core.num_blocks)))
+        outputs.send(encoder.encode(Ready(core.num_blocks, core.startup_phases)))
         try:
             _loop(core, inputs, outputs, progress)
         except Exception as e:

@@ -13,6 +13,7 @@ from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.processor import InputProcessor, PromptType
 from pagellm.lora.adapter import load_adapter
 from pagellm.lora_request import LoRARequest
+from pagellm.metrics import startup
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import SamplingParams
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, config_s: float = 0.0) -> None:
+        """`config_s`: seconds it took to build `config` (`from_engine_args`), its own start-up phase."""
         start = time.perf_counter()
         self.config = config
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model.source)
@@ -31,11 +33,18 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self._request_counter = itertools.count()
         self._checked_loras: set[LoRARequest] = set()
-        logger.info("engine ready in %.2f s", time.perf_counter() - start)
+        phases = startup.with_remainder(self.engine_core.startup_phases, time.perf_counter() - start,
+                                        startup.FRONTEND)
+        self.startup_phases: dict[str, float] = startup.with_total(
+            {startup.ENGINE_CONFIG: config_s, **phases} if config_s else phases)
+        """Seconds of each start-up phase, and their total (`pagellm.metrics.startup`)."""
+        logger.info("engine ready in %s", startup.describe(self.startup_phases))
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args.create_engine_config())
+        start = time.perf_counter()
+        config = args.create_engine_config()
+        return cls(config, config_s=time.perf_counter() - start)
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))

@@ -21,6 +21,8 @@ EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
 
 class Ready(msgspec.Struct, tag=True):
     num_blocks: int
+    startup_phases: dict[str, float] = {}
+    """Seconds of each phase of the engine core's construction (`pagellm.metrics.startup`)."""
 
 
 class StartupFailed(msgspec.Struct, tag=True):

@@ -10,6 +10,7 @@ from typing import Any
 from pagellm.config import EngineConfig, ParallelConfig
 from pagellm.config.registry import Registry, check_ref, resolve
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
+from pagellm.metrics.startup import slowest
 
 
 class WorkerFailedError(RuntimeError):
@@ -64,6 +65,10 @@ class Executor(ABC):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def startup_phases(self) -> dict[str, float]:
+        """Each start-up phase's seconds on the slowest rank (the others waited for it)."""
+        return slowest(self.collective_rpc("startup_phases"))
 
     def num_host_blocks(self) -> int:
         """The KV connector's blocks outside the device, on the smallest rank (0: none)."""

@@ -229,6 +229,13 @@ class PrometheusStatLogger:
                 ("pagellm:requests_waiting_for_admission", "Generation requests waiting for room.", waiting)):
             Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name).set_function(read)
 
+    def record_startup(self, phases: dict[str, float]) -> None:
+        """The server's start-up phases (`pagellm.metrics.startup`, `total` among them), once at ready."""
+        gauge = Gauge("pagellm:startup_seconds", "Seconds each start-up phase took, and their total (phase=total).",
+                      ["model_name", "phase"], registry=self.registry)
+        for phase, seconds in phases.items():
+            gauge.labels(self.model_name, phase).set(seconds)
+
     def record_turned_away(self, reason: str) -> None:
         """One generation request the server's edge answered without running it to its end."""
         if reason not in TURNED_AWAY_REASONS:

@@ -15,6 +15,7 @@ from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from pagellm.distributed import parallel_state, recv_from_prev_stage, send_to_next_stage, tensor_parallel_broadcast
 from pagellm.lora.manager import LoRAManager
+from pagellm.metrics import startup
 from pagellm.models import CausalLM
 from pagellm.models.interface import MultiModalEmbeds
 from pagellm.sample.logits_processors import LogitsProcessors
@@ -62,10 +63,16 @@ class ModelRunner:
         """The KV connector's worker half (a host tier), once the cache exists; None: none."""
         self.encoder_cache = EncoderCache()
         """Images' features until their placeholders are computed (a model that takes images)."""
+        self.startup = startup.StartupPhases()
+        """How long each start-up phase took on this rank (`pagellm.metrics.startup`)."""
 
     # -- start-up ------------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        with self.startup.phase(startup.LOAD_WEIGHTS):
+            self._load_model()
+
+    def _load_model(self) -> None:
         config = self.config
         self.model = build_model(config.model.source, config.model.quantization, self.dtype, self.device,
                                  config.model.attention_backend, config.model.seed)
@@ -86,10 +93,11 @@ class ModelRunner:
 
     def profile_peak_memory(self) -> int:
         """Peak bytes allocated on the GPU during the largest possible step, weights included."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.run_largest_step()
-        torch.cuda.synchronize(self.device)
+        with self.startup.phase(startup.PROFILE_RUN):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.run_largest_step()
+            torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         return peak
@@ -130,6 +138,10 @@ class ModelRunner:
         return sample(logits, sampling)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        with self.startup.phase(startup.KV_CACHE_ALLOCATE):
+            self._initialize_kv_cache(num_blocks)
+
+    def _initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = bind_kv_cache(self.model, self.kv_groups, num_blocks, self.block_size,
                                        self.config.cache.kv_cache_dtype, self.device)
         if self.drafter is not None:
@@ -144,7 +156,8 @@ class ModelRunner:
         backend = ATTENTION_BACKEND_REGISTRY.get(self.config.model.attention_backend)
         if self.device.type != "cuda" or not backend.cuda_graphs or self.ps.pp_size > 1:
             return
-        self._compile_eager_steps()
+        with self.startup.phase(startup.KERNEL_WARMUP):
+            self._compile_eager_steps()
         if self.config.model.enforce_eager:
             return
         max_blocks = -(-self.config.model.max_model_len // self.block_size)
@@ -153,9 +166,10 @@ class ModelRunner:
                                    verify_len=1 + spec.num_speculative_tokens if spec is not None else 1,
                                    before_capture=None if self.lora is None else self._lora_capture,
                                    num_kv_groups=len(self.kv_groups))
-        self.graphs.capture()
-        if self.drafter is not None:
-            self.drafter.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_blocks)
+        with self.startup.phase(startup.CUDA_GRAPH_CAPTURE):
+            self.graphs.capture()
+            if self.drafter is not None:
+                self.drafter.capture_cuda_graphs(self.config.scheduler.max_num_seqs, max_blocks)
 
     @torch.inference_mode()
     def _compile_eager_steps(self) -> None:

@@ -9,6 +9,7 @@ from collections import deque
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.config.cache_dirs import use_cache_for_triton
 from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.outputs import ModelRunnerOutput, SchedulerOutput
 from pagellm.distributed import init_distributed, parallel_state
@@ -41,6 +42,8 @@ class Worker:
             if rank == 0:
                 logger.info("each rank computes with %d CPU thread(s) (set with --cpu-threads)", parallel.cpu_threads)
         if config.device.type == "cuda":
+            # Before any kernel compiles: kernels compiled at an earlier start (or shipped) are reused.
+            use_cache_for_triton()
             index = config.device.index + rank if gpu_index is None else gpu_index
             config = dataclasses.replace(config, device=torch.device("cuda", index))
             torch.cuda.set_device(config.device)
@@ -109,6 +112,10 @@ class Worker:
         """Blocks the KV connector keeps outside the device on this rank (0: none)."""
         connector = self.runner.kv_connector
         return 0 if connector is None else connector.num_host_blocks
+
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds of each start-up phase on this rank so far (`pagellm.metrics.startup`)."""
+        return self.runner.startup.as_dict()
 
     def add_lora(self, adapter: LoRAAdapter) -> None:
         self.runner.lora.add(adapter)

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import Coroutine, Sequence
 from types import FrameType
 from typing import Any
@@ -54,6 +55,7 @@ from pagellm.entrypoints.openai.traffic import PROBE_PATHS, TrafficLimits, Traff
 from pagellm.entrypoints.openai.web_pages import add_web_ui_routes, web_ui_paths
 from pagellm.entrypoints.openai.web_ui import STATS_PATH, add_stats_route
 from pagellm.loader.source import DEFAULT_MODEL_FILE
+from pagellm.metrics import startup
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.plugins import load_plugins
@@ -280,7 +282,15 @@ def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
+def server_startup_phases(engine_phases: dict[str, float], serve_s: float) -> dict[str, float]:
+    """The server's start-up phases: the engine's, and the API process's own work as API_SERVER,
+    since the process started (`serve_s`, the time since serving began, where that is unknown)."""
+    age = startup.process_age_s()
+    return startup.with_total(startup.with_remainder(engine_phases, max(serve_s, age or 0.0), startup.API_SERVER))
+
+
 async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
+    started = time.perf_counter()
     args = EngineArgs.from_cli_args(ns)
     names = ns.served_model_name or [default_served_name(args.model)]
     chat_template = load_chat_template(ns.chat_template)
@@ -318,6 +328,9 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
                                                 timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
         watcher = asyncio.create_task(_stop_when_engine_dies(engine, server))
+        phases = server_startup_phases(engine.startup_phases, time.perf_counter() - started)
+        metrics.record_startup(phases)
+        logger.info("ready in %s", startup.describe(phases))
         freeze_startup_objects()  # the app and its libraries live as long as the process
         try:
             await server.serve(sockets=[sock])

@@ -1,9 +1,10 @@
 """C kernels for the CPU, compiled on first use with the system C compiler and cached per user.
 
-One library is built from all the sources, once per their text and flags (about two seconds) into ~/.cache/pagellm (or
-$XDG_CACHE_HOME/pagellm), then loaded with ctypes. Loaded after torch, its OpenMP dependency
-resolves to the libgomp torch already loaded: one thread pool for both. Callers check
-`unavailable_reason()` and fall back to PyTorch where it is not None.
+One library is built from all the sources, once per their text and flags (about two seconds) into
+the cache folder (`pagellm.config.cache_dirs`: PAGELLM_CACHE_ROOT, else ~/.cache/pagellm), then
+loaded with ctypes. Loaded after torch, its OpenMP dependency resolves to the libgomp torch already
+loaded: one thread pool for both. Callers check `unavailable_reason()` and fall back to PyTorch
+where it is not None.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from pagellm.config.cache_dirs import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def library() -> ctypes.CDLL:
     digest = hashlib.sha256(" ".join(_FLAGS).encode())
     for path in (*SOURCES, HEADER):
         digest.update(path.read_bytes())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagellm"
+    cache = cache_root()
     path = cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)

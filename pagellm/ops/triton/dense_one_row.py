@@ -14,8 +14,16 @@ import logging
 import torch
 import triton
 
-from pagellm.ops.triton.matmul import OneRowKey, interpreter_tile, launch_one_row, one_row_configs
-from pagellm.ops.triton.one_row_tiles import choose, replay_us, timing, uncached_copies
+from pagellm.ops.triton.matmul import interpreter_tile, launch_one_row, one_row_configs
+from pagellm.ops.triton.one_row_tiles import (
+    OneRowKey,
+    choice_key,
+    choose,
+    replay_us,
+    stored_choices,
+    timing,
+    uncached_copies,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +58,22 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 _FASTER: dict[tuple, bool] = {}
 """Per (device, weight shape and row stride, dtypes): whether `dense_gemv` beat cuBLAS."""
+FASTER_SECTION = "dense_one_row_faster"
+"""The stored choices' section of `_FASTER` (`choice_cache`)."""
 
 
 def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a one-row step on this CUDA weight takes `dense_gemv` rather than cuBLAS: as timed
-    at start-up; cuBLAS for a shape not timed. The kernel indexes in int32, so a weight of 2**31
-    elements or more keeps cuBLAS."""
+    at start-up (or at an earlier start: stored); cuBLAS for a shape not timed. The kernel indexes
+    in int32, so a weight of 2**31 elements or more keeps cuBLAS."""
     key = (x.device, tuple(weight.shape), weight.stride(0), weight.dtype, x.dtype)
     faster = _FASTER.get(key)
     if faster is None:
+        store = stored_choices(x.device)
+        stored = store.get(FASTER_SECTION, choice_key(key))
+        if isinstance(stored, bool):
+            _FASTER[key] = stored
+            return stored
         if not timing() or weight.stride(1) != 1 or weight.shape[0] * weight.stride(0) >= 2**31:
             return False
         dense_gemv(x, weight)  # its tile chosen first, on copies of its own
@@ -67,6 +82,7 @@ def dense_gemv_is_faster(x: torch.Tensor, weight: torch.Tensor) -> bool:
         cublas = replay_us(lambda w: torch.nn.functional.linear(x, w), weights)
         del weights
         _FASTER[key] = faster = ours < cublas
+        store.put(FASTER_SECTION, choice_key(key), faster)
         logger.info("one-row product of a %s weight %s: the one-row kernel %.1f us, cuBLAS %.1f us: %s",
                     weight.dtype, tuple(weight.shape), ours, cublas, "kernel" if faster else "cuBLAS")
     return faster

@@ -16,7 +16,7 @@ eight.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+import inspect
 
 import torch
 import triton
@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from pagellm.ops.numerics import QMAX
-from pagellm.ops.triton.one_row_tiles import choose
+from pagellm.ops.triton.one_row_tiles import OneRowKey, choose
 from pagellm.ops.triton.utils import pdl, pdl_release, pdl_wait
 
 
@@ -539,8 +539,13 @@ def _nonempty(configs: list[triton.Config], group: int) -> list[triton.Config]:
 
 
 _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
+# Triton keeps the timed choice beside its compiled kernels (TRITON_CACHE_DIR, the cache folder's
+# `triton`: `pagellm.config.cache_dirs`), so a later start on the same GPU skips the timing.
+_CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+"""Triton 3.2 and later store autotuning results; earlier ones time at each start."""
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
-                                prune_configs_by={"early_config_prune": _fits_group})(_dequant_matmul_kernel)
+                                prune_configs_by={"early_config_prune": _fits_group},
+                                **_CACHE_RESULTS)(_dequant_matmul_kernel)
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -683,18 +688,6 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         return
     key = OneRowKey(x.device, n, k, stride_wn, weight.dtype, x.dtype, rest[0].dtype, tuple(constants.items()))
     run(choose(key, one_row_candidates(constants, x.dtype, x.device), run, weight), weight)
-
-
-class OneRowKey(NamedTuple):
-    """What a one-row tile is chosen for (`one_row_tiles.choose`)."""
-    device: torch.device
-    n: int
-    k: int
-    row_stride: int  # of the weight as the kernel reads it (int32 words for 4-bit codes)
-    weight_dtype: torch.dtype
-    x_dtype: torch.dtype
-    scale_dtype: torch.dtype | None  # None: a dense weight
-    layout: tuple  # the kernel's constants, (name, value) pairs
 
 
 def one_row_candidates(constants: dict, x_dtype: torch.dtype, device: torch.device) -> tuple[triton.Config, ...]:

@@ -12,12 +12,15 @@ engine the choices differed by up to a tenth of batch-1 decode speed
 Timing happens only within `timing_one_row_products()` (the model runner's warm-up steps, before
 its CUDA graphs are captured, and benchmarks): nothing is timed in the middle of serving. A shape
 first met elsewhere takes its first candidate, each list's best tile on every shape in the engine.
+Each choice is stored in the cache folder (`pagellm.ops.choice_cache`, one file per GPU model,
+Triton and pagellm version) when the block ends, and read instead of timed at later starts.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,14 +28,36 @@ import triton.testing
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import OutOfResources, PTXASError
 
+from pagellm.config.cache_dirs import cache_root
+from pagellm.ops.choice_cache import ChoiceCache, choice_cache_path
+from pagellm.version import __version__
+
 logger = logging.getLogger(__name__)
 
 MAX_COPIES = 32
 """Copies a weight is timed over at most: twice the L2 cache of weights smaller than 1/16 of it
 (a 135M model's) is more graph nodes than the timing needs, and such weights run from L2 anyway."""
 
-_CHOSEN: dict[Hashable, triton.Config] = {}
-"""Per (device, weight shape, layout, dtypes): the tile timed fastest."""
+TILE_SECTION = "one_row_tile"
+"""The stored choices' section of the tiles (`choice_cache`)."""
+
+
+class OneRowKey(NamedTuple):
+    """What a one-row tile is chosen for (`choose`)."""
+    device: torch.device
+    n: int
+    k: int
+    row_stride: int  # of the weight as the kernel reads it (int32 words for 4-bit codes)
+    weight_dtype: torch.dtype
+    x_dtype: torch.dtype
+    scale_dtype: torch.dtype | None  # None: a dense weight
+    layout: tuple  # the kernel's constants, (name, value) pairs
+
+
+_CHOSEN: dict[OneRowKey, triton.Config] = {}
+"""Per (device, weight shape, layout, dtypes): the tile timed fastest (or stored)."""
+_STORES: dict[str, ChoiceCache] = {}
+"""Per GPU model: the choices stored in the cache folder, read at the first product on it."""
 _timing = False
 
 
@@ -46,6 +71,8 @@ def timing_one_row_products() -> Iterator[None]:
         yield
     finally:
         _timing = False
+        for store in _STORES.values():
+            store.save()
 
 
 def timing() -> bool:
@@ -54,13 +81,41 @@ def timing() -> bool:
     return _timing and not torch.cuda.is_current_stream_capturing()
 
 
-def choose(key: Hashable, configs: Sequence[triton.Config], run: Callable[[triton.Config, torch.Tensor], object],
+def stored_choices(device: torch.device) -> ChoiceCache:
+    """The choices stored for `device`'s GPU model with this Triton and pagellm."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    store = _STORES.get(name)
+    if store is None:
+        identity = {"device": name, "triton": triton.__version__, "pagellm": __version__}
+        store = _STORES[name] = ChoiceCache.load(choice_cache_path(cache_root(), identity), identity)
+    return store
+
+
+def choice_key(key: tuple) -> str:
+    """A choice's key in the stored file: `key` (its device first) without the device, whose GPU
+    model names the file."""
+    return repr(tuple(key)[1:])
+
+
+def config_json(config: triton.Config) -> dict[str, object]:
+    """A tile as stored (`choice_cache`)."""
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def choose(key: OneRowKey, configs: Sequence[triton.Config], run: Callable[[triton.Config, torch.Tensor], object],
            weight: torch.Tensor) -> triton.Config:
-    """The tile for `key` (which names the weight in the log), timed on its first use within
-    `timing_one_row_products`, else the first of `configs`. `run(config, w)` launches the product
-    on weight `w` (the layer's weight or a copy of it)."""
+    """The tile for `key` (which names the weight in the log): stored at an earlier start, or timed
+    on its first use within `timing_one_row_products`, else the first of `configs`. `run(config,
+    w)` launches the product on weight `w` (the layer's weight or a copy of it)."""
     chosen = _CHOSEN.get(key)
     if chosen is not None:
+        return chosen
+    store = stored_choices(key.device)
+    stored = store.get(TILE_SECTION, choice_key(key))
+    # Only a tile still among the candidates: a stored one that is not is timed again.
+    chosen = next((c for c in configs if stored is not None and config_json(c) == stored), None)
+    if chosen is not None:
+        _CHOSEN[key] = chosen
         return chosen
     if not timing():
         return configs[0]
@@ -75,6 +130,7 @@ def choose(key: Hashable, configs: Sequence[triton.Config], run: Callable[[trito
     if not times:
         raise RuntimeError(f"no one-row tile compiles for {key} on {torch.cuda.get_device_name(weight.device)}")
     chosen = _CHOSEN[key] = min(times, key=times.__getitem__)
+    store.put(TILE_SECTION, choice_key(key), config_json(chosen))
     logger.info("one-row tile for %s: %s (%.1f us; slowest candidate %.1f us)", key, chosen, times[chosen],
                 max(times.values()))
     logger.debug("one-row candidates for %s: %s", key, {str(c): round(t, 2) for c, t in times.items()})
