@@ -6,15 +6,15 @@ import sys
 from collections.abc import Callable, Sequence
 
 from pagellm.benchmarks import cli as bench_cli
-from pagellm.cli import generate, router, serve
+from pagellm.cli import generate, router, serve, warmup
 from pagellm.entrypoints.arg_types import Parser
 from pagellm.eval import cli as eval_cli
 from pagellm.plugins import PluginError, load_plugins
 from pagellm.version import __version__
 
 COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    generate.register, serve.register, router.register, bench_cli.register_bench, bench_cli.register_plan,
-    eval_cli.register)
+    generate.register, serve.register, warmup.register, router.register, bench_cli.register_bench,
+    bench_cli.register_plan, eval_cli.register)
 """Each adds its subcommand (flags, handler) to the `pagellm` parser, in `--help`'s order."""
 
 

@@ -1,0 +1,168 @@
+"""Start-up time, cold and with the cache a previous start filled, with the engine's own phases.
+
+Cases, each in a fresh process:
+  serve_empty_cache   `pagellm serve` of dummy Llama-3.1-8B shapes with an empty cache folder
+                      (PAGELLM_CACHE_ROOT, Triton's cache in it): compiles and times everything
+  serve_filled_cache  the same again on the folder the first case filled (a "shipped cache")
+  llm_<dtype>_empty_cache / llm_<dtype>_filled_cache
+                      `LLM(model=<SmolLM2 GGUF>, dtype=<dtype>)` for float32 and bfloat16, on an
+                      empty cache folder, then on the one it filled
+Each row: seconds to ready (the server: as its client saw /health/ready answer, polled every 0.5 s,
+and as its own report counts from its process's start; LLM: from its process's start to LLM()
+returning), then the engine's phases (`pagellm.metrics.startup`: pagellm:startup_seconds for the
+server, `llm.llm_engine.startup_phases` for LLM). Goals (issue 52): serve <= 20 s with an empty
+cache, <= 10 s with a filled one; SmolLM2 <= 15 s in any dtype.
+
+On the GPU machine, from the repository root (a fresh machine: nothing compiled before):
+    python3 -m benchmarks.startup --out-dir "$OUT" --commit SHA
+On the CPU, a tiny dummy Llama through the same path (the test of this script):
+    python3 -m benchmarks.startup --smoke --out-dir /tmp/startup
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
+from pagellm.benchmarks.server_process import ServerProcess
+from pagellm.config.cache_dirs import CACHE_ROOT_ENV, TRITON_CACHE_ENV
+from pagellm.loader.source import default_model_path
+from pagellm.metrics.startup import TOTAL
+
+SERVE_MODEL = "llama-3.1-8b"
+SMOKE_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
+    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+"""config.json of the --smoke model: a one-layer Llama on dummy weights."""
+SMOKE_ENGINE = {"load_format": "dummy", "device": "cpu", "kv_cache_memory_bytes": 1 << 22}
+LLM_DTYPES = ("float32", "bfloat16")
+_LLM_CHILD = """
+import json, sys
+from pagellm import LLM
+from pagellm.metrics.startup import process_age_s
+llm = LLM(**json.loads(sys.argv[1]))
+ready_s = process_age_s()
+print("STARTUP " + json.dumps({"ready_s": ready_s, "phases": llm.llm_engine.startup_phases}), flush=True)
+"""
+"""A fresh process that builds LLM(**kwargs) and prints its start-up report."""
+
+
+def serve_case(name: str, model: str, args: list[str], cache: Path) -> dict[str, Any]:
+    """`pagellm serve` to /health/ready with `cache` as its cache folder, and its reported phases."""
+    start = time.perf_counter()
+    with _cache_env(cache), ServerProcess(model, args, startup_timeout_s=600.0) as server:
+        client_ready_s = time.perf_counter() - start
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10.0).text
+    phases = {s.labels["phase"]: s.value for family in text_string_to_metric_families(metrics)
+              for s in family.samples if s.name == "pagellm:startup_seconds"}
+    return {"case": name, "ready_s": phases.get(TOTAL), "client_ready_s": client_ready_s, "phases": phases}
+
+
+def llm_case(name: str, kwargs: dict[str, Any], cache: Path) -> dict[str, Any]:
+    """LLM(**kwargs) in a fresh process with `cache` as its cache folder, and its reported phases."""
+    with _cache_env(cache):
+        done = subprocess.run([sys.executable, "-c", _LLM_CHILD, json.dumps(kwargs)], capture_output=True, text=True,
+                              timeout=900, env=dict(os.environ))
+    report = next((line for line in done.stdout.splitlines() if line.startswith("STARTUP ")), None)
+    if done.returncode != 0 or report is None:
+        raise RuntimeError(f"LLM({kwargs}) failed (exit code {done.returncode}): {done.stderr[-2000:]}")
+    return {"case": name, **json.loads(report.removeprefix("STARTUP "))}
+
+
+class _cache_env:
+    """PAGELLM_CACHE_ROOT set to a folder and TRITON_CACHE_DIR unset (so that it follows) while the
+    block runs; child processes inherit both."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> None:
+        for key in (CACHE_ROOT_ENV, TRITON_CACHE_ENV):
+            self.saved[key] = os.environ.pop(key, None)
+        os.environ[CACHE_ROOT_ENV] = str(self.folder)
+
+    def __exit__(self, *exc: object) -> None:
+        for key, value in self.saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
+
+
+def run_cases(smoke: bool, serve_args: list[str], work: Path) -> list[dict[str, Any]]:
+    if smoke:
+        folder = work / "tiny-llama"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(SMOKE_CONFIG))
+        serve_model, llm_model = str(folder), str(folder)
+        serve_args = ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes",
+                      str(SMOKE_ENGINE["kv_cache_memory_bytes"]), *serve_args]
+        llm_extra: dict[str, Any] = SMOKE_ENGINE
+    else:
+        serve_model, llm_model = SERVE_MODEL, default_model_path()
+        serve_args = ["--load-format", "dummy", *serve_args]
+        llm_extra = {}
+    rows = []
+    for cache_name in ("empty", "filled"):
+        rows.append(serve_case(f"serve_{cache_name}_cache", serve_model, serve_args, work / "serve-cache"))
+        _print_row(rows[-1])
+    for dtype in LLM_DTYPES:
+        for cache_name in ("empty", "filled"):
+            kwargs = {"model": llm_model, "dtype": dtype, **llm_extra}
+            rows.append(llm_case(f"llm_{dtype}_{cache_name}_cache", kwargs, work / f"llm-{dtype}-cache"))
+            _print_row(rows[-1])
+    return rows
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(f"{row['case']}: ready in {row['ready_s']:.2f} s; phases {json.dumps(_rounded(row['phases']))}", flush=True)
+
+
+def _rounded(phases: dict[str, float]) -> dict[str, float]:
+    return {name: round(seconds, 2) for name, seconds in phases.items()}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    names = list(dict.fromkeys(name for row in rows for name in row["phases"] if name != TOTAL))
+    body = [[row["case"], row["ready_s"], *(row["phases"].get(name, 0.0) for name in names)] for row in rows]
+    return format_table(["case", "ready s", *names], body, left=[0])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny dummy Llama on the CPU (tests this script)")
+    p.add_argument("--serve-args", default="", help="extra `pagellm serve` flags, one string (e.g. "
+                                                     "'--max-model-len 8192')")
+    p.add_argument("--out-dir", default=None, help="where the JSON goes; default benchmarks/results/")
+    p.add_argument("--commit", default=None)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pagellm-startup-") as work:
+        rows = run_cases(args.smoke, args.serve_args.split(), Path(work))
+    payload = {"benchmark": "startup", **run_metadata(args.commit), "parameters": vars(args), "cases": rows}
+    print(table(rows))
+    gpus = payload["hardware"].get("gpus") or [{"name": "cpu"}]
+    prefix = "startup_" + ("smoke_" if args.smoke else "") + re.sub(r"[^a-z0-9]+", "_", gpus[0]["name"].lower())
+    out = Path(args.out_dir) / f"{prefix}.json" if args.out_dir else default_result_path(prefix)
+    print(f"wrote {write_json(payload, out)}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
