@@ -104,9 +104,9 @@ ENGINE_COMMANDS = {
 
 COMMAND_CASES = [
     # the top level
-    ([], "{generate,serve,router,bench,plan,eval}"),
-    (["translate"], "{generate,serve,router,bench,plan,eval}"),
-    (["--bogus-flag"], "{generate,serve,router,bench,plan,eval}"),
+    ([], "{generate,serve,warmup,router,bench,plan,eval}"),
+    (["translate"], "{generate,serve,warmup,router,bench,plan,eval}"),
+    (["--bogus-flag"], "{generate,serve,warmup,router,bench,plan,eval}"),
     (["bench"], "{throughput,latency,serve,sweep}"),
     (["bench", "speed"], "{throughput,latency,serve,sweep}"),
     # generate

@@ -388,7 +388,7 @@ def test_one_row_4bit_float16_tiles_match_float64(layout: str, inputs: str) -> N
         assert bool((err <= 2.0**-9 * bound + 1e-30).all()), (config, err[worst], bound[worst], ref[worst])
 
 
-def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monkeypatch) -> None:
+def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monkeypatch, tmp_path) -> None:
     """Each weight shape's one-row tile: within start-up's timing, every candidate that compiles is
     timed (on the weight's uncached copies), the fastest is kept and not timed again; a shape first
     met outside it, or inside a CUDA graph capture, takes the first candidate, untimed and not
@@ -398,6 +398,8 @@ def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monke
     from pagellm.ops.triton import one_row_tiles
 
     configs = [triton.Config({"BLOCK_N": n}) for n in (2, 4, 8, 16)]
+    shape, other, huge = (one_row_tiles.OneRowKey(torch.device("cpu"), n, 8, 8, torch.float32, torch.float32, None, ())
+                          for n in (1, 2, 3))
     cost = {2: 9.0, 4: 5.0, 8: 7.0}  # BLOCK_N 16 does not fit the GPU
     timed: list[int] = []
     weight = torch.zeros(8, 8)
@@ -414,22 +416,24 @@ def test_one_row_tile_is_the_fastest_on_copies_timed_once_at_start_up_only(monke
 
     capturing = [False]
     monkeypatch.setattr(one_row_tiles, "_CHOSEN", {})
+    monkeypatch.setattr(one_row_tiles, "_STORES", {})
+    monkeypatch.setenv("PAGELLM_CACHE_ROOT", str(tmp_path))  # no choice stored yet
     monkeypatch.setattr(one_row_tiles, "uncached_copies", lambda w: [w, w.clone()])
     monkeypatch.setattr(one_row_tiles, "replay_us", replay)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    assert one_row_tiles.choose("shape", configs, run, weight) is configs[0] and not timed  # serving
+    assert one_row_tiles.choose(shape, configs, run, weight) is configs[0] and not timed  # serving
     with one_row_tiles.timing_one_row_products():
-        assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4
+        assert one_row_tiles.choose(shape, configs, run, weight).kwargs["BLOCK_N"] == 4
         assert sorted(set(timed)) == [2, 4, 8, 16]
         timed.clear()
-        assert one_row_tiles.choose("shape", configs, run, weight).kwargs["BLOCK_N"] == 4 and not timed
+        assert one_row_tiles.choose(shape, configs, run, weight).kwargs["BLOCK_N"] == 4 and not timed
         capturing[0] = True
-        assert one_row_tiles.choose("other", configs, run, weight) is configs[0] and not timed
+        assert one_row_tiles.choose(other, configs, run, weight) is configs[0] and not timed
         capturing[0] = False
-        assert "other" not in one_row_tiles._CHOSEN
+        assert other not in one_row_tiles._CHOSEN
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
-        with pytest.raises(RuntimeError, match="no one-row tile compiles for huge on a GPU"):
-            one_row_tiles.choose("huge", configs[3:], run, weight)
+        with pytest.raises(RuntimeError, match=r"no one-row tile compiles for OneRowKey\(.*n=3,.* on a GPU"):
+            one_row_tiles.choose(huge, configs[3:], run, weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
