@@ -119,6 +119,10 @@ class PrometheusStatLogger:
         self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
                                        labels + ["finished_reason"], registry=self.registry)
 
+        # Its series appear at ready (`record_startup`): the phases are known only then.
+        self.startup_seconds = Gauge("pagellm:startup_seconds",
+                                     "Seconds each start-up phase took, and their total (phase=total).",
+                                     ["model_name", "phase"], registry=self.registry)
         self.http_turned_away = Counter(
             "pagellm:http_requests_turned_away",
             "Generation requests answered 503 (at capacity, past their queue time, draining) or 504 (past their "
@@ -230,11 +234,9 @@ class PrometheusStatLogger:
             Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name).set_function(read)
 
     def record_startup(self, phases: dict[str, float]) -> None:
-        """The server's start-up phases (`pagellm.metrics.startup`, `total` among them), once at ready."""
-        gauge = Gauge("pagellm:startup_seconds", "Seconds each start-up phase took, and their total (phase=total).",
-                      ["model_name", "phase"], registry=self.registry)
+        """The server's start-up phases (`pagellm.metrics.startup`, `total` among them), at ready."""
         for phase, seconds in phases.items():
-            gauge.labels(self.model_name, phase).set(seconds)
+            self.startup_seconds.labels(self.model_name, phase).set(seconds)
 
     def record_turned_away(self, reason: str) -> None:
         """One generation request the server's edge answered without running it to its end."""

@@ -18,6 +18,7 @@ Triton and pagellm version) when the block ends, and read instead of timed at la
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
@@ -83,12 +84,18 @@ def timing() -> bool:
 
 def stored_choices(device: torch.device) -> ChoiceCache:
     """The choices stored for `device`'s GPU model with this Triton and pagellm."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = _device_model(device)
     store = _STORES.get(name)
     if store is None:
         identity = {"device": name, "triton": triton.__version__, "pagellm": __version__}
         store = _STORES[name] = ChoiceCache.load(choice_cache_path(cache_root(), identity), identity)
     return store
+
+
+@functools.cache
+def _device_model(device: torch.device) -> str:
+    """The GPU model's name (its choices' file), asked of the driver once per device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def choice_key(key: tuple) -> str:
