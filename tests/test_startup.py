@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import startup as startup_bench
 from pagellm import LLM
+from pagellm.cli.main import main as cli_main
 from pagellm.config.cache_dirs import CACHE_ROOT_ENV, TRITON_CACHE_ENV, cache_root, use_cache_for_triton
 from pagellm.entrypoints.openai.api_server import server_startup_phases
 from pagellm.metrics import startup
@@ -242,6 +243,16 @@ def test_the_server_reports_its_phases_as_a_gauge():
 
 
 # -- pagellm warmup and the benchmark -------------------------------------------------------------
+
+@pytest.mark.parametrize("runner", ["generate", "pooling"])
+def test_warmup_runs_a_request_of_either_runner_and_exits_0(tiny_model_dir, tmp_path, monkeypatch, capsys, runner):
+    monkeypatch.setenv(CACHE_ROOT_ENV, str(tmp_path / "cache"))
+    code = cli_main(["warmup", tiny_model_dir, "--load-format", "dummy", "--device", "cpu", "--dtype", "float32",
+                     "--kv-cache-memory-bytes", str(TINY_KV_BYTES), "--runner", runner])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "engine built in" in out and f"start-up cache: {tmp_path / 'cache'}" in out
+
 
 @pytest.mark.slow  # a Python subprocess building the CPU kernels into an empty cache folder: seconds
 def test_warmup_builds_the_engine_and_fills_the_cache_folder(tiny_model_dir, tmp_path):

@@ -33,9 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _warmup(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     llm = LLM(**dataclasses.asdict(args))
-    for params in (SamplingParams(temperature=0.0, max_tokens=4),
-                   SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=4, seed=0)):
-        llm.generate([WARMUP_PROMPT], params, use_tqdm=False)
+    if llm.llm_engine.config.is_pooling:
+        llm.embed([WARMUP_PROMPT], use_tqdm=False)
+    else:
+        for params in (SamplingParams(temperature=0.0, max_tokens=4),
+                       SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=4, seed=0)):
+            llm.generate([WARMUP_PROMPT], params, use_tqdm=False)
     phases = llm.llm_engine.startup_phases
     llm.llm_engine.shutdown()
     print(f"engine built in {describe(phases)}")
