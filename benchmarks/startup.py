@@ -4,14 +4,18 @@ Cases, each in a fresh process:
   serve_empty_cache   `pagellm serve` of dummy Llama-3.1-8B shapes with an empty cache folder
                       (PAGELLM_CACHE_ROOT, Triton's cache in it): compiles and times everything
   serve_filled_cache  the same again on the folder the first case filled (a "shipped cache")
+  warmup              `pagellm warmup` with the same flags into an empty folder (the documented
+                      way to fill a cache to ship), timed as a whole
+  serve_after_warmup  `pagellm serve` on the folder `pagellm warmup` filled
   llm_<dtype>_empty_cache / llm_<dtype>_filled_cache
                       `LLM(model=<SmolLM2 GGUF>, dtype=<dtype>)` for float32 and bfloat16, on an
                       empty cache folder, then on the one it filled
 Each row: seconds to ready (the server: as its client saw /health/ready answer, polled every 0.5 s,
 and as its own report counts from its process's start; LLM: from its process's start to LLM()
 returning), then the engine's phases (`pagellm.metrics.startup`: pagellm:startup_seconds for the
-server, `llm.llm_engine.startup_phases` for LLM). Goals (issue 52): serve <= 20 s with an empty
-cache, <= 10 s with a filled one; SmolLM2 <= 15 s in any dtype.
+server, `llm.llm_engine.startup_phases` for LLM), and what the cache folder holds after it.
+Goals (issue 52): serve <= 20 s with an empty cache, <= 10 s with a filled one; SmolLM2 <= 15 s in
+any dtype. `--cases` runs some of the groups (serve, warmup, llm).
 
 On the GPU machine, from the repository root (a fresh machine: nothing compiled before):
     python3 -m benchmarks.startup --out-dir "$OUT" --commit SHA
@@ -75,6 +79,33 @@ def serve_case(name: str, model: str, args: list[str], cache: Path) -> dict[str,
     return {"case": name, "ready_s": phases.get(TOTAL), "client_ready_s": client_ready_s, "phases": phases}
 
 
+def warmup_case(name: str, model: str, args: list[str], cache: Path) -> dict[str, Any]:
+    """`pagellm warmup` into `cache`, timed from its start to its exit."""
+    start = time.perf_counter()
+    with _cache_env(cache):
+        done = subprocess.run([sys.executable, "-m", "pagellm.cli", "warmup", model, *args], capture_output=True,
+                              text=True, timeout=900, env=dict(os.environ))
+    if done.returncode != 0:
+        raise RuntimeError(f"pagellm warmup failed (exit code {done.returncode}): {done.stderr[-2000:]}")
+    return {"case": name, "ready_s": time.perf_counter() - start, "phases": {}}
+
+
+def cache_contents(folder: Path) -> dict[str, int]:
+    """What a cache folder holds: files and bytes in all, Triton's compiled kernels (its folders,
+    one per kernel variant), and the kernel choices stored."""
+    files = [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []
+    triton = folder / "triton"
+    choices = 0
+    for path in folder.glob("kernel_choices/*.json"):
+        try:
+            choices += sum(len(section) for section in json.loads(path.read_text())["sections"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            pass
+    return {"files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "triton_kernels": sum(1 for p in triton.iterdir() if p.is_dir()) if triton.is_dir() else 0,
+            "kernel_choices": choices}
+
+
 def llm_case(name: str, kwargs: dict[str, Any], cache: Path) -> dict[str, Any]:
     """LLM(**kwargs) in a fresh process with `cache` as its cache folder, and its reported phases."""
     with _cache_env(cache):
@@ -106,7 +137,10 @@ class _cache_env:
                 os.environ[key] = value
 
 
-def run_cases(smoke: bool, serve_args: list[str], work: Path) -> list[dict[str, Any]]:
+CASE_GROUPS = ("serve", "warmup", "llm")
+
+
+def run_cases(smoke: bool, serve_args: list[str], work: Path, groups: list[str]) -> list[dict[str, Any]]:
     if smoke:
         folder = work / "tiny-llama"
         folder.mkdir()
@@ -120,19 +154,27 @@ def run_cases(smoke: bool, serve_args: list[str], work: Path) -> list[dict[str, 
         serve_args = ["--load-format", "dummy", *serve_args]
         llm_extra = {}
     rows = []
-    for cache_name in ("empty", "filled"):
-        rows.append(serve_case(f"serve_{cache_name}_cache", serve_model, serve_args, work / "serve-cache"))
-        _print_row(rows[-1])
-    for dtype in LLM_DTYPES:
+
+    def add(row: dict[str, Any], cache: Path) -> None:
+        row["cache_after"] = cache_contents(cache)
+        rows.append(row)
+        print(f"{row['case']}: ready in {row['ready_s']:.2f} s; phases {json.dumps(_rounded(row['phases']))}; "
+              f"cache {json.dumps(row['cache_after'])}", flush=True)
+
+    if "serve" in groups:
         for cache_name in ("empty", "filled"):
-            kwargs = {"model": llm_model, "dtype": dtype, **llm_extra}
-            rows.append(llm_case(f"llm_{dtype}_{cache_name}_cache", kwargs, work / f"llm-{dtype}-cache"))
-            _print_row(rows[-1])
+            add(serve_case(f"serve_{cache_name}_cache", serve_model, serve_args, work / "serve-cache"),
+                work / "serve-cache")
+    if "warmup" in groups:
+        add(warmup_case("warmup", serve_model, serve_args, work / "warmup-cache"), work / "warmup-cache")
+        add(serve_case("serve_after_warmup", serve_model, serve_args, work / "warmup-cache"), work / "warmup-cache")
+    if "llm" in groups:
+        for dtype in LLM_DTYPES:
+            for cache_name in ("empty", "filled"):
+                kwargs = {"model": llm_model, "dtype": dtype, **llm_extra}
+                cache = work / f"llm-{dtype}-cache"
+                add(llm_case(f"llm_{dtype}_{cache_name}_cache", kwargs, cache), cache)
     return rows
-
-
-def _print_row(row: dict[str, Any]) -> None:
-    print(f"{row['case']}: ready in {row['ready_s']:.2f} s; phases {json.dumps(_rounded(row['phases']))}", flush=True)
 
 
 def _rounded(phases: dict[str, float]) -> dict[str, float]:
@@ -150,11 +192,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--smoke", action="store_true", help="a tiny dummy Llama on the CPU (tests this script)")
     p.add_argument("--serve-args", default="", help="extra `pagellm serve` flags, one string (e.g. "
                                                      "'--max-model-len 8192')")
+    p.add_argument("--cases", nargs="+", choices=CASE_GROUPS, default=list(CASE_GROUPS),
+                   help="which groups of cases to run")
     p.add_argument("--out-dir", default=None, help="where the JSON goes; default benchmarks/results/")
     p.add_argument("--commit", default=None)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="pagellm-startup-") as work:
-        rows = run_cases(args.smoke, args.serve_args.split(), Path(work))
+        rows = run_cases(args.smoke, args.serve_args.split(), Path(work), args.cases)
     payload = {"benchmark": "startup", **run_metadata(args.commit), "parameters": vars(args), "cases": rows}
     print(table(rows))
     gpus = payload["hardware"].get("gpus") or [{"name": "cpu"}]

@@ -267,14 +267,19 @@ def test_warmup_builds_the_engine_and_fills_the_cache_folder(tiny_model_dir, tmp
     assert f"start-up cache: {cache}" in done.stdout and "load_weights" in done.stdout
 
 
-@pytest.mark.slow  # starts `pagellm serve` twice and LLM in four processes: half a minute
+@pytest.mark.slow  # starts `pagellm serve` three times, warmup and LLM in five processes: a minute
 def test_startup_benchmark_smoke(tmp_path):
     payload = startup_bench.main(["--smoke", "--out-dir", str(tmp_path)])
     cases = {row["case"]: row for row in payload["cases"]}
-    assert set(cases) == {"serve_empty_cache", "serve_filled_cache", "llm_float32_empty_cache",
-                          "llm_float32_filled_cache", "llm_bfloat16_empty_cache", "llm_bfloat16_filled_cache"}
-    for row in cases.values():  # the server's phases come from its /metrics
-        assert row["phases"][startup.TOTAL] > 0 and row["phases"][startup.LOAD_WEIGHTS] > 0
+    assert set(cases) == {"serve_empty_cache", "serve_filled_cache", "warmup", "serve_after_warmup",
+                          "llm_float32_empty_cache", "llm_float32_filled_cache", "llm_bfloat16_empty_cache",
+                          "llm_bfloat16_filled_cache"}
+    for name, row in cases.items():  # the server's phases come from its /metrics
+        if name != "warmup":
+            assert row["phases"][startup.TOTAL] > 0 and row["phases"][startup.LOAD_WEIGHTS] > 0
     assert cases["serve_empty_cache"]["phases"][startup.ENGINE_PROCESS_START] > 0
+    # The warm-up filled its folder (on the CPU: the C kernels), which the server after it used.
+    assert cases["warmup"]["cache_after"]["files"] >= 1
+    assert cases["serve_after_warmup"]["cache_after"] == cases["warmup"]["cache_after"]
     written = json.loads((tmp_path / "startup_smoke_cpu.json").read_text())
     assert written["cases"] == payload["cases"] and written["git"]["commit"]
