@@ -218,8 +218,8 @@ def test_llm_reports_its_startup_phases(tiny_model_dir, caplog):
         llm = LLM(tiny_model_dir, load_format="dummy", device="cpu", dtype="float32",
                   kv_cache_memory_bytes=TINY_KV_BYTES)
     phases = llm.llm_engine.startup_phases
-    for name in (startup.ENGINE_CONFIG, startup.LOAD_WEIGHTS, startup.KV_CACHE_ALLOCATE, startup.ENGINE_OTHER,
-                 startup.FRONTEND):
+    for name in (startup.ENGINE_CONFIG, startup.LOAD_WEIGHTS, startup.KV_CACHE_ALLOCATE, startup.START_WORKERS,
+                 startup.ENGINE_OTHER, startup.FRONTEND):
         assert phases[name] >= 0.0, name
     assert phases[startup.LOAD_WEIGHTS] > 0.0
     # The CPU has no memory profile, kernel warm-up or graphs.

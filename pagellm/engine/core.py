@@ -17,7 +17,7 @@ from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.engine.heap import HeapTrimmer
 from pagellm.executor import StepFuture, create_executor
 from pagellm.lora.store import HostAdapterStore
-from pagellm.metrics.startup import ENGINE_OTHER, with_remainder
+from pagellm.metrics.startup import ENGINE_OTHER, LOAD_WEIGHTS, START_WORKERS, with_remainder
 from pagellm.plugins import load_plugins
 from pagellm.spec_decode import build_host_proposer
 from pagellm.structured_output.manager import GrammarManager
@@ -34,6 +34,7 @@ class EngineCore:
         load_plugins()  # the engine-core process's registries (its own process for the server)
         self.config = config
         self.executor = create_executor(config)
+        executor_s = time.perf_counter() - start
         try:
             num_blocks = self.executor.determine_num_blocks()
             if num_blocks < 1:
@@ -83,8 +84,9 @@ class EngineCore:
         self.overlap = config.scheduler.async_scheduling and not pipelined and not config.is_pooling
         self._in_flight: deque[StepFuture] = deque()
         self._heap = HeapTrimmer()
-        self.startup_phases: dict[str, float] = with_remainder(self.executor.startup_phases(),
-                                                               time.perf_counter() - start, ENGINE_OTHER)
+        ranks = self.executor.startup_phases()
+        ranks[START_WORKERS] = max(0.0, executor_s - ranks.get(LOAD_WEIGHTS, 0.0))
+        self.startup_phases: dict[str, float] = with_remainder(ranks, time.perf_counter() - start, ENGINE_OTHER)
         """Seconds of each phase of this engine's construction (`pagellm.metrics.startup`)."""
         # An engine holds no reference cycles, so dropping it still frees it.
         freeze_startup_objects()

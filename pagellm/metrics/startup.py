@@ -21,8 +21,11 @@ KERNEL_WARMUP = "kernel_warmup"
 """Triton compiling the kernels of the step shapes run outside CUDA graphs, and timing the one-row
 products' tiles (`one_row_tiles`); both read from the cache folder where an earlier start stored them."""
 CUDA_GRAPH_CAPTURE = "cuda_graph_capture"
+START_WORKERS = "start_workers"
+"""The executor's start besides its ranks' weight loading: rank processes (spawn, imports, process
+groups), or the in-process worker."""
 ENGINE_OTHER = "engine_other"
-"""The rest of the engine's construction: rank processes, scheduler, grammar compiler, plugins."""
+"""The rest of the engine's construction: scheduler, grammar compiler, plugins."""
 ENGINE_CONFIG = "engine_config"
 """Reading the model's config and checking the engine arguments (`LLM(...)`)."""
 ENGINE_PROCESS_START = "engine_process_start"
