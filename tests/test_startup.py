@@ -187,6 +187,31 @@ def test_a_stored_tile_no_longer_among_the_candidates_is_timed_again(fresh_choic
     assert stored == one_row_tiles.config_json(chosen)
 
 
+@pytest.mark.parametrize("async_compile", [True, False], ids=["async-compile", "old-triton"])
+def test_candidates_compile_side_by_side_before_the_first_is_timed(fresh_choices, monkeypatch, async_compile):
+    events: list[tuple[str, int]] = []
+
+    def run(config, w, compile_only=False):
+        events.append(("compile" if compile_only else "launch", config.kwargs["BLOCK_N"]))
+        if compile_only and config.kwargs["BLOCK_N"] == 8:
+            raise RuntimeError("ptxas failed")  # the timing compiles (and reports) it again
+
+    def replay(product, weights):
+        product(weights[0])
+        return 1.0
+
+    if not async_compile:
+        monkeypatch.setattr(one_row_tiles, "_AsyncCompileMode", None)
+    monkeypatch.setattr(one_row_tiles, "timing", lambda: True)
+    monkeypatch.setattr(one_row_tiles, "uncached_copies", lambda w: [w])
+    monkeypatch.setattr(one_row_tiles, "replay_us", replay)
+    with one_row_tiles.timing_one_row_products():
+        one_row_tiles.choose(_key(16), CONFIGS, run, torch.zeros(16, 64))
+    launches = [("launch", c.kwargs["BLOCK_N"]) for c in CONFIGS]
+    compiles = [("compile", c.kwargs["BLOCK_N"]) for c in CONFIGS] if async_compile else []
+    assert events == compiles + launches
+
+
 def test_the_dense_kernel_against_cublas_choice_is_read_when_stored(fresh_choices, monkeypatch):
     x, weight = torch.zeros(1, 64), torch.zeros(16, 64)
     monkeypatch.setattr(dense_one_row, "timing", lambda: False)

@@ -45,8 +45,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     layout = dict(GROUP=0, ZERO=0, OFFSET=False, PACKED=False, PER_GROUP=False, DENSE=True)
 
-    def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
-        launch_one_row(config, n, (x, w, w, w, w, out, n, k, w.stride(0), 0, 0), **layout)
+    def run(config: triton.Config, w: torch.Tensor, compile_only: bool = False) -> None:  # w: the weight or a copy
+        launch_one_row(config, n, (x, w, w, w, w, out, n, k, w.stride(0), 0, 0), compile_only, **layout)
 
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         run(interpreter_tile(64), weight)

@@ -680,8 +680,9 @@ def _gemv(pointers: tuple[torch.Tensor, ...], n: int, k: int, stride_wn: int, st
         stride_wn = weight.stride(0)
     constants = dict(**layout, PER_GROUP=per_group)
 
-    def run(config: triton.Config, w: torch.Tensor) -> None:  # w: the weight or a copy (its own strides)
-        launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), **constants)
+    def run(config: triton.Config, w: torch.Tensor, compile_only: bool = False) -> None:  # w: the weight or a copy
+        launch_one_row(config, n, (x, w, *rest, n, k, w.stride(0), stride_sn, stride_zn), compile_only,
+                       **constants)
 
     if not x.is_cuda:  # Triton's interpreter (the tests' small shapes): one fixed tile
         run(interpreter_tile(max(64, layout["GROUP"]) if per_group else 64), weight)
@@ -720,9 +721,15 @@ def interpreter_tile(block_k: int) -> triton.Config:
     return triton.Config({"BLOCK_N": 16, "BLOCK_K": block_k})
 
 
-def launch_one_row(config: triton.Config, n: int, args: tuple, **constants: object) -> None:
+def launch_one_row(config: triton.Config, n: int, args: tuple, compile_only: bool = False,
+                   **constants: object) -> None:
     """`_gemv_kernel` over n outputs with the given tile (`one_row_tiles.choose`'s), under
-    programmatic dependent launch where the GPU has it."""
-    _gemv_kernel[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
-        *args, **constants, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
-        **pdl(args[0].device))
+    programmatic dependent launch where the GPU has it; `compile_only`: compiled (Triton's
+    `warmup`), not launched."""
+    grid = (triton.cdiv(n, config.kwargs["BLOCK_N"]),)
+    options = dict(**constants, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages,
+                   **pdl(args[0].device))
+    if compile_only:
+        _gemv_kernel.warmup(*args, grid=grid, **options)
+    else:
+        _gemv_kernel[grid](*args, **options)

@@ -20,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, Protocol
 
 import torch
 import triton
@@ -39,6 +41,8 @@ MAX_COPIES = 32
 """Copies a weight is timed over at most: twice the L2 cache of weights smaller than 1/16 of it
 (a 135M model's) is more graph nodes than the timing needs, and such weights run from L2 anyway."""
 
+_AsyncCompileMode = getattr(triton, "AsyncCompileMode", None)
+"""Triton's compiles on threads of an executor (Triton 3.5 and later); None: one after another."""
 TILE_SECTION = "one_row_tile"
 """The stored choices' section of the tiles (`choice_cache`)."""
 
@@ -53,6 +57,12 @@ class OneRowKey(NamedTuple):
     x_dtype: torch.dtype
     scale_dtype: torch.dtype | None  # None: a dense weight
     layout: tuple  # the kernel's constants, (name, value) pairs
+
+
+class OneRowProduct(Protocol):
+    def __call__(self, config: triton.Config, w: torch.Tensor, compile_only: bool = False) -> object:
+        """Launch the product with tile `config` on weight `w` (the layer's weight or a copy of
+        it); with `compile_only`, compile that kernel variant without launching it."""
 
 
 _CHOSEN: dict[OneRowKey, triton.Config] = {}
@@ -109,11 +119,10 @@ def config_json(config: triton.Config) -> dict[str, object]:
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
-def choose(key: OneRowKey, configs: Sequence[triton.Config], run: Callable[[triton.Config, torch.Tensor], object],
+def choose(key: OneRowKey, configs: Sequence[triton.Config], run: OneRowProduct,
            weight: torch.Tensor) -> triton.Config:
     """The tile for `key` (which names the weight in the log): stored at an earlier start, or timed
-    on its first use within `timing_one_row_products`, else the first of `configs`. `run(config,
-    w)` launches the product on weight `w` (the layer's weight or a copy of it)."""
+    on its first use within `timing_one_row_products`, else the first of `configs`."""
     chosen = _CHOSEN.get(key)
     if chosen is not None:
         return chosen
@@ -126,6 +135,7 @@ def choose(key: OneRowKey, configs: Sequence[triton.Config], run: Callable[[trit
         return chosen
     if not timing():
         return configs[0]
+    compile_side_by_side(configs, run, weight)
     weights = uncached_copies(weight)
     times: dict[triton.Config, float] = {}
     for config in configs:
@@ -142,6 +152,22 @@ def choose(key: OneRowKey, configs: Sequence[triton.Config], run: Callable[[trit
                 max(times.values()))
     logger.debug("one-row candidates for %s: %s", key, {str(c): round(t, 2) for c, t in times.items()})
     return chosen
+
+
+def compile_side_by_side(configs: Sequence[triton.Config], run: OneRowProduct, weight: torch.Tensor) -> None:
+    """Compile the candidates' kernel variants on threads at once, before they are timed one after
+    another: on a machine with nothing cached, a shape's dozen candidates otherwise compile one by
+    one, a second or more each. Where Triton cannot (too old), or a candidate fails to compile here,
+    the timing compiles it (and skips one that does not fit the GPU), as without this."""
+    if _AsyncCompileMode is None or len(configs) < 2:
+        return
+    with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1), thread_name_prefix="pagellm-compile") as pool, \
+            _AsyncCompileMode(pool, ignore_errors=True):
+        for config in configs:
+            try:
+                run(config, weight, compile_only=True)
+            except Exception as e:  # noqa: BLE001 - the timing compiles it again and reports what is wrong
+                logger.debug("one-row tile %s did not compile ahead of its timing: %s", config, e)
 
 
 def uncached_copies(weight: torch.Tensor) -> list[torch.Tensor]:
