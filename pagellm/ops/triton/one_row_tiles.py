@@ -42,7 +42,7 @@ MAX_COPIES = 32
 (a 135M model's) is more graph nodes than the timing needs, and such weights run from L2 anyway."""
 
 _AsyncCompileMode = getattr(triton, "AsyncCompileMode", None)
-"""Triton's compiles on threads of an executor (Triton 3.5 and later); None: one after another."""
+"""Triton's compiles on threads of an executor, where this Triton has it; None: one after another."""
 TILE_SECTION = "one_row_tile"
 """The stored choices' section of the tiles (`choice_cache`)."""
 
@@ -161,13 +161,16 @@ def compile_side_by_side(configs: Sequence[triton.Config], run: OneRowProduct, w
     the timing compiles it (and skips one that does not fit the GPU), as without this."""
     if _AsyncCompileMode is None or len(configs) < 2:
         return
-    with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1), thread_name_prefix="pagellm-compile") as pool, \
-            _AsyncCompileMode(pool, ignore_errors=True):
-        for config in configs:
-            try:
-                run(config, weight, compile_only=True)
-            except Exception as e:  # noqa: BLE001 - the timing compiles it again and reports what is wrong
-                logger.debug("one-row tile %s did not compile ahead of its timing: %s", config, e)
+    with ThreadPoolExecutor(min(len(configs), os.cpu_count() or 1), thread_name_prefix="pagellm-compile") as pool:
+        try:
+            with _AsyncCompileMode(pool, ignore_errors=True):
+                for config in configs:
+                    try:
+                        run(config, weight, compile_only=True)
+                    except Exception as e:  # noqa: BLE001 - the timing compiles it again and reports what is wrong
+                        logger.debug("one-row tile %s did not compile ahead of its timing: %s", config, e)
+        except RuntimeError as e:  # a caller's AsyncCompileMode is active: compiles wait for the timing
+            logger.debug("one-row tiles compile one by one: %s", e)
 
 
 def uncached_copies(weight: torch.Tensor) -> list[torch.Tensor]:
