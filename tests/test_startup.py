@@ -2,11 +2,13 @@
 start-up benchmark's CPU smoke run."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -187,8 +189,11 @@ def test_a_stored_tile_no_longer_among_the_candidates_is_timed_again(fresh_choic
     assert stored == one_row_tiles.config_json(chosen)
 
 
-@pytest.mark.parametrize("async_compile", [True, False], ids=["async-compile", "old-triton"])
+@pytest.mark.parametrize("async_compile", [True, False, "callers"], ids=["async-compile", "old-triton", "callers"])
 def test_candidates_compile_side_by_side_before_the_first_is_timed(fresh_choices, monkeypatch, async_compile):
+    """Where Triton compiles on threads, every candidate is compiled before the first is timed; a
+    failed compile is left to the timing; an older Triton, or a caller's compile mode already
+    active, leaves every compile to the timing."""
     events: list[tuple[str, int]] = []
 
     def run(config, w, compile_only=False):
@@ -205,10 +210,13 @@ def test_candidates_compile_side_by_side_before_the_first_is_timed(fresh_choices
     monkeypatch.setattr(one_row_tiles, "timing", lambda: True)
     monkeypatch.setattr(one_row_tiles, "uncached_copies", lambda w: [w])
     monkeypatch.setattr(one_row_tiles, "replay_us", replay)
-    with one_row_tiles.timing_one_row_products():
+    with contextlib.ExitStack() as stack:
+        if async_compile == "callers":
+            stack.enter_context(triton.AsyncCompileMode(stack.enter_context(ThreadPoolExecutor(1))))
+        stack.enter_context(one_row_tiles.timing_one_row_products())
         one_row_tiles.choose(_key(16), CONFIGS, run, torch.zeros(16, 64))
     launches = [("launch", c.kwargs["BLOCK_N"]) for c in CONFIGS]
-    compiles = [("compile", c.kwargs["BLOCK_N"]) for c in CONFIGS] if async_compile else []
+    compiles = [("compile", c.kwargs["BLOCK_N"]) for c in CONFIGS] if async_compile is True else []
     assert events == compiles + launches
 
 
