@@ -44,7 +44,8 @@ def _tiny_hf(seed: int = 0) -> transformers.LlamaForCausalLM:
 
 def _load(path: str, **kwargs) -> tuple[torch.nn.Module, str | None]:
     config = EngineArgs(model=path, device="cpu", dtype="float32", **kwargs).create_engine_config()
-    return build_model(config.model.source, config.model.quantization, config.model.dtype, CPU, "torch", 0), config.model.quantization
+    model = build_model(config.model.source, config.model.quantization, config.model.dtype, CPU, "torch", 0)
+    return model, config.model.quantization
 
 
 def _assert_matches_hf(model: torch.nn.Module, hf: torch.nn.Module, length: int, atol: float = 1e-4) -> None:
@@ -206,9 +207,9 @@ def test_one_row_kernel_loading_a_tile_ahead_sums_every_tile(prefetch: bool, lay
     programmatic dependent launch, x written by a kernel that lets it start early (the tile-ahead
     tiles read weights before waiting for it)."""
     pytest.importorskip("triton")
+    from pagellm.ops.triton import matmul as triton_matmul
     from pagellm.ops.triton import norm as triton_norm
     from pagellm.ops.triton.utils import pdl
-    from pagellm.ops.triton import matmul as triton_matmul
 
     n, k, group, block_k = 40, 224, 32, 64  # four tiles of K, the last half empty; three of N, one partial
     gen = torch.Generator().manual_seed(5)
@@ -337,9 +338,9 @@ def test_one_row_float16_tiles_hand_each_word_its_inputs(monkeypatch, layout: st
     multiple of a run, one group a row, and K not a multiple of the tile (a word or run paired with
     another's inputs, a wrong scale, or a lost tail would not pass)."""
     triton = pytest.importorskip("triton")
-    from pagellm.ops.triton import matmul as triton_matmul
-
     import ptx_models
+
+    from pagellm.ops.triton import matmul as triton_matmul
 
     monkeypatch.setattr(triton_matmul, "_f16_pairs", ptx_models.f16_pairs)
     monkeypatch.setattr(triton_matmul, "_half_chunk_sums", ptx_models.half_chunk_sums)
@@ -461,8 +462,7 @@ def test_dense_one_row_steps_take_the_product_timed_faster_at_start_up(monkeypat
     than cuBLAS; a shape first met later keeps cuBLAS (nothing is timed while serving). Either
     way the product agrees with cuBLAS's."""
     from pagellm.layers.linear import ColumnParallelLinear
-    from pagellm.ops.triton import dense_one_row
-    from pagellm.ops.triton import one_row_tiles
+    from pagellm.ops.triton import dense_one_row, one_row_tiles
 
     monkeypatch.setattr(dense_one_row, "_FASTER", {})
     used: list[int] = []
@@ -668,9 +668,13 @@ def test_compressed_tensors_checkpoint_written_by_the_library(tmp_path, preset: 
     Hugging Face's on those weights."""
     ct = pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
-
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
 
     hf = _tiny_hf()
     scheme = preset_name_to_scheme(preset, ["Linear"]) if preset != "int8 weight-only" else QuantizationScheme(
