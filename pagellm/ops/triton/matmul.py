@@ -542,7 +542,7 @@ _LAYOUT_KEY = ["GROUP", "PACKED", "ZERO", "OFFSET"]
 # Triton keeps the timed choice beside its compiled kernels (TRITON_CACHE_DIR, the cache folder's
 # `triton`: `pagellm.config.cache_dirs`), so a later start on the same GPU skips the timing.
 _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-"""Triton 3.2 and later store autotuning results; earlier ones time at each start."""
+"""A Triton whose autotuner takes `cache_results` stores its results; an older one times at each start."""
 _tuned_kernel = triton.autotune(configs=_dot_configs(), key=["N", "K", "BLOCK_M", *_LAYOUT_KEY],
                                 prune_configs_by={"early_config_prune": _fits_group},
                                 **_CACHE_RESULTS)(_dequant_matmul_kernel)
