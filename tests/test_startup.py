@@ -20,6 +20,7 @@ from benchmarks import startup as startup_bench
 from pagellm import LLM
 from pagellm.cli.main import main as cli_main
 from pagellm.config.cache_dirs import CACHE_ROOT_ENV, TRITON_CACHE_ENV, cache_root, use_cache_for_triton
+from pagellm.engine.wire import Ready, encoder, output_decoder
 from pagellm.entrypoints.openai.api_server import server_startup_phases
 from pagellm.metrics import startup
 from pagellm.metrics.prometheus import PrometheusStatLogger
@@ -244,6 +245,12 @@ def test_phases_add_up_to_the_wall_time_and_describe_in_one_line():
     assert startup.with_remainder({"a": 3.0}, 2.0, "rest")["rest"] == 0.0
     assert startup.slowest([{"a": 1.0, "b": 3.0}, {"a": 2.0}]) == {"a": 2.0, "b": 3.0}
     assert startup.describe(merged) == "5.00 s (a 1.50 s, b 2.00 s, rest 1.50 s)"
+
+
+def test_the_ready_message_carries_the_engine_cores_phases_to_the_api_process():
+    phases = {startup.LOAD_WEIGHTS: 1.5, startup.CUDA_GRAPH_CAPTURE: 0.25}
+    message = output_decoder.decode(encoder.encode(Ready(12, phases)))
+    assert isinstance(message, Ready) and message.num_blocks == 12 and message.startup_phases == phases
 
 
 def test_llm_reports_its_startup_phases(tiny_model_dir, caplog):
