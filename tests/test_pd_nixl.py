@@ -12,8 +12,10 @@ import time
 import pytest
 from engine_utils import TINY_LLAMA, assert_no_leak
 
+from benchmarks import pd_transfer as pd_transfer_bench
 from pagellm import LLM, SamplingParams
 from pagellm.config.kv_transfer import NIXL_CONNECTOR, KVTransferConfig, NixlSettings
+from pagellm.core.request import RequestStatus
 from pagellm.engine.arg_utils import EngineArgs
 
 BLOCK = 16
@@ -85,7 +87,6 @@ def pair(model_dir):
     return producer, consumer
 
 
-@pytest.mark.slow
 def test_consumer_decodes_as_one_engine_with_pulled_kv(model_dir, pair):
     producer, consumer = pair
     rng = random.Random(0)
@@ -105,6 +106,21 @@ def test_consumer_decodes_as_one_engine_with_pulled_kv(model_dir, pair):
     assert_no_leak(producer.llm_engine)
     drain(consumer)
     assert stats(consumer).held_requests == 0
+
+
+def test_abort_mid_pull_frees_blocks_on_both_sides(model_dir, pair):
+    producer, consumer = pair
+    prompt = {"prompt_token_ids": list(range(3, 300))}
+    [prefilled] = producer.generate([prompt], params(1, {"do_remote_decode": True}))
+    engine = consumer.llm_engine
+    engine.add_request("cut", prompt, params(8, prefilled.kv_transfer_params))
+    engine.step()  # admitted: it holds its blocks while its pull runs
+    assert engine.engine_core.scheduler.requests["cut"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.abort_request("cut")
+    drain(consumer)  # the blocks come back once the pull in flight has landed
+    assert_no_leak(engine)
+    drain(producer)  # the pull's notice frees the producer's blocks
+    assert_no_leak(producer.llm_engine)
 
 
 def test_block_size_mismatch_refused_and_recomputed(model_dir, pair):
@@ -146,3 +162,11 @@ def test_role_alone_picks_nixl():
     transfer = KVTransferConfig.parse('{"kv_role": "kv_consumer"}')
     assert transfer.kv_connector == NIXL_CONNECTOR
     assert NixlSettings.parse(transfer).abort_timeout_s == 120.0
+
+
+def test_benchmark_smoke_pulls_and_decodes(model_dir):
+    payload = pd_transfer_bench.main(["--model", model_dir, "--device", "cpu", "--smoke"])
+    assert all(record["status"] == "ok" for record in payload["phases"].values()), payload["phases"]
+    pull, run = payload["results"]["pull"], payload["results"]["engines"]
+    assert pull["bytes"] > 0 and pull["nixl_pull_GBps"] > 0
+    assert run["pulls"] == run["prompts"] and run["failures"] == 0 and run["bytes"] > 0
