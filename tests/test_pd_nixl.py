@@ -11,12 +11,14 @@ import time
 
 import pytest
 from engine_utils import TINY_LLAMA, assert_no_leak
+from pydantic import ValidationError
 
 from benchmarks import pd_transfer as pd_transfer_bench
 from pagellm import LLM, SamplingParams
 from pagellm.config.kv_transfer import NIXL_CONNECTOR, KVTransferConfig, NixlSettings
 from pagellm.core.request import RequestStatus
 from pagellm.engine.arg_utils import EngineArgs
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 BLOCK = 16
 LOGPROBS = 3
@@ -170,3 +172,16 @@ def test_benchmark_smoke_pulls_and_decodes(model_dir):
     pull, run = payload["results"]["pull"], payload["results"]["engines"]
     assert pull["bytes"] > 0 and pull["nixl_pull_GBps"] > 0
     assert run["pulls"] == run["prompts"] and run["failures"] == 0 and run["bytes"] > 0
+
+
+def test_openai_requests_carry_kv_transfer_params():
+    transfer = {"do_remote_decode": True, "do_remote_prefill": False}
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], kv_transfer_params=transfer)
+    assert chat.to_sampling_params(1).extra_args == {"kv_transfer_params": transfer}
+    completion = CompletionRequest(model="m", prompt="hi", kv_transfer_params=transfer)
+    assert completion.to_sampling_params(1).extra_args == {"kv_transfer_params": transfer}
+    assert CompletionRequest(model="m", prompt="hi").to_sampling_params(1).extra_args is None
+    with pytest.raises(ValidationError, match="kv_transfer_params"):
+        CompletionRequest(model="m", prompt="hi", n=2, kv_transfer_params=transfer)
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        SamplingParams(extra_args={"kv_transfer_params": "yes"})
