@@ -125,6 +125,26 @@ def test_abort_mid_pull_frees_blocks_on_both_sides(model_dir, pair):
     assert_no_leak(producer.llm_engine)
 
 
+@pytest.mark.slow  # two engines of two rank processes each
+def test_tensor_parallel_ranks_pull_their_shards(model_dir, pair):
+    producer = engine(model_dir, "kv_producer", tensor_parallel_size=2)
+    # No prefix cache: the reference run (no transfer) must not leave the prompts cached there.
+    consumer = engine(model_dir, "kv_consumer", tensor_parallel_size=2, enable_prefix_caching=False)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (30, 130)]
+    reference = consumer.generate([{"prompt_token_ids": p} for p in prompts], params(8))
+    outs = disaggregated(producer, consumer, prompts, 8)
+    assert_same(outs, reference)
+    assert stats(consumer).remote_hit_tokens == sum(len(p) - 1 for p in prompts)
+    drain(producer)
+    assert_no_leak(producer.llm_engine)
+    # A producer of another tensor-parallel size is refused at handshake, naming tp_size.
+    [prefilled] = pair[0].generate([{"prompt_token_ids": prompts[0]}], params(1, {"do_remote_decode": True}))
+    [out] = consumer.generate([{"prompt_token_ids": prompts[0]}], params(8, prefilled.kv_transfer_params))
+    assert out.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert stats(consumer).transfer_failures == 1
+
+
 def test_block_size_mismatch_refused_and_recomputed(model_dir, pair):
     producer, _ = pair
     consumer = engine(model_dir, "kv_consumer", block_size=32)

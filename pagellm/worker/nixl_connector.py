@@ -7,7 +7,9 @@ a request's blocks of every layer. A consumer rank first fetches the producer ra
 metadata through the side channel (`nixl_handshake`, once per producer), refuses a producer laid out
 differently (naming the key), then starts its pulls and polls them each step; a pull's completion
 notifies the producer (the request id rides on the READ), whose blocks are then freed. Each tensor-
-parallel rank pulls its own shard from the producer's rank of the same number.
+parallel rank pulls its own shard from the producer's rank of the same number; a pull (or a send)
+is reported only once every rank has seen it end (one all-reduce of flags per step while any is in
+flight), so no rank's blocks are reused while another rank's transfer still touches them.
 
 Loads are asynchronous across steps, not per layer: the request waits (WAITING_FOR_REMOTE_KVS) while
 other requests run, and is scheduled once every layer has landed.
@@ -20,12 +22,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 
 from pagellm.config import EngineConfig
 from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.nixl_connector import NixlMetadata, RemoteLoad, RemotePrefill
-from pagellm.distributed import get_tp_rank
+from pagellm.distributed import get_tp_rank, tensor_parallel_all_reduce
 from pagellm.worker.kv_connector import KVCaches, KVConnectorWorker
 from pagellm.worker.nixl_handshake import HandshakeListener, KVLayout, fetch_handshake
 
@@ -44,13 +47,26 @@ class _Producer:
     """Its prepared descriptor list (None when refused)."""
 
 
+_PENDING, _DONE, _FAILED = 0, 1, 2
+"""How a transfer stands on this rank."""
+
+
 @dataclass(slots=True)
 class _Pull:
-    handle: object
+    handle: object | None
+    """None once it ended on this rank (or never started)."""
     block_ids: list[int]
     started: float
     deadline: float
     num_bytes: int
+    state: int = _PENDING
+    ended: float = 0.0
+
+
+@dataclass(slots=True)
+class _Send:
+    deadline: float
+    ended_here: bool = False
 
 
 class NixlWorker(KVConnectorWorker):
@@ -80,10 +96,12 @@ class NixlWorker(KVConnectorWorker):
             tp_size=self.settings.tp_size, tp_rank=rank, num_blocks=self.num_blocks,
             block_bytes=self.block_bytes, base_addrs=addrs, mem_type=self.mem_type, device_id=device_id)
         self.rank = rank
+        self.device = first.device
         self._producers: dict[str, _Producer] = {}
         self._pulls: dict[str, _Pull] = {}
-        self._sends: OrderedDict[str, float] = OrderedDict()
-        """Producer: requests whose blocks wait for a pull -> when they expire (in order of expiry)."""
+        """Consumer: pulls not reported yet, in the order every rank started them."""
+        self._sends: OrderedDict[str, _Send] = OrderedDict()
+        """Producer: requests whose blocks wait for a pull, in the order every rank registered them."""
         self._early: OrderedDict[str, float] = OrderedDict()
         """Producer: pull notices that came before their request's send was registered -> when."""
         self._report = KVConnectorOutput()
@@ -110,11 +128,8 @@ class NixlWorker(KVConnectorWorker):
     def start_load_kv(self, metadata: NixlMetadata) -> None:
         now = time.monotonic()
         for req_id in metadata.sends:
-            if self._early.pop(req_id, None) is not None:  # pulled before we heard of it
-                self._report.finished_sending.add(req_id)
-                self._report.num_transfers += 1
-            else:
-                self._sends[req_id] = now + self.settings.abort_timeout_s
+            # A pull notice may come before we heard of the send.
+            self._sends[req_id] = _Send(now + self.settings.abort_timeout_s, self._early.pop(req_id, None) is not None)
         for remote in metadata.releases:
             self._release(remote)
         for load in metadata.loads:
@@ -140,8 +155,7 @@ class NixlWorker(KVConnectorWorker):
             logger.warning("NixlConnector: request %s recomputes its prompt, its pull from %s:%d failed: %s",
                            load.req_id, load.remote.host, load.remote.port + self.rank, e)
             self._release(load.remote)
-            self._report.failed_block_ids.update(load.block_ids)
-            self._report.finished_recving.add(load.req_id)
+            self._pulls[load.req_id] = _Pull(None, load.block_ids, now, now, 0, _FAILED, now)
             return
         self._pulls[load.req_id] = _Pull(handle, load.block_ids, now, now + self.settings.abort_timeout_s,
                                          len(load.block_ids) * self.block_bytes * self.num_tensors)
@@ -179,6 +193,13 @@ class NixlWorker(KVConnectorWorker):
             logger.warning("NixlConnector: could not tell %s:%d to free request %s: %s", remote.host,
                            remote.port + self.rank, remote.request_id, e)
 
+    def _count_ranks(self, flags: list[bool]) -> list[int]:
+        """For each flag, how many tensor-parallel ranks raise it (every rank calls this in the same
+        step with flags about the same transfers, in the same order)."""
+        if self.settings.tp_size == 1:
+            return [int(f) for f in flags]
+        return tensor_parallel_all_reduce(torch.tensor(flags, dtype=torch.int32, device=self.device)).tolist()
+
     def get_finished(self) -> KVConnectorOutput | None:
         report, self._report = self._report, KVConnectorOutput()
         now = time.monotonic()
@@ -189,22 +210,32 @@ class NixlWorker(KVConnectorWorker):
         return None if report.is_empty else report
 
     def _poll_pulls(self, report: KVConnectorOutput, now: float) -> None:
-        for req_id, pull in list(self._pulls.items()):
+        for req_id, pull in self._pulls.items():
+            if pull.state != _PENDING:
+                continue
             state = self.agent.check_xfer_state(pull.handle)
             if state == "PROC" and now < pull.deadline:
                 continue
-            if state == "DONE":
-                report.num_transfers += 1
-                report.transfer_bytes += pull.num_bytes
-                report.transfer_seconds += now - pull.started
-            else:
+            pull.state, pull.ended = (_DONE if state == "DONE" else _FAILED), now
+            if pull.state == _FAILED:
                 logger.warning("NixlConnector: request %s recomputes its prompt: its pull ended %s", req_id,
                                "in error" if state == "ERR" else "past abort_timeout_s")
-                report.failed_block_ids.update(pull.block_ids)
             try:
                 self.agent.release_xfer_handle(pull.handle)
             except Exception as e:  # noqa: BLE001 - a handle NIXL will not release is only leaked
                 logger.warning("NixlConnector: releasing request %s's transfer: %s", req_id, e)
+            pull.handle = None
+        pulls = list(self._pulls.items())
+        ended = self._count_ranks([p.state != _PENDING for _, p in pulls] + [p.state == _FAILED for _, p in pulls])
+        for i, (req_id, pull) in enumerate(pulls):
+            if ended[i] < self.settings.tp_size:
+                continue
+            if ended[len(pulls) + i]:  # failed on some rank: its blocks hold garbage
+                report.failed_block_ids.update(pull.block_ids)
+            else:
+                report.num_transfers += 1
+                report.transfer_bytes += pull.num_bytes
+                report.transfer_seconds += pull.ended - pull.started
             report.finished_recving.add(req_id)
             del self._pulls[req_id]
 
@@ -212,18 +243,24 @@ class NixlWorker(KVConnectorWorker):
         for messages in self.agent.get_new_notifs().values():
             for message in messages:
                 req_id = message.decode()
-                if self._sends.pop(req_id, None) is not None:
-                    report.finished_sending.add(req_id)
-                    report.num_transfers += 1
+                send = self._sends.get(req_id)
+                if send is not None:
+                    send.ended_here = True
                 else:
                     self._early[req_id] = now
-        while self._sends:
-            req_id, deadline = next(iter(self._sends.items()))
-            if deadline > now:
-                break
-            del self._sends[req_id]
-            report.finished_sending.add(req_id)
-            logger.warning("NixlConnector: request %s's blocks were not pulled within abort_timeout_s (%.0f s); "
-                           "freed", req_id, self.settings.abort_timeout_s)
+        for req_id, send in self._sends.items():
+            if send.deadline > now:
+                break  # in order of expiry
+            if not send.ended_here:
+                send.ended_here = True
+                logger.warning("NixlConnector: request %s's blocks were not pulled within abort_timeout_s "
+                               "(%.0f s); freed", req_id, self.settings.abort_timeout_s)
+        sends = list(self._sends.items())
+        ended = self._count_ranks([s.ended_here for _, s in sends]) if sends else []
+        for (req_id, _), count in zip(sends, ended):
+            if count == self.settings.tp_size:
+                report.finished_sending.add(req_id)
+                report.num_transfers += 1
+                del self._sends[req_id]
         while self._early and next(iter(self._early.values())) < now - self.settings.abort_timeout_s:
             self._early.popitem(last=False)  # a notice for blocks already freed (a late release)
