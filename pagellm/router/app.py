@@ -2,7 +2,8 @@
 
 A generation request goes: API key -> model's route -> length governance (tokenizer) -> rate
 limits -> response cache -> a backend (failover) -> the response, passed through; the key's
-counters and the cache are settled when the response ends.
+counters and the cache are settled when the response ends. In P/D mode (pd.py) the backend step is
+a prefill engine, then a decode engine. A client that goes away cancels the backend request.
 """
 from __future__ import annotations
 
