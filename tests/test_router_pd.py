@@ -97,6 +97,15 @@ def test_pools_are_balanced_apart(fakes, router) -> None:
     assert len(pairs) > 2
 
 
+def test_prefill_fails_over_within_its_pool(fakes, router) -> None:
+    p, d = fakes("p", kv_params=KV), fakes("d")
+    r = router({"prefill": ["http://127.0.0.1:9", p.url], "decode": [d.url]})  # nothing listens on port 9
+    for i in range(4):
+        assert httpx.post(f"{r.url}/v1/completions", json={"model": "m", "prompt": f"{i}"}).status_code == 200
+    assert len(p.bodies) == 4 and all(b["kv_transfer_params"] == KV for b in d.bodies)
+    assert _samples(r.url, "pagellm:router_pd_requests_total") == {"transferred": 4}
+
+
 def test_busy_decode_engine_gets_no_more_while_prefill_balances_alone(fakes, router) -> None:
     prefill = [fakes(f"p{i}", kv_params=KV) for i in range(2)]
     decode = [fakes(f"d{i}") for i in range(2)]
@@ -171,13 +180,15 @@ def _post_then_drop(url: str, body: dict, until) -> bytes:
     return received
 
 
-def test_client_gone_during_prefill_aborts_it(fakes, router) -> None:
-    p, d = fakes("p", hold=True, kv_params=KV), fakes("d")
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_client_gone_before_the_answer_aborts_the_engine_request(fakes, router, phase) -> None:
+    p, d = fakes("p", hold=phase == "prefill", kv_params=KV), fakes("d", hold=phase == "decode")
+    held = p if phase == "prefill" else d
     r = _pd(router, [p], [d])
-    _post_then_drop(r.url, {"model": "m", "prompt": "x", "max_tokens": 4}, lambda: len(p.bodies) == 1)
-    wait_until(lambda: p.disconnects == 1, 10)  # the router closed its prefill request
+    _post_then_drop(r.url, {"model": "m", "prompt": "x", "max_tokens": 4}, lambda: len(held.bodies) == 1)
+    wait_until(lambda: held.disconnects == 1, 10)  # the router closed its request to the engine
     wait_until(lambda: all(b.in_flight == 0 for b in r.state.table.backends.values()), 10)
-    assert d.bodies == []
+    assert len(d.bodies) == (phase == "decode")
 
 
 def test_client_gone_during_a_decode_stream_aborts_it(fakes, router) -> None:
