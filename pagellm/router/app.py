@@ -159,7 +159,7 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
     model = body.get("model")
     if table.pd is not None:  # every model goes to the pools; an engine answers 404 for one it lacks
         route = table.pd.decode
-        model = route.config.name
+        model = route.config.name  # the metrics' `model` label: the pool, not what clients send
     else:
         route = table.routes.get(model) if isinstance(model, str) else None
     if route is None:
@@ -209,7 +209,7 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
         load = input_tokens + (max_tokens or DEFAULT_MAX_TOKENS_ESTIMATE)
         sticky_header = table.config.sticky_header
         sticky = request.headers.get(sticky_header) if sticky_header else None
-        hashes = prefix_hashes(model, prompt_text(body))
+        hashes = prefix_hashes(str(body.get("model")), prompt_text(body))
 
         async def answer() -> Response:
             if table.pd is not None and path in GENERATION_PATHS:
