@@ -1,6 +1,7 @@
 """`pagellm router --prefill ... --decode ...` in front of real `pagellm serve` engines of the embedded
 model: greedy text and logprobs equal a single server's (streamed and not), `pagellm bench serve`
-runs through it unchanged, and (last: it kills an engine) a decode engine killed mid-stream fails
+runs through it unchanged, concurrent requests of which some are cut leave no KV blocks held on any
+engine, and (last: it kills an engine) a decode engine killed mid-stream fails
 its request while the other decode engine keeps serving.
 
 The engines here have no KV connector, so each prefill engine refuses the transfer request (400)
@@ -8,6 +9,7 @@ and every request takes the fallback (decode prefills itself): the router's whol
 engines, with the fallback counted."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,7 +19,8 @@ import httpx
 import openai
 import pytest
 from conftest import SHARED_SERVER_FLAGS, SHARED_SERVER_NAME
-from server_utils import RemoteServer, metric_samples
+from router_utils import wait_until
+from server_utils import RemoteServer, is_idle, metric_samples
 
 from pagellm.cli import main as cli_main
 
@@ -89,6 +92,41 @@ def test_bench_serve_through_the_router(pd_router, tmp_path, capsys) -> None:
     assert result["model_id"] == SHARED_SERVER_NAME and result["usage_from_server"]
     assert result["completed"] == 4 and result["failed"] == 0 and result["output_lens"] == [4] * 4
     assert _outcomes(pd_router.url)["pagellm:router_pd_requests_total"] == 4
+
+
+async def _churn(url: str, num_kept: int, num_cut: int) -> list[httpx.Response]:
+    """`num_kept` requests answered in full and `num_cut` whose client goes mid-flight (half while
+    streaming, half before a non-streamed answer), all at once; the kept ones' responses."""
+    long = {"model": SHARED_SERVER_NAME, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+    async def cut(http: httpx.AsyncClient, i: int) -> None:
+        if i % 2:
+            async with http.stream("POST", "/v1/completions", json={**long, "prompt": f"Story {i}:",
+                                                                    "stream": True}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # closing the stream mid-flight
+        with pytest.raises(asyncio.TimeoutError):  # 400 tokens of 30 requests take far longer
+            await asyncio.wait_for(http.post("/v1/completions", json={**long, "prompt": f"Story {i}:"}), 1.0)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        kept = [http.post("/v1/completions", json={"model": SHARED_SERVER_NAME, "prompt": f"Fact {i}:",
+                                                   "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+                for i in range(num_kept)]
+        results = await asyncio.gather(*kept, *(cut(http, i) for i in range(num_cut)))
+    return results[:num_kept]
+
+
+def test_cut_requests_leave_no_blocks_held(pd_router, prefill_server, decode_server, smollm2_server) -> None:
+    engines = (prefill_server, decode_server, smollm2_server)
+    aborted_before = sum(metric_samples(e.url).get("pagellm:request_success_total{abort}", 0) for e in engines)
+    num_kept, num_cut = 20, 10
+    responses = asyncio.run(_churn(pd_router.url, num_kept, num_cut))
+    assert all(r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8 for r in responses)
+    wait_until(lambda: all(is_idle(metric_samples(e.url)) for e in engines), 60)
+    aborted = sum(metric_samples(e.url).get("pagellm:request_success_total{abort}", 0) for e in engines)
+    assert aborted - aborted_before == num_cut  # each cut request was aborted on its engine
+    assert all(b.in_flight == 0 and b.outstanding_tokens == 0 for b in pd_router.state.table.backends.values())
 
 
 def test_decode_engine_killed_mid_stream(pd_router, decode_server, smollm2_server) -> None:
