@@ -57,6 +57,9 @@ class RequestOutput:
     """arrival_time, first_token_time, finished_time (time.monotonic seconds)."""
     prompt_logprobs: PromptLogprobs | None = None
     """None unless the request asked for prompt_logprobs."""
+    kv_transfer_params: dict | None = None
+    """Set when it finishes on a prefill engine (kv_producer) that asked `do_remote_decode`: what the
+    decode engine needs to pull its KV (docs/disaggregated.md)."""
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0
@@ -135,6 +136,9 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (see StructuredOutputsParams)."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments for the engine's extensions, as vLLM's: "kv_transfer_params" (a dict) drives the KV
+    connector's prefill/decode transfer (docs/disaggregated.md)."""
     _bad_words_token_ids: list[list[int]] | None = None
     """Set by the engine's input processor from bad_words (with and without a leading space), not by users."""
 
@@ -151,6 +155,11 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a mapping, got {self.extra_args!r}")
+        transfer = (self.extra_args or {}).get("kv_transfer_params")
+        if transfer is not None and not isinstance(transfer, dict):
+            raise ValueError(f"kv_transfer_params must be an object, got {transfer!r}")
         if _not_int(self.n) or self.n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.best_of is not None and (_not_int(self.best_of) or self.best_of < self.n):

@@ -4,6 +4,7 @@ host tier's settings (`--kv-offloading-size`, `--preemption-mode`)."""
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -17,6 +18,8 @@ _KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_m
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 """The built-in host tier (`--kv-offloading-size` picks it without a `--kv-transfer-config`)."""
+NIXL_CONNECTOR = "NixlConnector"
+"""The built-in prefill/decode transfer (a `kv_role` given without a `kv_connector` picks it)."""
 PREEMPTION_MODES = ("recompute", "swap")
 PreemptionMode = Literal["recompute", "swap"]
 _GiB = 1 << 30
@@ -40,6 +43,9 @@ KV_CONNECTOR_REGISTRY: Registry[KVConnectorEntry] = Registry("KV connector", f"{
     KVConnectorEntry(OFFLOADING_CONNECTOR, "pagellm.core.kv_offload:OffloadingScheduler",
                      "pagellm.worker.kv_offload:OffloadingWorker",
                      "evicted prefix blocks kept in host memory (--kv-offloading-size)"),
+    KVConnectorEntry(NIXL_CONNECTOR, "pagellm.core.nixl_connector:NixlScheduler",
+                     "pagellm.worker.nixl_connector:NixlWorker",
+                     "disaggregated prefill/decode: a decode engine pulls a prompt's KV from a prefill engine (NIXL)"),
 ))
 """Every KV connector, by `kv_connector` name."""
 
@@ -81,13 +87,15 @@ class KVTransferConfig:
         if value is None or isinstance(value, cls):
             return value
         value = dict(json_object(value, FLAG, _KEYS))
-        name = value.pop("kv_connector", None)
+        role = value.pop("kv_role", None)
+        if role is not None and role not in KV_ROLES:
+            raise ValueError(f"{FLAG} kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        # A role alone asks for the prefill/decode transfer, as vLLM's default connector.
+        name = value.pop("kv_connector", None if role is None else NIXL_CONNECTOR)
         if not isinstance(name, str):
             raise ValueError(f"{FLAG} needs \"kv_connector\": one of {', '.join(KV_CONNECTOR_REGISTRY.names())}")
         KV_CONNECTOR_REGISTRY.get(name)
-        role = value.pop("kv_role", "kv_both")
-        if role not in KV_ROLES:
-            raise ValueError(f"{FLAG} kv_role must be one of {', '.join(KV_ROLES)}, got {role!r}")
+        role = role or "kv_both"
         extra_config = value.pop("kv_connector_extra_config", None) or {}
         if not isinstance(extra_config, dict):
             raise ValueError(f"{FLAG} kv_connector_extra_config must be a JSON object, got {extra_config!r}")
@@ -103,6 +111,57 @@ class KVOffloadConfig:
     """Bytes of host memory per rank the offloading connector's pool takes (0: other connectors)."""
     preemption_mode: PreemptionMode = "recompute"
     """swap: a preempted request's blocks go to the host pool and come back when it resumes."""
+    nixl: NixlSettings | None = None
+    """The NixlConnector's settings, resolved once (its engine id is shared by every process)."""
+
+
+_NIXL_KEYS = ("abort_timeout_s", "side_channel_host", "side_channel_port", "backends")
+
+
+@dataclass(frozen=True, slots=True)
+class NixlSettings:
+    """The NixlConnector's settings, from `kv_connector_extra_config` (and vLLM's top-level `engine_id`)."""
+
+    engine_id: str
+    """Names this engine to its peers: a consumer checks that the producer it reaches is the one named."""
+    abort_timeout_s: float = 120.0
+    """A producer frees a prompt's blocks this long after it finished if no consumer pulled them
+    (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
+    side_channel_host: str = "127.0.0.1"
+    """The address the producer's handshake listener binds and advertises (remote_host): this
+    node's address as the decode nodes reach it."""
+    side_channel_port: int = 5600
+    """The handshake listener's port on tensor-parallel rank 0; rank r listens on port + r."""
+    backends: tuple[str, ...] = ("UCX",)
+    """NIXL backends the agent instantiates."""
+    tp_size: int = 1
+    """The engine's tensor-parallel size (set from the engine's flags): a peer must have the same."""
+
+    @classmethod
+    def parse(cls, transfer: KVTransferConfig) -> NixlSettings:
+        """Checked settings; a bad key fails naming it."""
+        extra = transfer.kv_connector_extra_config
+        where = f"{FLAG} kv_connector_extra_config"
+        for key in extra:
+            if key not in _NIXL_KEYS:
+                raise ValueError(f"{where} has unknown key {key!r} for {NIXL_CONNECTOR}: "
+                                 f"expected one of {', '.join(_NIXL_KEYS)}")
+        timeout = extra.get("abort_timeout_s", 120.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"{where} abort_timeout_s must be a positive number of seconds, got {timeout!r}")
+        host = extra.get("side_channel_host", "127.0.0.1")
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"{where} side_channel_host must be a host name or address, got {host!r}")
+        port = extra.get("side_channel_port", 5600)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ValueError(f"{where} side_channel_port must be a port number (1-65535), got {port!r}")
+        backends = extra.get("backends", ["UCX"])
+        if not isinstance(backends, list) or not backends or not all(isinstance(b, str) for b in backends):
+            raise ValueError(f"{where} backends must be a list of NIXL backend names, got {backends!r}")
+        engine_id = transfer.extra.get("engine_id") or uuid.uuid4().hex
+        if not isinstance(engine_id, str):
+            raise ValueError(f"{FLAG} engine_id must be a string, got {engine_id!r}")
+        return cls(engine_id, float(timeout), host, port, tuple(backends))
 
 
 def available_host_memory() -> int:
@@ -154,12 +213,13 @@ def resolve_kv_offload(kv_transfer_config: "str | dict | None", kv_offloading_si
         raise ValueError(f"preemption_mode (--preemption-mode) swap saves and loads: {FLAG} kv_role must be "
                          f"kv_both, got {transfer.kv_role!r}")
     host_bytes = 0 if size is None else int(size)
+    nixl = NixlSettings.parse(transfer) if transfer.kv_connector == NIXL_CONNECTOR else None
     if host_bytes:
         free = available_host_memory()
         if host_bytes * num_ranks > free:
             raise ValueError(f"{flag}: {num_ranks} rank(s) x {host_bytes / _GiB:.2f} GiB of host KV cache is more "
                              f"than the {free / _GiB:.2f} GiB of host memory available; lower it")
-    return KVOffloadConfig(transfer, host_bytes, mode)
+    return KVOffloadConfig(transfer, host_bytes, mode, nixl)
 
 
 def _gib(flag: str, value: float | None, unit: int = _GiB) -> float | None:

@@ -122,9 +122,11 @@ class KVCacheManager:
             self.prefix_stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: GroupBlocks | None = None) -> BlockIds | None:
+                       new_computed_blocks: GroupBlocks | None = None, cache: bool = True) -> BlockIds | None:
         """Give the request room for `num_new_tokens` more tokens (after any prefix-cache hits,
-        `get_computed_blocks`'s), first giving back the blocks its windows no longer reach.
+        `get_computed_blocks`'s), first giving back the blocks its windows no longer reach. With
+        `cache` False its full blocks are not registered in the prefix cache yet (a remote load
+        fills them later; its next allocation registers them).
 
         Returns the ids of the blocks newly allocated per group (not the hits), or None if the pool
         is too small (then nothing but the giving back has changed).
@@ -158,7 +160,7 @@ class KVCacheManager:
             for g in self._sliding_groups:
                 first_held[g] = self._first_needed(g, num_computed)
         capacity = len(groups[0]) * self.block_size
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, groups, num_total)
             # Past this, a block fills and is registered in the prefix cache.
             capacity = min(capacity, (self._num_cached_blocks[req_id] + 1) * self.block_size - 1)

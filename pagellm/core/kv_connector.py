@@ -9,6 +9,12 @@ swap mode are reported too. `build_connector_meta` then packs the step's transfe
 `SchedulerOutput`, and the worker half (`pagellm.worker.kv_connector`) runs them before the forward
 reads the blocks. What the workers report back (`KVConnectorOutput`: blocks whose load failed,
 bytes moved) returns through `update_connector_output`; a request whose load failed is recomputed.
+
+Transfers may span steps (prefill/decode disaggregation), as in vLLM: `get_num_new_matched_tokens`
+says whether its load is asynchronous (the request then waits, holding its blocks, until a worker
+reports it in `finished_recving`); `request_finished` may ask the scheduler to keep a finished
+request's blocks until a worker reports it in `finished_sending` (a peer pulled them, or they
+expired), and returns the `kv_transfer_params` its output carries.
 """
 from __future__ import annotations
 
@@ -38,6 +44,19 @@ class KVConnectorOutput:
     """Device blocks whose load failed: their KV is garbage and the requests holding them recompute."""
     bytes_to_host: int = 0
     bytes_to_device: int = 0
+    finished_sending: set[str] = field(default_factory=set)
+    """Finished requests whose blocks the scheduler kept for a peer and may now free."""
+    finished_recving: set[str] = field(default_factory=set)
+    """Requests whose asynchronous load ended (failed if they hold a block of `failed_block_ids`)."""
+    num_transfers: int = 0
+    """Remote transfers completed (pulls on a consumer, pulled requests on a producer)."""
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.failed_block_ids or self.bytes_to_host or self.bytes_to_device or self.finished_sending
+                    or self.finished_recving or self.num_transfers)
 
 
 @dataclass(slots=True)
@@ -52,6 +71,17 @@ class KVTransferStats:
     swaps_in: int = 0
     failed_loads: int = 0
     """Requests that recomputed because a load failed."""
+    remote_hit_tokens: int = 0
+    """Prompt tokens pulled from a remote engine instead of computed."""
+    transfers: int = 0
+    """Remote transfers completed (pulls on a consumer; requests pulled or expired on a producer)."""
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    """Seconds from a pull's start to its end, summed (consumer)."""
+    transfer_failures: int = 0
+    """Remote pulls refused or failed: the request recomputed its prompt."""
+    held_requests: int = 0
+    """Now: finished requests whose blocks wait for a peer, and requests waiting for their KV."""
 
     @classmethod
     def total(cls, parts: list[KVTransferStats]) -> KVTransferStats | None:
@@ -72,10 +102,11 @@ class KVConnectorScheduler(ABC):
         self.stats = KVTransferStats()
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the first `num_computed_tokens` (the device's hit, whole blocks) that the store
-        can load, never the request's last token (it must run to give logits). Free of side effects:
-        called again while the request waits."""
+        can load, never the request's last token (it must run to give logits), and whether the load
+        is asynchronous (the request then waits across steps until `finished_recving` names it).
+        Free of side effects: called again while the request waits."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Request, first_block: int, block_ids: Sequence[int],
@@ -92,15 +123,26 @@ class KVConnectorScheduler(ABC):
         resumes without recomputing; whether they will be saved."""
         return False
 
-    def request_finished(self, request: Request) -> None:
-        """The request ended (finished or aborted): forget what the connector keeps for it alone."""
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
+        """The request ended (finished or aborted; `block_ids` its blocks, first group): forget what
+        the connector keeps for it alone. Returns whether the scheduler must keep its blocks until a
+        worker names it in `finished_sending`, and the `kv_transfer_params` of its output (None)."""
+        return False, None
 
     @abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata | None:
         """The step's transfers for the workers (None: nothing to do); resets the step's state."""
 
+    def has_pending(self) -> bool:
+        """Whether transfers span steps now: the workers must be stepped to report them."""
+        return False
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """A step's report from the workers."""
-        self.stats.bytes_to_host += output.bytes_to_host
-        self.stats.bytes_to_device += output.bytes_to_device
+        stats = self.stats
+        stats.bytes_to_host += output.bytes_to_host
+        stats.bytes_to_device += output.bytes_to_device
+        stats.transfers += output.num_transfers
+        stats.transfer_bytes += output.transfer_bytes
+        stats.transfer_seconds += output.transfer_seconds
 

@@ -83,9 +83,9 @@ class OffloadingScheduler(KVConnectorScheduler):
         self._kept: set[int] = set()
         """Host slots read or written this step: not reused before the step's copies are queued."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if request.skips_prefix_cache or not self.config.transfer.is_consumer:
-            return 0
+            return 0, False
         bs = self.block_size
         request.update_block_hashes(bs)
         start = num_computed_tokens // bs
@@ -97,7 +97,7 @@ class OffloadingScheduler(KVConnectorScheduler):
         swapped = min(request.num_swapped_tokens, request.num_tokens - 1)
         if swapped > end * bs and swapped // bs == end and _swap_key(request) in self.index:
             matched += swapped - end * bs  # the partial block it was preempted in
-        return matched
+        return matched, False
 
     def update_state_after_alloc(self, request: Request, first_block: int, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
@@ -136,9 +136,10 @@ class OffloadingScheduler(KVConnectorScheduler):
         self.stats.swaps_out += 1
         return True
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request, block_ids: Sequence[int]) -> tuple[bool, dict | None]:
         if request.num_swapped_tokens:
             self.index.drop(_swap_key(request))
+        return False, None
 
     def build_connector_meta(self) -> OffloadMetadata | None:
         meta, self._loads = self._loads, OffloadMetadata()

@@ -131,6 +131,8 @@ class EngineCoreOutput:
     """All prompt tokens but the first, once, with the first new token (prompt_logprobs requests)."""
     pooled: bytes | None = None
     """A pooling request's vector (little-endian float32), with its finish."""
+    kv_transfer_params: dict | None = None
+    """With its finish, from the KV connector: what a peer needs to pull its KV (a prefill engine's)."""
 
 
 def merge_step_outputs(steps: list[list[EngineCoreOutput]]) -> list[EngineCoreOutput]:

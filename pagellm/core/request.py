@@ -95,6 +95,12 @@ class RecordFields:
         return self.record.arrival_time
 
     @property
+    def kv_transfer_params(self) -> dict | None:
+        """The prefill/decode transfer it asks for (`SamplingParams.extra_args`), if any."""
+        extra = self.record.sampling_params.extra_args
+        return None if extra is None else extra.get("kv_transfer_params")
+
+    @property
     def lora_int_id(self) -> int:
         """Its adapter's id, 0 for the base model."""
         lora = self.record.lora_request
@@ -103,6 +109,8 @@ class RecordFields:
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()
+    """Holding its blocks while a KV connector loads its prompt's KV from a remote engine."""
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()

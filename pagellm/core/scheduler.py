@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_TRANSFER_POLL_S = 0.002
+"""How long an idle step loop sleeps between polls of KV transfers spanning steps."""
+
 
 @dataclass(slots=True)
 class SchedulerLimits:
@@ -136,6 +139,13 @@ class Scheduler:
             self.kv.record_evictions()
         self._load_failed: list[Request] = []
         """Running requests whose KV a connector failed to load: preempted (to recompute) next step."""
+        self._receiving: dict[str, int] = {}
+        """Requests waiting for a remote load (WAITING_FOR_REMOTE_KVS) -> their computed tokens once loaded."""
+        self._loaded: set[str] = set()
+        """Waiting requests whose remote load landed: they hold their blocks and skip the prefix lookup."""
+        self._held: dict[str, Request] = {}
+        """Ended requests whose blocks wait for the workers: a peer's pull (producer), or a load still
+        landing in them (a consumer's request aborted mid-pull)."""
         self.spec_stats = (SpecDecodeStats(accepted_per_position=[0] * speculative.num_speculative_tokens)
                            if speculative is not None else None)
 
@@ -167,20 +177,31 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            receiving = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 self._stop_running(request)
+            elif receiving:  # its blocks stay until the load in flight lands in them
+                del self._receiving[req_id]
             else:
                 self.waiting.remove(request)
+                self._loaded.discard(req_id)
                 self._count_lora(self._waiting_loras, request, -1)
             request.status = status
-            self._release(request)
+            self._release(request, keep_blocks=receiving)
             ended.append(request)
         return ended
 
-    def _release(self, request: Request) -> None:
-        self.kv.free(request)
+    def _release(self, request: Request, keep_blocks: bool = False) -> dict | None:
+        """Forget an ended request; its blocks are freed unless the KV connector (or `keep_blocks`)
+        holds them for the workers. Returns the connector's `kv_transfer_params` for its output."""
+        params = None
         if self.connector is not None:
-            self.connector.request_finished(request)
+            delay, params = self.connector.request_finished(request, self.kv.get_block_ids(request.request_id)[0])
+            keep_blocks = keep_blocks or delay
+        if keep_blocks:
+            self._held[request.request_id] = request
+        else:
+            self.kv.free(request)
         del self.requests[request.request_id]
         if self.proposer is not None:
             self.proposer.forget(request.request_id)
@@ -191,9 +212,11 @@ class Scheduler:
         if request.request_id in self._known_to_workers:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
+        return params
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or blocks held for the workers' transfers (which steps report)."""
+        return bool(self.requests) or bool(self._held)
 
     @property
     def can_overlap(self) -> bool:
@@ -288,12 +311,20 @@ class Scheduler:
                     compiling.append(request)  # others go ahead meanwhile
                     lora_full = lora_full or self._lora_blocked(request)
                 continue
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_external = 0  # tokens the KV connector loads after the device's hit
-            if self.connector is not None and not request.load_failed:
+            loaded = request.request_id in self._loaded
+            if loaded:  # its remote KV landed in the blocks it holds
+                hit_blocks, num_hit_tokens = None, request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_external, load_async = 0, False  # tokens the KV connector loads after the device's hit
+            if self.connector is not None and not request.load_failed and not loaded:
+                matched, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
                 # Never the last token (it must run to give logits), whatever the connector says.
-                num_external = max(0, min(self.connector.get_num_new_matched_tokens(request, num_hit_tokens),
-                                          request.num_tokens - 1 - num_hit_tokens))
+                num_external = max(0, min(matched, request.num_tokens - 1 - num_hit_tokens))
+            if load_async and num_external:
+                if not self._start_remote_load(request, hit_blocks, num_hit_tokens, num_external):
+                    break
+                continue
             num_computed = num_hit_tokens + num_external
             num_new = min(request.num_tokens - num_computed, budget)
             lookahead = self._lookahead(request, num_computed + num_new, speculate)
@@ -314,7 +345,9 @@ class Scheduler:
             self.waiting.pop_next()
             self._count_lora(self._waiting_loras, request, -1)
             self._count_lora(self._running_loras, request, 1)
-            if not request.skips_prefix_cache:
+            if loaded:
+                self._loaded.discard(request.request_id)
+            elif not request.skips_prefix_cache:
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
@@ -459,8 +492,10 @@ class Scheduler:
         return GrammarBitmask(rows, self.grammars.bitmask([self.requests[r].grammar for r in rows]))
 
     def wait_for_pending(self, timeout_s: float) -> None:
-        """Nothing could be scheduled: wait a little for a compile or an adapter load to finish
-        instead of spinning."""
+        """Nothing could be scheduled: wait a little for a compile, an adapter load or a KV
+        transfer to finish instead of spinning."""
+        if self.connector is not None and self.connector.has_pending():
+            time.sleep(min(timeout_s, _TRANSFER_POLL_S))
         if self.grammars is not None:
             self.grammars.wait(timeout_s)
         if self.adapters is not None:
@@ -504,6 +539,49 @@ class Scheduler:
             self._known_to_workers.discard(request.request_id)
             self._freed_req_ids.add(request.request_id)
 
+    def _start_remote_load(self, request: Request, hit_blocks, num_hit_tokens: int, num_external: int) -> bool:
+        """Take the waiting queue's head out of it to wait for its remote KV, holding blocks for it;
+        False when the blocks are not there (it stays at the head)."""
+        # Not registered in the prefix cache before the KV lands: another request must not hit them.
+        new_ids = self.kv.allocate_slots(request, num_external, hit_blocks, cache=False)
+        if new_ids is None:
+            return False
+        self.connector.update_state_after_alloc(
+            request, num_hit_tokens // self.limits.block_size, new_ids[0], num_external)
+        self.waiting.pop_next()
+        self._count_lora(self._waiting_loras, request, -1)
+        if not request.skips_prefix_cache:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._receiving[request.request_id] = num_hit_tokens + num_external
+        return True
+
+    def _remote_loads_ended(self, req_ids: set[str], failed: set[int]) -> None:
+        """Requests whose remote load ended go back to the head of the waiting queue: with their KV,
+        or (a block of theirs in `failed`) without it, to recompute."""
+        for req_id in req_ids:
+            held = self._held.pop(req_id, None)
+            if held is not None:  # aborted while its KV was landing
+                self.kv.free(held)
+                continue
+            num_loaded = self._receiving.pop(req_id, None)
+            if num_loaded is None:
+                continue
+            request = self.requests[req_id]
+            if failed and self.kv.holds_any(req_id, failed):
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                request.load_failed = True
+                self.connector.stats.transfer_failures += 1
+            else:
+                self.connector.stats.remote_hit_tokens += num_loaded - request.num_computed_tokens
+                request.num_computed_tokens = num_loaded
+                self._loaded.add(req_id)
+            request.status = RequestStatus.WAITING
+            self.waiting.push_front(request)
+            self._count_lora(self._waiting_loras, request, 1)
+
     def _recompute_failed_loads(self) -> bool:
         """Preempt the running requests whose KV failed to load, to recompute; whether any was."""
         preempted = False
@@ -519,7 +597,13 @@ class Scheduler:
         """Apply a step's KV connector report; returns the requests whose sampled tokens are dropped
         (they read KV that failed to load, and are recomputed next step)."""
         self.connector.update_connector_output(report)
+        for req_id in report.finished_sending:
+            held = self._held.pop(req_id, None)
+            if held is not None:
+                self.kv.free(held)
         failed = report.failed_block_ids
+        if report.finished_recving:
+            self._remote_loads_ended(report.finished_recving, failed)
         if not failed:
             return set()
         # Rare: a scan of the running requests is fine here.
@@ -568,7 +652,7 @@ class Scheduler:
                 request.first_scheduled_time, logprobs.get(req_id), prompt_logprobs.get(req_id)))
             if finished:
                 self._stop_running(request)
-                self._release(request)
+                results[-1].kv_transfer_params = self._release(request)
         return results
 
     @staticmethod
@@ -634,5 +718,6 @@ class Scheduler:
                 waiting=sorted(self._lora_names[i] for i in self._waiting_loras),
                 max_loras=self.adapters.max_loras, num_loads=self.adapters.num_loads,
                 num_evictions=self.adapters.num_evictions),
-            kv_transfer=None if self.connector is None else dataclasses.replace(self.connector.stats),
+            kv_transfer=None if self.connector is None else dataclasses.replace(
+                self.connector.stats, held_requests=len(self._held) + len(self._receiving)),
         )

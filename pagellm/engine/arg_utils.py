@@ -3,6 +3,7 @@ checked and resolved into an `EngineConfig` against the model and the machine.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import types
@@ -29,7 +30,7 @@ from pagellm.config import (
 )
 from pagellm.config.cpu_threads import resolve_cpu_threads
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
-from pagellm.config.kv_transfer import KV_CONNECTOR_REGISTRY, KVOffloadConfig, resolve_kv_offload
+from pagellm.config.kv_transfer import FLAG, KV_CONNECTOR_REGISTRY, NIXL_CONNECTOR, KVOffloadConfig, resolve_kv_offload
 from pagellm.config.model import RUNNERS
 from pagellm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagellm.core.request_queue import SCHEDULING_POLICIES
@@ -307,7 +308,7 @@ class EngineArgs:
             draft=_resolve_draft(speculative, self.load_format, arch, max_model_len, device,
                                  kv_cache_groups(arch.sliding_windows, max_model_len)),
             lora=self._lora_config(dtype, device),
-            kv_transfer=_check_kv_offload(self._kv_offload(), arch, max_model_len, model, speculative),
+            kv_transfer=_check_kv_offload(self._kv_offload(), arch, max_model_len, model, speculative, parallel),
         )
 
     @classmethod
@@ -417,15 +418,24 @@ def _resolve_draft(speculative: SpeculativeConfig | None, load_format: str, targ
 
 
 def _check_kv_offload(offload: KVOffloadConfig | None, arch: ModelArchConfig, max_model_len: int,
-                      model: ModelConfig, speculative: SpeculativeConfig | None) -> KVOffloadConfig | None:
+                      model: ModelConfig, speculative: SpeculativeConfig | None,
+                      parallel: ParallelConfig) -> KVOffloadConfig | None:
     """Refuse a KV connector where its blocks would not hold a prefix's whole KV."""
     if offload is None:
         return None
+    if offload.nixl is not None:
+        if parallel.pipeline_parallel_size > 1 or parallel.data_parallel_size > 1:
+            raise ValueError(f"{FLAG} {NIXL_CONNECTOR} runs with tensor parallelism only: pipeline_parallel_size "
+                             f"(--pipeline-parallel-size) and data_parallel_size (--data-parallel-size) must be 1 "
+                             f"(start one engine per data-parallel rank, each with its own side_channel_port)")
+        # The scheduler half advertises the ranks that peers pull from.
+        offload = dataclasses.replace(offload, nixl=dataclasses.replace(
+            offload.nixl, tp_size=parallel.tensor_parallel_size))
     what = "kv_transfer_config (--kv-transfer-config) / kv_offloading_size (--kv-offloading-size)"
     groups = kv_cache_groups(arch.sliding_windows, max_model_len)
     if len(groups) > 1 or groups[0].sliding_window is not None:
         raise ValueError(f"{what}: {arch.architecture} has sliding-window layers, whose blocks follow their own "
-                         f"rule; the host tier takes full-attention models only")
+                         f"rule; KV connectors take full-attention models only")
     if model.is_pooling:
         raise ValueError(f"{what}: the pooling runner keeps no prefix cache to extend")
     if speculative is not None and speculative.model is not None:

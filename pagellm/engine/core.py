@@ -116,7 +116,9 @@ class EngineCore:
             self._in_flight.append(self.executor.execute_model(so))
         if self._in_flight and (len(self._in_flight) >= depth or not launched):
             outputs += self._collect()
-        elif not launched:  # only requests whose grammar compiles or adapter loads: don't spin
+        # Nothing to compute: only requests whose grammar compiles, adapter loads or KV transfer
+        # runs (a launched step polled the workers for it). Don't spin.
+        if so.is_empty and not outputs:
             self.scheduler.wait_for_pending(_GRAMMAR_WAIT_S)
         self._heap.maybe_trim()
         return outputs

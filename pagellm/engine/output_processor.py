@@ -151,7 +151,8 @@ class OutputProcessor:
                 del self.states[out.req_id]
             elif state.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue  # nothing to report before the end (to the caller or to a parent)
-            self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents)
+            self._emit(state, finish_reason, stop_reason, out.num_cached_tokens, results, parents,
+                       out.kv_transfer_params)
         results.extend(self._parent_outputs(parents))
         return ProcessedOutputs(results, reqs_to_abort)
 
@@ -176,7 +177,8 @@ class OutputProcessor:
         return ProcessedOutputs(results, [])
 
     def _emit(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None,
-              num_cached_tokens: int, results: list[RequestOutput], parents: dict[str, ParentRequest]) -> None:
+              num_cached_tokens: int, results: list[RequestOutput], parents: dict[str, ParentRequest],
+              kv_transfer_params: dict | None = None) -> None:
         """Report the state's new output: to the caller, or to its parent (collected in `parents`)."""
         completion = self._completion(state, finish_reason, stop_reason)
         if state.parent is not None:
@@ -192,7 +194,8 @@ class OutputProcessor:
             metrics["finished_time"] = time.monotonic()
         results.append(RequestOutput(record.request_id, state.prompt, record.prompt_token_ids, [completion],
                                      finish_reason is not None, num_cached_tokens, metrics,
-                                     None if state.logprobs is None else state.logprobs.prompt_logprobs))
+                                     None if state.logprobs is None else state.logprobs.prompt_logprobs,
+                                     kv_transfer_params))
 
     @staticmethod
     def _completion(state: _RequestState, finish_reason: str | None,

@@ -141,7 +141,8 @@ class LLM:
             raise
         finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while engine.has_unfinished_requests():
+            # Until its own requests end: a prefill engine keeps stepping past them for blocks a peer pulls.
+            while len(finished) < len(ids) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
                         finished[out.request_id] = out

@@ -114,7 +114,22 @@ class PrometheusStatLogger:
             "swaps_in": counter("pagellm:kv_offload_swaps_in", "Swapped-out requests resumed from the host tier."),
             "failed_loads": counter("pagellm:kv_offload_failed_loads",
                                     "Requests recomputed because the KV connector failed to load their blocks."),
+            # Disaggregated prefill/decode (NixlConnector), on both sides.
+            "transfers": counter("pagellm:kv_transfer_count",
+                                 "Remote KV transfers completed: pulls (decode engine), prompts pulled or expired "
+                                 "(prefill engine)."),
+            "transfer_bytes": counter("pagellm:kv_transfer_bytes", "Bytes of KV pulled from prefill engines."),
+            "transfer_seconds": counter("pagellm:kv_transfer_seconds",
+                                        "Seconds pulls took, summed (to the step that saw them end)."),
+            "transfer_failures": counter("pagellm:kv_transfer_failures",
+                                         "Remote KV pulls refused or failed: the decode engine recomputed the prompt."),
+            "remote_hit_tokens": counter("pagellm:kv_transfer_hit_tokens",
+                                         "Prompt tokens pulled from a prefill engine instead of computed."),
         }
+        self.kv_transfer_held_requests = gauge(
+            "pagellm:kv_transfer_held_requests",
+            "Requests whose KV blocks are held for a transfer: finished prompts waiting for a pull (prefill "
+            "engine), requests waiting for their pull (decode engine).")
         self._kv_offload_deltas = [{key: CumulativeDelta() for key in self.kv_offload} for _ in range(num_engines)]
         self.request_success = Counter("pagellm:request_success", "Count of finished requests.",
                                        labels + ["finished_reason"], registry=self.registry)
@@ -203,6 +218,7 @@ class PrometheusStatLogger:
             deltas = self._kv_offload_deltas[engine_index]
             for key, family in self.kv_offload.items():
                 family.labels(*labels).inc(deltas[key].update(getattr(scheduler_stats.kv_transfer, key)))
+            self.kv_transfer_held_requests.labels(*labels).set(scheduler_stats.kv_transfer.held_requests)
         if scheduler_stats.lora is not None and self._lora is not None:
             self._lora.record(scheduler_stats.lora, engine_index)
 

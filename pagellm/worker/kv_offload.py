@@ -131,7 +131,7 @@ class OffloadingWorker(KVConnectorWorker):
 
     def get_finished(self) -> KVConnectorOutput | None:
         report, self._report = self._report, KVConnectorOutput()
-        return report if report.bytes_to_host or report.bytes_to_device else None
+        return None if report.is_empty else report
 
 
 def _runs(slots: Sequence[int]) -> Iterator[tuple[int, int, int]]:

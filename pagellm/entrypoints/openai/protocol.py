@@ -186,6 +186,9 @@ class GenerationRequest(StrictModel):
     priority: Int64 = 0
     """Scheduling priority (vLLM's extra): lower runs first; other than 0 only on a server started with
     --scheduling-policy priority."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """vLLM's extra for disaggregated prefill/decode (docs/disaggregated.md): {"do_remote_decode": true}
+    to a prefill engine, whose response carries the parameters to pass to a decode engine."""
     use_beam_search: bool = False
     response_format: ResponseFormat | None = None
     """{"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", "json_schema":
@@ -230,6 +233,8 @@ class GenerationRequest(StrictModel):
                              "structured_outputs.disable_any_whitespace for JSON without optional whitespace")
         if self.use_beam_search:
             yield "use_beam_search", "is not supported by the HTTP server (beam search is offline: LLM.beam_search)"
+        if self.kv_transfer_params is not None and self.n != 1:
+            yield "kv_transfer_params", "takes one sequence per request (n = 1)"
 
     def logprob_fields(self) -> dict[str, int | None]:
         """Request field -> top logprobs per token it asks for (None: not asked), for the
@@ -253,8 +258,9 @@ class GenerationRequest(StrictModel):
         kwargs = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE
         try:
+            extra_args = None if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params}
             return SamplingParams(max_tokens=max_tokens, output_kind=kind, structured_outputs=structured_outputs,
-                                  **kwargs, **self.sampling_extras())
+                                  extra_args=extra_args, **kwargs, **self.sampling_extras())
         except ValueError as e:
             raise APIError(str(e), param=self._field_named_in(str(e))) from None
 
@@ -447,6 +453,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill engine's answer to `do_remote_decode`: what a decode engine needs to pull the KV."""
 
 
 class AssistantMessage(BaseModel):
@@ -514,6 +522,8 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None
     prompt_token_ids: list[int] | None = None
     """With return_token_ids: the prompt's token ids (in a stream: in the first chunk)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """A prefill engine's answer to `do_remote_decode`: what a decode engine needs to pull the KV."""
 
 
 class ChatCompletionChunk(BaseModel):

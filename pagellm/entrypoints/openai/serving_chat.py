@@ -40,7 +40,8 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(
             id=request_id, model=model, choices=choices, usage=self.usage([final]),
             prompt_logprobs=final.prompt_logprobs,
-            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None)
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+            kv_transfer_params=final.kv_transfer_params)
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, o: CompletionOutput, request: ChatCompletionRequest) -> ChatLogprobs | None:

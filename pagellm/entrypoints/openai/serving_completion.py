@@ -81,7 +81,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=self._logprobs(final, o, request, 0, True), stop_reason=o.stop_reason,
                 prompt_logprobs=final.prompt_logprobs if request.prompt_logprobs is not None else None,
                 **self._token_ids(final, o, request, True)) for o in final.outputs]
-        response = CompletionResponse(id=request_id, model=model.name, choices=choices, usage=self.usage(finals))
+        response = CompletionResponse(id=request_id, model=model.name, choices=choices, usage=self.usage(finals),
+                                      kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return JSONResponse(response.model_dump())
 
     def _echo_text(self, prompt: str | list[int], first: RequestOutput, num_prompt_tokens: int,

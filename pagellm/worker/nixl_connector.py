@@ -1,0 +1,229 @@
+"""NixlConnector's worker half: this rank's KV cache registered with a NIXL agent; a consumer reads a
+producer's blocks with one-sided NIXL READs (UCX: host memory on a CPU, device memory on a GPU).
+
+Every cache tensor (keys and values of each layer) is one registered region cut into per-block
+descriptors (descriptor `i * num_blocks + b` is block b of tensor i), so one prepared transfer moves
+a request's blocks of every layer. A consumer rank first fetches the producer rank's layout and agent
+metadata through the side channel (`nixl_handshake`, once per producer), refuses a producer laid out
+differently (naming the key), then starts its pulls and polls them each step; a pull's completion
+notifies the producer (the request id rides on the READ), whose blocks are then freed. Each tensor-
+parallel rank pulls its own shard from the producer's rank of the same number.
+
+Loads are asynchronous across steps, not per layer: the request waits (WAITING_FOR_REMOTE_KVS) while
+other requests run, and is scheduled once every layer has landed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+from nixl_cu12._api import nixl_agent, nixl_agent_config
+
+from pagellm.config import EngineConfig
+from pagellm.core.kv_connector import KVConnectorOutput
+from pagellm.core.nixl_connector import NixlMetadata, RemoteLoad, RemotePrefill
+from pagellm.distributed import get_tp_rank
+from pagellm.worker.kv_connector import KVCaches, KVConnectorWorker
+from pagellm.worker.nixl_handshake import HandshakeListener, KVLayout, fetch_handshake
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Producer:
+    """A producer rank this rank has shaken hands with."""
+
+    layout: KVLayout
+    agent_name: str
+    refused: str | None
+    """Why its KV cannot be pulled (a layout mismatch, naming the key); None: it can."""
+    blocks: object = None
+    """Its prepared descriptor list (None when refused)."""
+
+
+@dataclass(slots=True)
+class _Pull:
+    handle: object
+    block_ids: list[int]
+    started: float
+    deadline: float
+    num_bytes: int
+
+
+class NixlWorker(KVConnectorWorker):
+    def __init__(self, config: EngineConfig, kv_caches: KVCaches) -> None:
+        super().__init__(config, kv_caches)
+        self.settings = config.kv_transfer.nixl
+        transfer = config.kv_transfer.transfer
+        tensors = [t for pair in kv_caches for t in pair]
+        first = tensors[0]
+        self.num_blocks = first.shape[0]
+        self.block_bytes = first[0].numel() * first.element_size()
+        self.num_tensors = len(tensors)
+        rank = get_tp_rank()
+        device_id = first.device.index or 0
+        self.mem_type = "VRAM" if first.is_cuda else "DRAM"
+        self.agent = nixl_agent(f"{self.settings.engine_id}-{rank}",
+                                nixl_agent_config(backends=list(self.settings.backends)))
+        self._registered = self.agent.register_memory(tensors)
+        addrs = [t.data_ptr() for t in tensors]
+        self._local = self.agent.prep_xfer_dlist("", self._descriptors(addrs, self.num_blocks, device_id),
+                                                 self.mem_type)
+        arch = config.model.source.arch
+        self.layout = KVLayout(
+            engine_id=self.settings.engine_id, agent_name=self.agent.name,
+            model=f"{arch.architecture}/{arch.vocab_size}", block_size=first.shape[1], dtype=str(first.dtype),
+            num_layers=len(kv_caches), num_kv_heads=first.shape[2], head_dim=first.shape[3],
+            tp_size=self.settings.tp_size, tp_rank=rank, num_blocks=self.num_blocks,
+            block_bytes=self.block_bytes, base_addrs=addrs, mem_type=self.mem_type, device_id=device_id)
+        self.rank = rank
+        self._producers: dict[str, _Producer] = {}
+        self._pulls: dict[str, _Pull] = {}
+        self._sends: OrderedDict[str, float] = OrderedDict()
+        """Producer: requests whose blocks wait for a pull -> when they expire (in order of expiry)."""
+        self._early: OrderedDict[str, float] = OrderedDict()
+        """Producer: pull notices that came before their request's send was registered -> when."""
+        self._report = KVConnectorOutput()
+        self.listener = None
+        if transfer.is_producer:
+            self.listener = HandshakeListener(self.settings.side_channel_host, self.settings.side_channel_port + rank,
+                                              self.layout, self.agent.get_agent_metadata())
+
+    def _descriptors(self, addrs: list[int], num_blocks: int, device_id: int) -> np.ndarray:
+        """(address, length, device) of every block of every tensor: row i * num_blocks + b is block b of tensor i."""
+        offsets = np.arange(num_blocks, dtype=np.int64) * self.block_bytes
+        rows = np.empty((len(addrs) * num_blocks, 3), dtype=np.int64)
+        rows[:, 0] = (np.asarray(addrs, dtype=np.int64)[:, None] + offsets[None, :]).reshape(-1)
+        rows[:, 1] = self.block_bytes
+        rows[:, 2] = device_id
+        return rows
+
+    def _indices(self, block_ids: list[int], num_blocks: int) -> np.ndarray:
+        blocks = np.asarray(block_ids, dtype=np.int64)
+        return (np.arange(self.num_tensors, dtype=np.int64)[:, None] * num_blocks + blocks[None, :]).reshape(-1)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: NixlMetadata) -> None:
+        now = time.monotonic()
+        for req_id in metadata.sends:
+            if self._early.pop(req_id, None) is not None:  # pulled before we heard of it
+                self._report.finished_sending.add(req_id)
+                self._report.num_transfers += 1
+            else:
+                self._sends[req_id] = now + self.settings.abort_timeout_s
+        for remote in metadata.releases:
+            self._release(remote)
+        for load in metadata.loads:
+            self._start_pull(load, now)
+
+    def _start_pull(self, load: RemoteLoad, now: float) -> None:
+        try:
+            producer = self._producer(load.remote)
+            if producer.refused is not None:
+                raise ValueError(producer.refused)
+            if max(load.remote_block_ids, default=0) >= producer.layout.num_blocks:
+                raise ValueError(f"kv_transfer_params remote_block_ids go past the producer's "
+                                 f"{producer.layout.num_blocks} blocks")
+            handle = self.agent.make_prepped_xfer(
+                "READ", self._local, self._indices(load.block_ids, self.num_blocks), producer.blocks,
+                self._indices(load.remote_block_ids, producer.layout.num_blocks), load.remote.request_id.encode())
+            if self.agent.transfer(handle) == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise RuntimeError("NIXL refused the transfer")
+        # Whatever the transport raises (NIXL's own errors, a dead producer's socket), the request
+        # recomputes its prompt: a failed pull must never fail the engine.
+        except Exception as e:  # noqa: BLE001
+            logger.warning("NixlConnector: request %s recomputes its prompt, its pull from %s:%d failed: %s",
+                           load.req_id, load.remote.host, load.remote.port + self.rank, e)
+            self._release(load.remote)
+            self._report.failed_block_ids.update(load.block_ids)
+            self._report.finished_recving.add(load.req_id)
+            return
+        self._pulls[load.req_id] = _Pull(handle, load.block_ids, now, now + self.settings.abort_timeout_s,
+                                         len(load.block_ids) * self.block_bytes * self.num_tensors)
+
+    def _producer(self, remote: RemotePrefill) -> _Producer:
+        """The producer rank to pull from, shaken hands with once."""
+        producer = self._producers.get(remote.engine_id)
+        if producer is not None:
+            return producer
+        layout, metadata = fetch_handshake(remote.host, remote.port + self.rank)
+        if layout.engine_id != remote.engine_id:
+            raise ValueError(f"kv_transfer_params remote_engine_id is {remote.engine_id!r}, but the engine at "
+                             f"{remote.host}:{remote.port + self.rank} is {layout.engine_id!r}")
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        refused = self.layout.mismatch(layout)
+        if refused is None and remote.tp_size != self.settings.tp_size:
+            refused = f"the producer's tp_size is {remote.tp_size}, this engine's is {self.settings.tp_size}"
+        if refused is not None:
+            refused = f"refused at handshake: {refused}"
+            logger.error("NixlConnector: producer %s %s; its requests recompute here", remote.engine_id, refused)
+        producer = _Producer(layout, name, refused)
+        if refused is None:
+            producer.blocks = self.agent.prep_xfer_dlist(
+                name, self._descriptors(layout.base_addrs, layout.num_blocks, layout.device_id), layout.mem_type)
+        self._producers[remote.engine_id] = producer
+        return producer
+
+    def _release(self, remote: RemotePrefill) -> None:
+        """Tell a producer that its blocks for `remote.request_id` will not be pulled."""
+        try:
+            producer = self._producer(remote)
+            self.agent.send_notif(producer.agent_name, remote.request_id.encode())
+        except Exception as e:  # noqa: BLE001 - the producer frees them on its timeout instead
+            logger.warning("NixlConnector: could not tell %s:%d to free request %s: %s", remote.host,
+                           remote.port + self.rank, remote.request_id, e)
+
+    def get_finished(self) -> KVConnectorOutput | None:
+        report, self._report = self._report, KVConnectorOutput()
+        now = time.monotonic()
+        if self._pulls:
+            self._poll_pulls(report, now)
+        if self.listener is not None:
+            self._poll_sends(report, now)
+        return None if report.is_empty else report
+
+    def _poll_pulls(self, report: KVConnectorOutput, now: float) -> None:
+        for req_id, pull in list(self._pulls.items()):
+            state = self.agent.check_xfer_state(pull.handle)
+            if state == "PROC" and now < pull.deadline:
+                continue
+            if state == "DONE":
+                report.num_transfers += 1
+                report.transfer_bytes += pull.num_bytes
+                report.transfer_seconds += now - pull.started
+            else:
+                logger.warning("NixlConnector: request %s recomputes its prompt: its pull ended %s", req_id,
+                               "in error" if state == "ERR" else "past abort_timeout_s")
+                report.failed_block_ids.update(pull.block_ids)
+            try:
+                self.agent.release_xfer_handle(pull.handle)
+            except Exception as e:  # noqa: BLE001 - a handle NIXL will not release is only leaked
+                logger.warning("NixlConnector: releasing request %s's transfer: %s", req_id, e)
+            report.finished_recving.add(req_id)
+            del self._pulls[req_id]
+
+    def _poll_sends(self, report: KVConnectorOutput, now: float) -> None:
+        for messages in self.agent.get_new_notifs().values():
+            for message in messages:
+                req_id = message.decode()
+                if self._sends.pop(req_id, None) is not None:
+                    report.finished_sending.add(req_id)
+                    report.num_transfers += 1
+                else:
+                    self._early[req_id] = now
+        while self._sends:
+            req_id, deadline = next(iter(self._sends.items()))
+            if deadline > now:
+                break
+            del self._sends[req_id]
+            report.finished_sending.add(req_id)
+            logger.warning("NixlConnector: request %s's blocks were not pulled within abort_timeout_s (%.0f s); "
+                           "freed", req_id, self.settings.abort_timeout_s)
+        while self._early and next(iter(self._early.values())) < now - self.settings.abort_timeout_s:
+            self._early.popitem(last=False)  # a notice for blocks already freed (a late release)
