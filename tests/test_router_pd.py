@@ -38,7 +38,7 @@ def _samples(url: str, name: str) -> dict[str, float]:
 def test_prefill_then_decode_with_the_returned_params(fakes, router) -> None:
     p, d = fakes("p", kv_params=KV), fakes("d")
     r = _pd(router, [p], [d])
-    body = {"model": "m", "prompt": "hello", "max_tokens": 20, "n": 2, "min_tokens": 3, "temperature": 0.5,
+    body = {"model": "m", "prompt": "hello", "max_tokens": 20, "min_tokens": 3, "temperature": 0.5,
             "kv_transfer_params": {"remote_host": "evil"}}  # a client's own params reach no engine
     resp = httpx.post(f"{r.url}/v1/completions", json=body)
     assert resp.status_code == 200
@@ -59,6 +59,15 @@ def test_prefill_then_decode_with_the_returned_params(fakes, router) -> None:
     assert _samples(r.url, "pagellm:router_pd_requests_total") == {"transferred": 2}
     assert _samples(r.url, "pagellm:router_pd_prefill_seconds_count") == {p.url: 2}
     assert _samples(r.url, "pagellm:router_pd_fallbacks_total") == {}
+
+
+def test_several_sequences_skip_the_prefill(fakes, router) -> None:
+    p, d = fakes("p", kv_params=KV), fakes("d")
+    r = _pd(router, [p], [d])
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4, "n": 3}
+    assert httpx.post(f"{r.url}/v1/completions", json=body).status_code == 200
+    assert p.bodies == [] and d.bodies == [body]
+    assert _samples(r.url, "pagellm:router_pd_fallbacks_total") == {"n_above_1": 1}
 
 
 @pytest.mark.parametrize(("knobs", "reason"), [({"kv_params": None}, "no_kv_transfer_params"),

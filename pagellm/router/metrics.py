@@ -37,8 +37,9 @@ class RouterMetrics:
         self.pd_requests = Counter("pagellm:router_pd_requests", "Disaggregated requests by outcome: transferred "
                                    "(sent to decode with the prefill's KV) or fallback (decode prefilled itself)",
                                    ["outcome"], registry=r)
-        self.pd_fallbacks = Counter("pagellm:router_pd_fallbacks", "Disaggregated requests sent to decode without "
-                                    "KV, by reason (prefill_unavailable, prefill_error, no_kv_transfer_params)",
+        self.pd_fallbacks = Counter("pagellm:router_pd_fallbacks", "Disaggregated requests sent to decode "
+                                    "without KV, by reason (prefill_unavailable, prefill_error, "
+                                    "no_kv_transfer_params, n_above_1)",
                                     ["reason"], registry=r)
         self.pd_prefill_latency = Histogram("pagellm:router_pd_prefill_seconds", "Prefill round trip of a "
                                             "disaggregated request (sent to the prefill pool until its answer)",

@@ -6,8 +6,9 @@ The prefill request is the client's body with one output token, no stream and
 `kv_transfer_params: {do_remote_decode: true}`; the producer answers with the parameters that let a
 consumer pull the prompt's KV (its engine id, host, port, block ids). The decode request is the
 client's body plus those parameters. When the prefill pool does not answer, answers an error, or
-answers no parameters, the decode engine gets the body alone and prefills itself: the same answer,
-later (counted as a fallback).
+answers no parameters, or the request asks for several sequences (`n` > 1, which a transfer does
+not carry), the decode engine gets the body alone and prefills itself: the same answer, later
+(counted as a fallback).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pagellm.router.state import PDPools, RouterState
 
 KV_TRANSFER_FIELD = "kv_transfer_params"
 PREFILL_REQUEST_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False}
-DROPPED_FOR_PREFILL = ("n", "best_of", "stream_options", "min_tokens")
+DROPPED_FOR_PREFILL = ("stream_options", "min_tokens")
 """Fields that one non-streamed output token contradicts (the engine would refuse the request)."""
 
 
@@ -42,7 +43,11 @@ async def open_disaggregated(state: RouterState, pools: PDPools, path: str, body
                              load_tokens: int) -> Upstream:
     """The decode engine's response (headers read), after the prefill round trip; APIError 503 when
     no decode engine answered."""
-    params = await _prefill(state, pools.prefill, path, body, client_headers, hashes, input_tokens)
+    n = body.get("n")
+    if isinstance(n, int) and n > 1:  # a transfer carries one sequence's KV: the engines refuse it with n > 1
+        params = _fallback(state, "n_above_1")
+    else:
+        params = await _prefill(state, pools.prefill, path, body, client_headers, hashes, input_tokens)
     state.metrics.pd_requests.labels("fallback" if params is None else "transferred").inc()
     # The client's own kv_transfer_params never reach an engine: they would name another producer.
     decode_body = {k: v for k, v in body.items() if k != KV_TRANSFER_FIELD}
