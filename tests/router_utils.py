@@ -72,7 +72,10 @@ class FakeBackend:
     = `output_tokens`; a stream sends `stream_events` chunks (and the usage, when the request asks
     with `include_usage`) then [DONE]. Knobs: `status` (answer every request with it), `healthy`
     (/health), `break_after` (drop the connection after that many stream events), `gate` (hold
-    requests until set)."""
+    requests until set), `hold` (hold each request until its client goes, counted in `disconnects`;
+    a stream sends its first event first), `kv_params` (the top-level `kv_transfer_params` a P/D
+    prefill request, one with `do_remote_decode`, is answered with), `break_after` also cuts a
+    non-streamed body short when 0."""
 
     name: str
     output_tokens: int = 5
@@ -81,6 +84,9 @@ class FakeBackend:
     healthy: bool = True
     break_after: int | None = None
     gate: threading.Event | None = None
+    hold: bool = False
+    kv_params: dict[str, Any] | None = None
+    disconnects: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -125,18 +131,37 @@ class FakeBackend:
             if body.get("stream"):
                 usage = (body.get("stream_options") or {}).get("include_usage", False)
                 return StreamingResponse(self._events(n, usage), media_type="text/event-stream")
-            return JSONResponse({"id": f"cmpl-{n}", "object": "text_completion", "model": body.get("model"),
-                                 "choices": [{"index": 0, "text": f"{self.name}:{n}", "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": f"{self.name}:{n}"}}],
-                                 "usage": {"prompt_tokens": 1, "completion_tokens": self.output_tokens,
-                                           "total_tokens": 1 + self.output_tokens}})
+            if self.hold:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                self.disconnects += 1
+                return Response(status_code=499)
+            if self.break_after == 0:
+                return StreamingResponse(self._cut_short(), media_type="application/json")
+            answer = {"id": f"cmpl-{n}", "object": "text_completion", "model": body.get("model"),
+                      "choices": [{"index": 0, "text": f"{self.name}:{n}", "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": f"{self.name}:{n}"}}],
+                      "usage": {"prompt_tokens": 1, "completion_tokens": self.output_tokens,
+                                "total_tokens": 1 + self.output_tokens}}
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                answer["kv_transfer_params"] = self.kv_params
+            return JSONResponse(answer)
 
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
             app.add_api_route(path, generate, methods=["POST"])
         return app
 
+    async def _cut_short(self) -> AsyncIterator[bytes]:
+        yield b'{"id": "cmpl-'
+        raise RuntimeError("fake backend dies mid-response")
+
     async def _events(self, n: int, usage: bool) -> AsyncIterator[bytes]:
         for i in range(self.stream_events):
+            if self.hold and i == 1:
+                try:
+                    await asyncio.Event().wait()  # until Starlette cancels the stream: its client went
+                finally:
+                    self.disconnects += 1
             if self.break_after is not None and i == self.break_after:
                 raise RuntimeError("fake backend dies mid-stream")
             chunk = {"id": f"cmpl-{n}", "object": "chat.completion.chunk", "model": "m",

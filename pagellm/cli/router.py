@@ -9,7 +9,8 @@ from pagellm.router.cli_args import add_router_args
 
 def register(sub: argparse._SubParsersAction) -> None:
     router = sub.add_parser("router", help="OpenAI-compatible gateway over many backends: routing by model, canary "
-                            "weights, prefix-affine balancing, rate limits, length limits, a response cache",
+                            "weights, prefix-affine balancing, rate limits, length limits, a response cache, "
+                            "prefill/decode disaggregation",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_router_args(router)
     set_handler(router, _router)

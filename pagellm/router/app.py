@@ -2,7 +2,8 @@
 
 A generation request goes: API key -> model's route -> length governance (tokenizer) -> rate
 limits -> response cache -> a backend (failover) -> the response, passed through; the key's
-counters and the cache are settled when the response ends.
+counters and the cache are settled when the response ends. In P/D mode (pd.py) the backend step is
+a prefill engine, then a decode engine. A client that goes away cancels the backend request.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import logging
 import secrets
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,13 +21,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pagellm.entrypoints.openai.errors import APIError, error_response
+from pagellm.entrypoints.openai.errors import CLIENT_CLOSED_REQUEST, APIError, error_response
 from pagellm.entrypoints.openai.web_pages import CHAT_PAGE, add_web_ui_routes
-from pagellm.router.balance import ModelRoute, prefix_hashes
+from pagellm.router.balance import Backend, ModelRoute, prefix_hashes
 from pagellm.router.body import DEFAULT_MAX_TOKENS_ESTIMATE, estimate_tokens, prompt_text, requested_max_tokens
 from pagellm.router.cache import BYPASS_HEADER, STATUS_HEADER, CachedResponse
-from pagellm.router.config import KeyConfig
+from pagellm.router.config import BackendConfig, KeyConfig
 from pagellm.router.length import Governed, LengthError, govern
+from pagellm.router.pd import open_disaggregated
 from pagellm.router.proxy import open_upstream, respond
 from pagellm.router.state import RouterState, RoutingTable
 
@@ -68,8 +70,10 @@ def build_app(state: RouterState, reload_on_sighup: bool = False, web_ui: bool =
     @app.get("/health")
     async def health() -> Response:
         table = state.table
-        up = {m.name: any(not b.ejected for b, _ in (bc for v in table.routes[m.name].versions for bc in v.backends))
-              for m in table.config.models}
+        if table.pd is not None:  # a down prefill pool only slows requests (decode prefills them)
+            pools = {r.config.name: _in_rotation(r) for r in (table.pd.prefill, table.pd.decode)}
+            return JSONResponse({"pools": pools}, status_code=200 if pools["decode"] else 503)
+        up = {m.name: _in_rotation(table.routes[m.name]) for m in table.config.models}
         return JSONResponse({"models": up}, status_code=200 if any(up.values()) else 503)
 
     @app.get("/metrics")
@@ -93,6 +97,10 @@ def build_app(state: RouterState, reload_on_sighup: bool = False, web_ui: bool =
                              for b in state.table.backends.values()])
 
     return app
+
+
+def _in_rotation(route: ModelRoute) -> bool:
+    return any(not b.ejected for v in route.versions for b, _ in v.backends)
 
 
 _background: set[asyncio.Task] = set()
@@ -149,7 +157,11 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", 400)
     model = body.get("model")
-    route = table.routes.get(model) if isinstance(model, str) else None
+    if table.pd is not None:  # every model goes to the pools; an engine answers 404 for one it lacks
+        route = table.pd.decode
+        model = route.config.name  # the metrics' `model` label: the pool, not what clients send
+    else:
+        route = table.routes.get(model) if isinstance(model, str) else None
     if route is None:
         raise APIError(f"the model `{model}` does not exist; served: {', '.join(table.routes)}", 404, "model")
 
@@ -197,20 +209,51 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
         load = input_tokens + (max_tokens or DEFAULT_MAX_TOKENS_ESTIMATE)
         sticky_header = table.config.sticky_header
         sticky = request.headers.get(sticky_header) if sticky_header else None
-        hashes = prefix_hashes(model, prompt_text(body))
-        up = await open_upstream(state, route, path, body, dict(request.headers), hashes, sticky, load)
-        headers[BACKEND_HEADER] = up.backend.url
-        media_type = up.response.headers.get("content-type", "")
+        hashes = prefix_hashes(str(body.get("model")), prompt_text(body))
 
-        async def on_done(output_tokens: int, content: bytes | None) -> None:
-            if cache_key is not None and content is not None:
-                await table.cache.put(cache_key, CachedResponse(up.response.status_code, media_type, content))
-            await settle(output_tokens)
+        async def answer() -> Response:
+            if table.pd is not None and path in GENERATION_PATHS:
+                up = await open_disaggregated(state, table.pd, path, body, dict(request.headers), hashes,
+                                              input_tokens, load)
+            else:
+                up = await open_upstream(state, route, path, body, dict(request.headers), hashes, sticky, load)
+            headers[BACKEND_HEADER] = up.backend.url
+            media_type = up.response.headers.get("content-type", "")
 
-        return await respond(state, up, model, path, stream, load, headers, on_done)
+            async def on_done(output_tokens: int, content: bytes | None) -> None:
+                if cache_key is not None and content is not None:
+                    await table.cache.put(cache_key, CachedResponse(up.response.status_code, media_type, content))
+                await settle(output_tokens)
+
+            return await respond(state, up, model, path, stream, load, headers, on_done)
+
+        return await _unless_disconnected(request, answer())
     except BaseException:
         await settle(0)
         raise
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """`work`'s response, or a 499 once the client disconnects first: cancelling `work` closes its
+    upstream connections, which makes the engines abort the request and free its blocks. (A stream,
+    once returned, is cancelled by Starlette when its client goes.)"""
+    result = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait((result, gone), return_when=asyncio.FIRST_COMPLETED)
+        if result in done:
+            return result.result()
+        raise APIError("the client disconnected before the response was ready", CLIENT_CLOSED_REQUEST)
+    finally:
+        gone.cancel()
+        result.cancel()  # a no-op once done
+        await asyncio.gather(result, gone, return_exceptions=True)
+
+
+async def _until_disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _govern(state: RouterState, table: RoutingTable, route: ModelRoute, body: dict[str, Any],
@@ -239,20 +282,22 @@ def _replay(hit: CachedResponse, headers: dict[str, str]) -> Response:
 
 
 async def _merged_models(state: RouterState) -> list[dict[str, Any]]:
-    """Each routed model once, with what one of its backends says of it (max_model_len, ...)."""
+    """Each routed model once, with what one of its backends says of it (max_model_len, ...); in P/D
+    mode, what the first decode engine that answers serves."""
     table = state.table
+    if table.pd is not None:
+        for backend, config in table.pd.decode.versions[0].backends:
+            listed = None if backend.ejected else await _listed_models(state, backend, config)
+            if listed is not None:
+                return [m for m in listed if isinstance(m, dict)]
+        return []
 
     async def describe(name: str) -> dict[str, Any]:
         entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "pagellm-router"}
         for version in table.routes[name].versions:
             for backend, config in version.backends:
-                if backend.ejected:
-                    continue
-                headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-                try:
-                    data = (await state.http.get(f"{backend.url}/v1/models", headers=headers, timeout=5.0)).json()
-                    listed = data.get("data") or []
-                except (httpx.HTTPError, ValueError, AttributeError):  # this backend cannot say: ask the next
+                listed = None if backend.ejected else await _listed_models(state, backend, config)
+                if listed is None:  # this backend cannot say: ask the next
                     continue
                 match = next((m for m in listed if isinstance(m, dict) and m.get("id") == name), None)
                 if match is None and len(listed) == 1 and isinstance(listed[0], dict):
@@ -262,3 +307,14 @@ async def _merged_models(state: RouterState) -> list[dict[str, Any]]:
         return entry
 
     return list(await asyncio.gather(*(describe(m.name) for m in table.config.models)))
+
+
+async def _listed_models(state: RouterState, backend: Backend, config: BackendConfig) -> list[Any] | None:
+    """The `data` of the backend's /v1/models, or None when it does not answer one."""
+    headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    try:
+        data = (await state.http.get(f"{backend.url}/v1/models", headers=headers, timeout=5.0)).json()
+        listed = data.get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return listed if isinstance(listed, list) else None

@@ -13,6 +13,12 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=port, default=8080)
     parser.add_argument("--backend", action="append", default=[], metavar="NAME=URL[@WEIGHT]",
                         help="Serve model NAME from the backend at URL (repeatable; adds to the config's models)")
+    parser.add_argument("--prefill", nargs="+", default=None, metavar="URL",
+                        help="Disaggregated prefill/decode: the prefill engines (kv_producer), with --decode; "
+                        "overrides prefill (docs/router.md)")
+    parser.add_argument("--decode", nargs="+", default=None, metavar="URL",
+                        help="The decode engines (kv_consumer) that pull the prompt's KV from a prefill engine; "
+                        "overrides decode")
     parser.add_argument("--cache-url", default=None, help="memory:// or redis://host:port/db (overrides cache.url; "
                         "Redis also holds the rate-limit counters)")
     parser.add_argument("--admin-key", default=None, help="Bearer key of the /admin routes (overrides admin_key)")

@@ -88,6 +88,14 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     max_imbalance: int = 8
     """Prefix affinity yields when its backend has this many more requests in flight than the least loaded."""
+    prefill: tuple[BackendConfig, ...] = ()
+    """Disaggregated prefill/decode: the engines that compute prompts (kv_producer). Empty: no P/D."""
+    decode: tuple[BackendConfig, ...] = ()
+    """The engines that pull a prompt's KV from a prefill engine and decode (kv_consumer)."""
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill)
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None,
@@ -141,10 +149,20 @@ def _number(text: str, where: str) -> float:
 def parse_config(raw: dict[str, Any]) -> RouterConfig:
     """The validated config of a YAML document's content."""
     _check_keys(raw, "", ("models", "keys", "cache", "admin_key", "sticky_header", "health_interval_s",
-                          "eject_after_failures", "request_timeout_s", "max_imbalance"))
+                          "eject_after_failures", "request_timeout_s", "max_imbalance", "prefill", "decode"))
+    prefill, decode = _pools(raw)
     models_raw = raw.get("models")
-    if not isinstance(models_raw, list) or not models_raw:
-        raise ValueError("models: at least one model with backends is required (or --backend NAME=URL)")
+    if prefill:
+        if models_raw:
+            raise ValueError("models: not with prefill/decode (--prefill/--decode): in P/D mode the two pools serve "
+                             "every model their engines serve; drop `models` and --backend")
+        if raw.get("sticky_header") is not None:
+            raise ValueError("sticky_header: not with prefill/decode (--prefill/--decode): it pins clients to canary "
+                             "versions, which the P/D pools do not have")
+        models_raw = []
+    elif not isinstance(models_raw, list) or not models_raw:
+        raise ValueError("models: at least one model with backends is required (or --backend NAME=URL, or "
+                         "--prefill URL... --decode URL...)")
     models = tuple(_model(m, f"models[{i}]") for i, m in enumerate(models_raw))
     seen: dict[str, int] = {}
     for i, m in enumerate(models):
@@ -167,8 +185,40 @@ def parse_config(raw: dict[str, Any]) -> RouterConfig:
         health_interval_s=_positive(raw, "health_interval_s", "", 5.0, float),
         eject_after_failures=_positive(raw, "eject_after_failures", "", 3, int),
         request_timeout_s=_positive(raw, "request_timeout_s", "", 600.0, float),
-        max_imbalance=_positive(raw, "max_imbalance", "", 8, int),
+        max_imbalance=_positive(raw, "max_imbalance", "", 8, int), prefill=prefill, decode=decode,
     )
+
+
+def _pools(raw: dict[str, Any]) -> tuple[tuple[BackendConfig, ...], tuple[BackendConfig, ...]]:
+    """The P/D pools (both empty without P/D): lists of URLs or {url, api_key}, disjoint."""
+    present = {name: raw.get(name) not in (None, []) for name in ("prefill", "decode")}
+    if not any(present.values()):
+        return (), ()
+    for name, other in (("prefill", "decode"), ("decode", "prefill")):
+        if not present[name]:
+            raise ValueError(f"{name}: required with {other} (--{name} URL... with --{other} URL...): P/D mode "
+                             "needs both pools")
+    pools = []
+    for name in ("prefill", "decode"):
+        entries = raw[name]
+        if not isinstance(entries, list):
+            raise ValueError(f"{name}: must be a list of URLs or {{url, api_key}} (--{name} URL...)")
+        pool = []
+        for j, entry in enumerate(entries):
+            where = f"{name}[{j}]"
+            if isinstance(entry, dict):
+                # One balanced pool: weights and versions would split P from D by model version.
+                _check_keys(entry, where, ("url", "api_key"))
+            pool.append(_backend(entry, where))
+        pools.append(tuple(pool))
+    seen: dict[str, str] = {}
+    for name, pool in zip(("prefill", "decode"), pools):
+        for j, b in enumerate(pool):
+            if b.url in seen:
+                raise ValueError(f"{name}[{j}].url: {b.url!r} is also {seen[b.url]} (--prefill and --decode take "
+                                 "distinct engines: one is a kv_producer, the other a kv_consumer)")
+            seen[b.url] = f"{name}[{j}]"
+    return pools[0], pools[1]
 
 
 def _model(raw: Any, where: str) -> ModelConfig:

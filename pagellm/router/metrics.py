@@ -34,5 +34,15 @@ class RouterMetrics:
                                   ["model"], registry=r)
         self.in_flight = Gauge("pagellm:router_backend_in_flight", "Requests in flight per backend", ["backend"],
                                registry=r)
+        self.pd_requests = Counter("pagellm:router_pd_requests", "Disaggregated requests by outcome: transferred "
+                                   "(sent to decode with the prefill's KV) or fallback (decode prefilled itself)",
+                                   ["outcome"], registry=r)
+        self.pd_fallbacks = Counter("pagellm:router_pd_fallbacks", "Disaggregated requests sent to decode "
+                                    "without KV, by reason (prefill_unavailable, prefill_error, "
+                                    "no_kv_transfer_params, n_above_1)",
+                                    ["reason"], registry=r)
+        self.pd_prefill_latency = Histogram("pagellm:router_pd_prefill_seconds", "Prefill round trip of a "
+                                            "disaggregated request (sent to the prefill pool until its answer)",
+                                            ["backend"], buckets=LATENCY_BUCKETS, registry=r)
         self.healthy = Gauge("pagellm:router_backend_healthy", "1 while the backend is in rotation", ["backend"],
                              registry=r)

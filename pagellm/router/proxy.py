@@ -112,7 +112,7 @@ async def respond(state: RouterState, up: Upstream, model: str, path: str, strea
         try:
             content = await up.response.aread()
         except httpx.HTTPError as e:
-            _finish(state, up, model, load_tokens, error=type(e).__name__)
+            finish(state, up, model, load_tokens, error=type(e).__name__)
             await on_done(0, None)
             raise APIError(f"backend {up.backend.url} broke off its response ({type(e).__name__})", 502) from e
         except BaseException:  # the client went away while waiting
@@ -120,7 +120,7 @@ async def respond(state: RouterState, up: Upstream, model: str, path: str, strea
             raise
         finally:
             await up.response.aclose()
-        _finish(state, up, model, load_tokens)
+        finish(state, up, model, load_tokens)
         await on_done(output_tokens_of(content), content)
         return Response(content, up.response.status_code, headers,
                         media_type=up.response.headers.get("content-type", "application/json"))
@@ -144,7 +144,7 @@ async def _relay(state: RouterState, up: Upstream, model: str, path: str, load_t
         yield sse_error(APIError(f"backend {up.backend.url} broke off the stream ({error})", 502)).encode()
     finally:
         await up.response.aclose()
-        _finish(state, up, model, load_tokens, error=error)
+        finish(state, up, model, load_tokens, error=error)
         complete = error is None and b"data: [DONE]" in b"".join(chunks[-2:])
         # Each event but [DONE] carries about one token: an estimate where the stream reports no usage.
         tokens = usage_tokens if usage_tokens is not None else max(0, events - 2)
@@ -160,7 +160,7 @@ def _stream_usage(chunk: bytes) -> int | None:
     return None
 
 
-def _finish(state: RouterState, up: Upstream, model: str, load_tokens: int, error: str | None = None) -> None:
+def finish(state: RouterState, up: Upstream, model: str, load_tokens: int, error: str | None = None) -> None:
     release_load(state, up.backend, load_tokens)
     url = up.backend.url
     state.metrics.requests.labels(model, url, str(up.response.status_code)).inc()

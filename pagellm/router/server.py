@@ -14,7 +14,8 @@ from pagellm.router.state import RouterState
 
 def make_state(ns: argparse.Namespace) -> RouterState:
     """The router's state from the flags; ValueError naming the config key or flag."""
-    overrides = {"cache_url": ns.cache_url, "admin_key": ns.admin_key, "sticky_header": ns.sticky_header}
+    overrides = {"cache_url": ns.cache_url, "admin_key": ns.admin_key, "sticky_header": ns.sticky_header,
+                 "prefill": ns.prefill, "decode": ns.decode}
     return RouterState(ns.config, overrides, ns.backend)
 
 

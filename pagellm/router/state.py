@@ -14,7 +14,7 @@ import httpx
 
 from pagellm.router.balance import Backend, ModelRoute
 from pagellm.router.cache import ResponseCache
-from pagellm.router.config import KeyConfig, RouterConfig, load_config
+from pagellm.router.config import KeyConfig, ModelConfig, RouterConfig, load_config
 from pagellm.router.limits import RateLimiter
 from pagellm.router.metrics import RouterMetrics
 from pagellm.router.store import RedisStore, Store, make_store
@@ -22,6 +22,15 @@ from pagellm.tokenizer import Tokenizer, load_tokenizer_at
 
 logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True, frozen=True)
+class PDPools:
+    """Disaggregated prefill/decode: each pool one balanced route, named after it (the `model` label of
+    its metrics: P/D serves whatever models its engines serve)."""
+
+    prefill: ModelRoute
+    decode: ModelRoute
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,6 +46,8 @@ class RoutingTable:
     store: Store
     limiter: RateLimiter
     cache: ResponseCache
+    pd: PDPools | None = None
+    """Set in P/D mode, where `routes` is empty."""
 
 
 class RouterState:
@@ -55,7 +66,8 @@ class RouterState:
         # Backends keep their state across reloads; those the new config drops are forgotten (requests
         # in flight hold their own reference).
         kept = old.backends if old is not None else {}
-        backends = {url: kept.get(url) or Backend(url) for url in (b.url for m in config.models for b in m.backends)}
+        urls = [b.url for m in config.models for b in m.backends] + [b.url for b in config.prefill + config.decode]
+        backends = {url: kept.get(url) or Backend(url) for url in urls}
         tokenizers = {}
         for i, m in enumerate(config.models):
             if m.tokenizer is not None:
@@ -66,10 +78,14 @@ class RouterState:
                         raise ValueError(f"models[{i}].tokenizer: {e}") from e
                 tokenizers[m.name] = self._tokenizers_by_path[m.tokenizer]
         routes = {m.name: ModelRoute(m, backends, config.max_imbalance) for m in config.models}
+        pd = None
+        if config.disaggregated:
+            pd = PDPools(*(ModelRoute(ModelConfig(name, pool), backends, config.max_imbalance)
+                           for name, pool in (("prefill", config.prefill), ("decode", config.decode))))
         same_store = old is not None and old.config.cache.url == config.cache.url
         store = old.store if same_store else make_store(config.cache.url, config.cache.max_entries)
         return RoutingTable(config, routes, backends, tokenizers, {k.key: k for k in config.keys}, store,
-                            RateLimiter(store), ResponseCache(config.cache, store))
+                            RateLimiter(store), ResponseCache(config.cache, store), pd)
 
     async def check_store(self) -> None:
         """ValueError naming cache.url when the configured Redis does not answer."""
