@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from nixl_cu12._api import nixl_agent, nixl_agent_config
 
 from pagellm.config import EngineConfig
 from pagellm.core.kv_connector import KVConnectorOutput
 from pagellm.core.nixl_connector import NixlMetadata, RemoteLoad, RemotePrefill
 from pagellm.distributed import get_tp_rank, tensor_parallel_all_reduce
 from pagellm.worker.kv_connector import KVCaches, KVConnectorWorker
+from pagellm.worker.nixl_api import nixl_agent, nixl_agent_config
 from pagellm.worker.nixl_handshake import HandshakeListener, KVLayout, fetch_handshake
 
 logger = logging.getLogger(__name__)
