@@ -9,6 +9,7 @@ import torch
 
 from pagellm.config.arch import ModelArchConfig
 from pagellm.config.json_flags import json_object
+from pagellm.config.multimodal import MultiModalConfig
 
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -78,6 +79,8 @@ class ModelConfig:
     """No CUDA graphs for decode steps."""
     pooler: PoolerConfig | None = None
     """The pooling runner's pooler; None for the generate runner."""
+    multimodal: MultiModalConfig = field(default_factory=lambda: MultiModalConfig.parse(None, None, None))
+    """How many images a prompt may carry, and where the server may read them from."""
 
     @property
     def is_pooling(self) -> bool:

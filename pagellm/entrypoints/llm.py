@@ -11,6 +11,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pagellm.entrypoints.chat_images import check_images, image_token_text, prepare, split_images
+from pagellm.entrypoints.media import MediaLimits, load
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -105,14 +107,24 @@ class LLM:
         `priority` (one per conversation) as in `generate`."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **(chat_template_kwargs or {}))
-            for conv in conversations
-        ]
-        # The template already carries any BOS token: don't let the tokenizer add a second one.
-        token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
-                          "cache_salt": cache_salt} for p in prompts]
+        images = self.llm_engine.processor.images
+        config = self.llm_engine.config.model.multimodal
+        token_prompts = []
+        for conv in conversations:
+            content = split_images(conv, chat_template or tokenizer.chat_template, image_token_text(images, tokenizer))
+            check_images(content, images, config)
+            text = tokenizer.apply_chat_template(content.messages, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, **(chat_template_kwargs or {}))
+            if content.image_urls:
+                limits = MediaLimits.from_env(config)
+                pictures = [load(url, limits, where) for url, where in content.image_urls]
+                token_ids, items = prepare(images, tokenizer, text, pictures)
+                token_prompts.append({"prompt": text, "prompt_token_ids": token_ids, "multi_modal_items": items,
+                                      "cache_salt": cache_salt})
+            else:
+                # The template already carries any BOS token: don't let the tokenizer add a second one.
+                token_ids = tokenizer.encode(text, add_special_tokens=False)
+                token_prompts.append({"prompt": text, "prompt_token_ids": token_ids, "cache_salt": cache_salt})
         return self.generate(token_prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
