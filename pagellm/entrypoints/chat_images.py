@@ -88,10 +88,9 @@ def check_images(content: ChatContent, images: ImageProcessor | None, config: Mu
 
 
 def _as_text(parts: list[dict[str, Any]], image_token: str | None) -> str:
-    images = sum(part["type"] == "image" for part in parts)
-    if images and image_token is None:
-        raise ValueError("this model takes text only: image parts need a model with a vision tower")
-    return "\n".join([image_token] * images + [part["text"] for part in parts if part["type"] == "text"])
+    # A text-only model (no image token) gets no placeholder: check_images refuses its images.
+    placeholders = [image_token] * sum(part["type"] == "image" for part in parts) if image_token else []
+    return "\n".join(placeholders + [part["text"] for part in parts if part["type"] == "text"])
 
 
 def image_token_text(images: ImageProcessor | None, tokenizer: Tokenizer) -> str | None:

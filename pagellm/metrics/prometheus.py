@@ -24,6 +24,9 @@ INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 REQUEST_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+MM_PREPARE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Seconds: a data URL of a small image prepares in milliseconds, a slow URL takes up to its timeout."""
+
 
 def token_count_buckets(max_value: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `max_value`: even resolution per decade of lengths."""
@@ -126,6 +129,14 @@ class PrometheusStatLogger:
             ["model_name", "reason"], registry=self.registry)
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
+
+        self.mm_images = Counter("pagellm:mm_images", "Images of chat requests fetched, decoded and prepared by the "
+                                 "model's processor.", ["model_name"], registry=self.registry)
+        self.mm_images.labels(model_name)
+        self.mm_prepare_time = Histogram("pagellm:mm_prepare_seconds",
+                                         "Seconds to fetch, decode and prepare one request's images.", ["model_name"],
+                                         buckets=MM_PREPARE_BUCKETS, registry=self.registry)
+        self.mm_prepare_time.labels(model_name)
 
         self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
                                              "Time to first token in seconds.", TTFT_BUCKETS)
@@ -234,6 +245,11 @@ class PrometheusStatLogger:
         if reason not in TURNED_AWAY_REASONS:
             raise ValueError(f"reason must be one of {', '.join(TURNED_AWAY_REASONS)}, got {reason!r}")
         self.http_turned_away.labels(self.model_name, reason).inc()
+
+    def record_images(self, count: int, seconds: float) -> None:
+        """One request's `count` images, fetched, decoded and prepared in `seconds`."""
+        self.mm_images.labels(self.model_name).inc(count)
+        self.mm_prepare_time.labels(self.model_name).observe(seconds)
 
     def render(self) -> bytes:
         """The registry's current state in the Prometheus text exposition format."""

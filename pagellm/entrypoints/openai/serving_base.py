@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +37,7 @@ from pagellm.entrypoints.openai.served_models import ServedModel, ServedModels, 
 from pagellm.entrypoints.openai.serving_tools import plan_tools
 from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagellm.lora_request import LoRARequest
+from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning.parsers import ReasoningParser
@@ -88,6 +90,8 @@ class OpenAIServing:
         self.limits = limits or ServerLimits()
         self.media_limits = MediaLimits.from_env(engine.config.model.multimodal)
         """Where chat image URLs may point, and how long and large their images may be."""
+        self.metrics = next((m for m in engine.stat_loggers if isinstance(m, PrometheusStatLogger)), None)
+        """The server's Prometheus metrics (images prepared), if the engine keeps them."""
         self.auto_tool_parser: ToolParser | None = get_tool_parser(auto_tool_parser)() if auto_tool_parser else None
         """Reads tool calls out of the text for tool_choice auto (--enable-auto-tool-choice --tool-call-parser)."""
         reasoning = engine.config.structured_outputs.reasoning_parser
@@ -152,6 +156,7 @@ class OpenAIServing:
         images). Any image that cannot be had is a 400 naming its part."""
         images = self.engine.processor.images
         tokenizer = self.tokenizer()
+        start = time.perf_counter()
         try:
             check_images(content, images, self.engine.config.model.multimodal)
             text = self.chat_text(request, content)
@@ -161,6 +166,8 @@ class OpenAIServing:
                 _media_pool, prepare, images, tokenizer, text, list(pictures))
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
+        if self.metrics is not None:
+            self.metrics.record_images(len(items), time.perf_counter() - start)
         return text, token_ids, items
 
     def chat_text(self, request: ChatPromptFields, content: ChatContent | None = None) -> str:

@@ -1,0 +1,283 @@
+"""Chat image_url parts, offline (`LLM.chat`) and through `pagellm serve` with the openai SDK, on the tiny
+random LLaVA of test_llava.py saved with a chat template that loops over a message's content parts:
+greedy tokens against Hugging Face's processor chat template and `generate`, data / http / file URLs,
+the prefix cache with images, and each bad input refused by name (HTTP 400 on the server)."""
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+from family_utils import save_with_tokenizer
+from PIL import Image
+from server_utils import RemoteServer, metric_samples
+from test_llava import BLOCK, CPU, VOCAB, hf_llava, hf_processor, image
+
+from pagellm import LLM, SamplingParams
+from pagellm.entrypoints.chat_images import split_images
+from pagellm.tokenizer.chat_template import iterates_message_content
+
+TEMPLATE = ("{% for message in messages %}{{ 't40 ' if message['role'] == 'user' else 't42 ' }}"
+            "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image> "
+            "{% else %}{{ part['text'] }} {% endif %}{% endfor %}{% endfor %}"
+            "{% if add_generation_prompt %}t41{% endif %}")
+"""Typed parts, as multimodal processors' templates take them (in the test tokenizer's words)."""
+TEXT_TEMPLATE = "{% for message in messages %}t40 {{ message['content'] }} {% endfor %}t41"
+NEW_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def png(picture: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(picture: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(picture)).decode()
+
+
+def conversation(*urls: str, text: str = "t5 t6 t9 t10 t11 t12 t13 t14 t15") -> list[dict]:
+    parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in urls),
+             {"type": "text", "text": "t7 t8"}]
+    return [{"role": "user", "content": parts}]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(its folder, the Hugging Face model, its processor with the chat template)."""
+    folder = tmp_path_factory.mktemp("llava-chat")
+    model = hf_llava()
+    model.save_pretrained(folder)
+    processor = hf_processor()
+    processor.chat_template = TEMPLATE
+    processor.save_pretrained(folder)
+    return folder, model, processor
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    """A folder of allowed images, and a file outside it."""
+    allowed = tmp_path_factory.mktemp("allowed")
+    (allowed / "a.png").write_bytes(png(image(11, 40, 30)))
+    outside = tmp_path_factory.mktemp("outside") / "b.png"
+    outside.write_bytes(png(image(12, 40, 30)))
+    return allowed, outside
+
+
+def hf_greedy(model, processor, messages) -> list[int]:
+    """HF's greedy continuation of the conversation, its images given as PIL images."""
+    hf_messages = []
+    for message in messages:
+        parts = [{"type": "image", "image": _decoded(p["image_url"]["url"])} if p["type"] == "image_url" else p
+                 for p in message["content"]]
+        hf_messages.append({**message, "content": parts})
+    inputs = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                           return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _decoded(url: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+
+
+def test_a_template_that_loops_over_content_gets_typed_parts_and_a_text_template_the_image_token():
+    assert iterates_message_content(TEMPLATE) and not iterates_message_content(TEXT_TEMPLATE)
+    messages = conversation("data:image/png;base64,AAAA")
+    assert split_images(messages, TEMPLATE, "<image>").messages[0]["content"] == [
+        {"type": "text", "text": "t5 t6 t9 t10 t11 t12 t13 t14 t15"}, {"type": "image"},
+        {"type": "text", "text": "t7 t8"}]
+    text = split_images(messages, TEXT_TEMPLATE, "<image>")
+    assert text.messages[0]["content"] == "<image>\nt5 t6 t9 t10 t11 t12 t13 t14 t15\nt7 t8"
+    assert text.image_urls == [("data:image/png;base64,AAAA", "messages[0].content[1]")]
+    # Without images, text parts are joined as before.
+    assert split_images([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                        TEMPLATE, "<image>").messages[0]["content"] == "a\nb"
+
+
+def test_offline_chat_with_images_matches_hf(tiny, media):
+    folder, model, processor = tiny
+    allowed, _ = media
+    llm = LLM(str(folder), **CPU, allowed_local_media_path=str(allowed))
+    conversations = [conversation(data_url(image(0, 40, 50))),
+                     conversation(data_url(image(1, 64, 48)), data_url(image(2, 20, 30)), text="t3 t4")]
+    outs = llm.chat(conversations, GREEDY, use_tqdm=False)
+    for messages, out in zip(conversations, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model, processor, messages)
+    # A file under the allowed folder is the same image as its data URL.
+    by_file = llm.chat(conversation((allowed / "a.png").as_uri()), GREEDY, use_tqdm=False)[0]
+    by_data = llm.chat(conversation(data_url(image(11, 40, 30))), GREEDY, use_tqdm=False)[0]
+    assert by_file.outputs[0].token_ids == by_data.outputs[0].token_ids
+    assert by_file.prompt_token_ids == by_data.prompt_token_ids
+
+
+@pytest.mark.parametrize("url, message", [
+    ("ftp://example.com/a.png", r"messages\[0\].content\[1\]: unsupported image URL scheme 'ftp'"),
+    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), r"could not be decoded"),
+    ("data:image/png;base64,@@@", r"not valid base64"),
+    ("file:///etc/hostname", r"is outside --allowed-local-media-path"),
+])
+def test_offline_bad_images_are_refused_by_part(tiny, media, url, message):
+    folder, _, _ = tiny
+    allowed, _ = media
+    llm = LLM(str(folder), **CPU, allowed_local_media_path=str(allowed))
+    with pytest.raises(ValueError, match=message):
+        llm.chat(conversation(url), GREEDY, use_tqdm=False)
+
+
+def test_offline_limits_file_urls_and_text_only_models(tiny, media, tmp_path):
+    folder, _, _ = tiny
+    allowed, outside = media
+    llm = LLM(str(folder), **CPU, limit_mm_per_prompt={"image": 1})
+    two = [image(1, 64, 48), image(2, 20, 30)]
+    with pytest.raises(ValueError, match=r"carries 2 images, more than the 1 allowed per prompt"):
+        llm.chat(conversation(*map(data_url, two)), GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"carries 2 images, more than the 1 allowed per prompt"):
+        llm.generate({"prompt": "t3 <image> t4 <image>", "multi_modal_data": {"image": two}}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"file:// URLs are refused unless .* --allowed-local-media-path"):
+        llm.chat(conversation(outside.as_uri()), GREEDY, use_tqdm=False)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, architectures=["LlamaForCausalLM"])
+    save_with_tokenizer(transformers.LlamaForCausalLM(config), tmp_path)
+    text_only = LLM(str(tmp_path), **CPU)
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[1\]: this model takes text only"):
+        text_only.chat(conversation(data_url(two[0])), GREEDY, use_tqdm=False, chat_template=TEXT_TEMPLATE)
+
+
+# -- the server --------------------------------------------------------------------------------------
+
+
+class _ImageHandler(BaseHTTPRequestHandler):
+    body = png(image(21, 36, 28))
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """An HTTP server of one PNG at any path."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _ImageHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def silent_host():
+    """A socket that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}/never.png"
+    listener.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny, media):
+    folder, _, _ = tiny
+    allowed, _ = media
+    remote = RemoteServer(str(folder), "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+                          "--kv-cache-memory-bytes", str(4 << 20), "--block-size", str(BLOCK),
+                          "--allowed-local-media-path", str(allowed), "--limit-mm-per-prompt", '{"image": 2}',
+                          env={"PAGELLM_IMAGE_FETCH_TIMEOUT": "10"})
+    yield remote
+    remote.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list[dict]):
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                          max_tokens=NEW_TOKENS, temperature=0.0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+@pytest.mark.slow
+def test_server_matches_offline_for_data_http_and_file_urls(tiny, media, client, image_host):
+    folder, model, processor = tiny
+    allowed, _ = media
+    llm = LLM(str(folder), **CPU)
+    for picture, url in [(image(0, 40, 50), None), (_ImageHandler.body, f"{image_host}/x.png"),
+                         (png(image(11, 40, 30)), (allowed / "a.png").as_uri())]:
+        as_data = data_url(picture) if isinstance(picture, Image.Image) else (
+            "data:image/png;base64," + base64.b64encode(picture).decode())
+        offline = llm.chat(conversation(as_data), GREEDY, use_tqdm=False)[0].outputs[0]
+        served = chat(client, conversation(url or as_data))
+        assert served.choices[0].message.content == offline.text
+        assert served.choices[0].token_ids == offline.token_ids
+
+
+@pytest.mark.slow
+def test_server_prefix_cache_tells_images_apart(client, server):
+    first, other = data_url(image(30, 33, 33)), data_url(image(31, 33, 33))
+    text = "t50 t51 t52 t53 t54 t55 t56 t57 t58"  # no other test's prompt starts so
+    before = metric_samples(server.url)
+    a = chat(client, conversation(first, text=text))
+    hits_after_a = metric_samples(server.url)["pagellm:prefix_cache_hits_total"]
+    b = chat(client, conversation(other, text=text))
+    hits_after_b = metric_samples(server.url)["pagellm:prefix_cache_hits_total"]
+    again = chat(client, conversation(first, text=text))
+    after = metric_samples(server.url)
+    # The prompt: 't40' and 9 words, then the image's 16 placeholders at positions 10-25: block 0
+    # holds only text, blocks 1-3 an image.
+    assert a.usage.prompt_tokens_details.cached_tokens == 0
+    assert b.usage.prompt_tokens_details.cached_tokens == BLOCK  # the text block only
+    assert again.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK  # every full block
+    assert b.choices[0].message.content != a.choices[0].message.content
+    assert again.choices[0].message.content == a.choices[0].message.content
+    assert hits_after_b - hits_after_a == BLOCK
+    assert after["pagellm:prefix_cache_hits_total"] - hits_after_b == 3 * BLOCK
+    assert after["pagellm:mm_images_total"] - before["pagellm:mm_images_total"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("url, message", [
+    ("ftp://example.com/a.png", "unsupported image URL scheme 'ftp'"),
+    ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded"),
+    ("file:///etc/hostname", "is outside --allowed-local-media-path"),
+])
+def test_server_refuses_bad_images_with_400(client, url, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        chat(client, conversation(url))
+    assert message in caught.value.message and "messages[0].content[1]" in caught.value.message
+
+
+@pytest.mark.slow
+def test_server_refuses_more_images_than_the_limit(client):
+    with pytest.raises(openai.BadRequestError, match=r"carries 3 images, more than the 2 allowed per prompt"):
+        chat(client, conversation(*(data_url(image(i, 20, 20)) for i in range(3))))
+
+
+@pytest.mark.slow
+def test_a_url_that_never_answers_times_out_without_blocking_others(client, server, silent_host):
+    with ThreadPoolExecutor(1) as pool:
+        stuck = pool.submit(lambda: httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+            "messages": conversation(silent_host), "max_tokens": 2}))
+        # Meanwhile another request, with an image, is answered in full.
+        done = chat(client, conversation(data_url(image(40, 30, 30))))
+        assert not stuck.done() and done.choices[0].finish_reason == "length"
+        response = stuck.result()
+    assert response.status_code == 400
+    assert "timed out after 10 s" in response.json()["error"]["message"]
