@@ -21,6 +21,7 @@ from PIL import Image
 from server_utils import RemoteServer, metric_samples
 from test_llava import BLOCK, CPU, VOCAB, hf_llava, hf_processor, image
 
+from benchmarks import vlm_serving
 from pagellm import LLM, SamplingParams
 from pagellm.entrypoints.chat_images import split_images
 from pagellm.tokenizer.chat_template import iterates_message_content
@@ -281,3 +282,12 @@ def test_a_url_that_never_answers_times_out_without_blocking_others(client, serv
         response = stuck.result()
     assert response.status_code == 400
     assert "timed out after 10 s" in response.json()["error"]["message"]
+
+
+@pytest.mark.slow  # two spawned processes, about 40 s on 2 cores
+def test_the_vlm_benchmark_runs_its_smoke_sizes_on_the_cpu():
+    payload = vlm_serving.main(["--smoke"])
+    ours, hf = payload["results"]["pagellm"], payload["results"]["hf"]
+    assert ours["num_requests"] == 8 and ours["output_tokens"] == 8 * 8 and ours["ttft_s"]["count"] == 8
+    assert hf["num_requests"] == 4 and hf["output_tokens_per_s"] > 0
+    assert payload["git"]["commit"] and payload["parameters"]["model_shape"] == "tiny"
