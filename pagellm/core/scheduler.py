@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagellm.core.encoder_budget import EncoderBudget
 from pagellm.core.interfaces import AdapterStore, DraftProposer, GrammarCompiler
 from pagellm.core.kv_cache_groups import max_blocks_held
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -56,6 +57,9 @@ class SchedulerLimits:
     enable_prefix_caching: bool
     sliding_windows: tuple[int | None, ...] = (None,)
     """Each KV cache group's sliding window (None: full attention), `pagellm.core.kv_cache_groups`."""
+    max_num_encoder_input_tokens: int | None = None
+    """Images' placeholder tokens a step may start encoding (`pagellm.core.encoder_budget`); None:
+    max_num_batched_tokens, as vLLM's default."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):
@@ -217,6 +221,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
+        encoder = EncoderBudget(self.limits.max_num_encoder_input_tokens or budget)
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -234,6 +239,9 @@ class Scheduler:
             request = running[i]
             start = request.num_computed_tokens
             num_new = min(request.num_tokens_with_placeholders - start, budget)
+            images = request.record.multi_modal
+            if images and start < images[-1].end:  # a prompt chunk before its last image's end
+                num_new = encoder.fit(images, start, num_new, resumed=False)
             if (num_new <= 0 or request.reaches_limit_in_flight(self.limits.max_model_len)
                     or (request.num_output_placeholders and not self.workers_see_samples)):
                 i += 1
@@ -296,6 +304,11 @@ class Scheduler:
                                           request.num_tokens - 1 - num_hit_tokens))
             num_computed = num_hit_tokens + num_external
             num_new = min(request.num_tokens - num_computed, budget)
+            images = request.record.multi_modal
+            if images and num_computed < images[-1].end:
+                num_new = encoder.fit(images, num_computed, num_new, resumed=True)
+                if num_new <= 0:
+                    break  # its next image waits for a step with encoder budget left
             lookahead = self._lookahead(request, num_computed + num_new, speculate)
             new_ids = self.kv.allocate_slots(request, num_external + num_new + lookahead, hit_blocks)
             if new_ids is None and lookahead:  # the prompt alone may still fit
