@@ -231,6 +231,20 @@ def test_server_matches_offline_for_data_http_and_file_urls(tiny, media, client,
 
 
 @pytest.mark.slow
+def test_responses_input_image_parts_answer_as_chat_does(client):
+    url = data_url(image(5, 44, 36))
+    model = client.models.list().data[0].id
+    chat_reply = client.chat.completions.create(model=model, messages=conversation(url), max_tokens=NEW_TOKENS,
+                                                temperature=0.0)
+    response = client.responses.create(model=model, max_output_tokens=NEW_TOKENS, temperature=0.0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "t5 t6 t9 t10 t11 t12 t13 t14 t15"},
+                                     {"type": "input_image", "image_url": url, "detail": "auto"},
+                                     {"type": "input_text", "text": "t7 t8"}]}])
+    assert response.output_text == chat_reply.choices[0].message.content
+    assert response.usage.input_tokens == chat_reply.usage.prompt_tokens
+
+
+@pytest.mark.slow
 def test_server_prefix_cache_tells_images_apart(client, server):
     first, other = data_url(image(30, 33, 33)), data_url(image(31, 33, 33))
     text = "t50 t51 t52 t53 t54 t55 t56 t57 t58"  # no other test's prompt starts so
