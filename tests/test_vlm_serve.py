@@ -20,6 +20,16 @@ from family_utils import save_with_tokenizer
 from PIL import Image
 from server_utils import RemoteServer, metric_samples
 from test_llava import BLOCK, CPU, VOCAB, hf_llava, hf_processor, image
+from test_web_ui import (
+    RECORD_REQUESTS,
+    console_errors,
+    open_chat,
+    reply_state,
+    send_message,
+    set_field,
+    start_browser,
+    wait,
+)
 
 from benchmarks import vlm_serving
 from pagellm import LLM, SamplingParams
@@ -305,3 +315,35 @@ def test_the_vlm_benchmark_runs_its_smoke_sizes_on_the_cpu():
     assert ours["num_requests"] == 8 and ours["output_tokens"] == 8 * 8 and ours["ttft_s"]["count"] == 8
     assert hf["num_requests"] == 4 and hf["output_tokens_per_s"] > 0
     assert payload["git"]["commit"] and payload["parameters"]["model_shape"] == "tiny"
+
+
+@pytest.mark.slow
+def test_the_chat_page_attaches_an_image_as_a_data_url_part(tiny, media, server):
+    driver = start_browser()  # skips without a headless Chromium
+    try:
+        open_chat(driver, server)
+        driver.execute_script(RECORD_REQUESTS)
+        set_field(driver, "temperature", "0")
+        set_field(driver, "max-tokens", str(NEW_TOKENS))
+        allowed, _ = media
+        driver.find_element("id", "attach-input").send_keys(str(allowed / "a.png"))
+        wait(driver, lambda d: d.find_element("id", "attached").text.startswith("1 image"), "the image attached")
+        send_message(driver, "t5 t6 t7")
+        wait(driver, lambda d: reply_state(d)[0] == "done", "the reply ends")
+        [body] = driver.execute_script("return window.sentBodies")
+        image_part, text_part = body["messages"][0]["content"]
+        assert text_part == {"type": "text", "text": "t5 t6 t7"}
+        assert image_part["image_url"]["url"] == data_url_of_file(allowed / "a.png")
+        # The page's reply is the offline answer to the same conversation.
+        folder, _, _ = tiny
+        offline = LLM(str(folder), **CPU).chat(body["messages"], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS),
+                                               use_tqdm=False)[0]
+        assert reply_state(driver)[1].strip() == offline.outputs[0].text.strip()
+        assert driver.find_elements("css selector", "#messages .msg.user img.thumb")
+        assert console_errors(driver) == []
+    finally:
+        driver.quit()
+
+
+def data_url_of_file(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
