@@ -125,6 +125,8 @@ def test_offline_chat_with_images_matches_hf(tiny, media):
     outs = llm.chat(conversations, GREEDY, use_tqdm=False)
     for messages, out in zip(conversations, outs):
         assert out.outputs[0].token_ids == hf_greedy(model, processor, messages)
+    stats = llm.llm_engine.engine_core.stats()
+    assert stats.mm_encoder_images == 3 and stats.mm_encoder_seconds > 0  # three distinct images, each once
     # A file under the allowed folder is the same image as its data URL.
     by_file = llm.chat(conversation((allowed / "a.png").as_uri()), GREEDY, use_tqdm=False)[0]
     by_data = llm.chat(conversation(data_url(image(11, 40, 30))), GREEDY, use_tqdm=False)[0]
@@ -275,6 +277,9 @@ def test_server_prefix_cache_tells_images_apart(client, server):
     assert hits_after_b - hits_after_a == BLOCK
     assert after["pagellm:prefix_cache_hits_total"] - hits_after_b == 3 * BLOCK
     assert after["pagellm:mm_images_total"] - before["pagellm:mm_images_total"] == 3
+    # Each prompt's image ran through the encoder (the third's too: its cached blocks end inside the image).
+    assert after["pagellm:mm_encoder_images_total"] - before["pagellm:mm_encoder_images_total"] == 3
+    assert after["pagellm:mm_encoder_seconds_total"] > before["pagellm:mm_encoder_seconds_total"]
 
 
 @pytest.mark.slow

@@ -124,6 +124,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
+        self.encoder_images = 0
+        self.encoder_seconds = 0.0
         self.speculative = speculative
         self.proposer = proposer
         self.lookahead = speculative.num_speculative_tokens if speculative is not None and proposer is None else 0
@@ -553,6 +555,9 @@ class Scheduler:
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
         draft_token_ids = output.draft_token_ids or {}
+        if output.encoder_images:
+            self.encoder_images += output.encoder_images
+            self.encoder_seconds += output.encoder_seconds
         requests, running, max_model_len = self.requests, RequestStatus.RUNNING, self.limits.max_model_len
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(req_id)
@@ -648,4 +653,6 @@ class Scheduler:
                 max_loras=self.adapters.max_loras, num_loads=self.adapters.num_loads,
                 num_evictions=self.adapters.num_evictions),
             kv_transfer=None if self.connector is None else dataclasses.replace(self.connector.stats),
+            mm_encoder_images=self.encoder_images,
+            mm_encoder_seconds=self.encoder_seconds,
         )

@@ -133,6 +133,8 @@ class PrometheusStatLogger:
         self.mm_images = Counter("pagellm:mm_images", "Images of chat requests fetched, decoded and prepared by the "
                                  "model's processor.", ["model_name"], registry=self.registry)
         self.mm_images.labels(model_name)
+        self.mm_encoder_images = counter("pagellm:mm_encoder_images", "Images the vision encoder ran on.")
+        self.mm_encoder_seconds = counter("pagellm:mm_encoder_seconds", "Seconds the vision encoder took.")
         self.mm_prepare_time = Histogram("pagellm:mm_prepare_seconds",
                                          "Seconds to fetch, decode and prepare one request's images.", ["model_name"],
                                          buckets=MM_PREPARE_BUCKETS, registry=self.registry)
@@ -160,11 +162,13 @@ class PrometheusStatLogger:
         # Totals since each engine started, turned into increments per engine.
         self._deltas = [(CumulativeDelta(), CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
         self._spec_deltas: list[dict[str, CumulativeDelta]] = [{} for _ in range(num_engines)]
+        self._encoder_deltas = [(CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
         self._lora = None if max_loras is None else _LoRAMetrics(self.registry, model_name, num_engines, max_loras)
         for engine in range(num_engines):  # every series exists from the start, at zero
             for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                            self.prompt_tokens, self.generation_tokens, self.num_preemptions,
                            self.prefix_cache_queries, self.prefix_cache_hits, self.spec_decode_num_drafts,
+                           self.mm_encoder_images, self.mm_encoder_seconds,
                            self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens,
                            self.time_to_first_token,
                            self.inter_token_latency, self.e2e_request_latency, self.request_queue_time,
@@ -208,6 +212,9 @@ class PrometheusStatLogger:
         self.num_preemptions.labels(*labels).inc(preemptions.update(scheduler_stats.num_preemptions))
         self.prefix_cache_queries.labels(*labels).inc(prefix_queries.update(scheduler_stats.prefix_cache_queries))
         self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
+        encoder_images, encoder_seconds = self._encoder_deltas[engine_index]
+        self.mm_encoder_images.labels(*labels).inc(encoder_images.update(scheduler_stats.mm_encoder_images))
+        self.mm_encoder_seconds.labels(*labels).inc(encoder_seconds.update(scheduler_stats.mm_encoder_seconds))
         if scheduler_stats.spec is not None:
             self._record_spec(scheduler_stats.spec, labels, self._spec_deltas[engine_index])
         if scheduler_stats.kv_transfer is not None:
