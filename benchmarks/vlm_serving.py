@@ -159,8 +159,10 @@ def run_hf(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     for batch in batches:
         begun = time.perf_counter()
         generate(batch, 1)
-        ttft += [time.perf_counter() - start] * len(batch)  # the batch's wait, then its first token
-        start -= time.perf_counter() - begun  # the probe is not part of the timed run
+        # The batch's wait (the batches before it) and its prefill with the first token; the probe
+        # itself is then left out of the timed run.
+        ttft += [time.perf_counter() - start] * len(batch)
+        start += time.perf_counter() - begun
         generate(batch, args.output_len)
     elapsed = time.perf_counter() - start
     output_tokens = len(prompts) * args.output_len
