@@ -4,6 +4,7 @@ greedy tokens against Hugging Face's processor chat template and `generate`, dat
 the prefix cache with images, and each bad input refused by name (HTTP 400 on the server)."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import socket
@@ -33,7 +34,9 @@ from test_web_ui import (
 
 from benchmarks import vlm_serving
 from pagellm import LLM, SamplingParams
+from pagellm.config import MultiModalConfig
 from pagellm.entrypoints.chat_images import split_images
+from pagellm.entrypoints.media import MediaLimits, load, load_async
 from pagellm.tokenizer.chat_template import iterates_message_content
 
 TEMPLATE = ("{% for message in messages %}{{ 't40 ' if message['role'] == 'user' else 't42 ' }}"
@@ -202,6 +205,25 @@ def silent_host():
     listener.listen(16)
     yield f"http://127.0.0.1:{listener.getsockname()[1]}/never.png"
     listener.close()
+
+
+def test_http_images_are_capped_in_size_time_and_host(image_host, silent_host):
+    body = _ImageHandler.body
+    anywhere = MultiModalConfig.parse(None, None, None)
+    url = f"{image_host}/a.png"
+    with ThreadPoolExecutor(1) as pool:
+        def both(limits: MediaLimits, target: str) -> list:
+            return [load(target, limits, "p"), asyncio.run(load_async(target, limits, "p", pool))]
+        assert [i.size for i in both(MediaLimits(anywhere), url)] == [(36, 28)] * 2
+        for target, limits, message in [
+                (url, MediaLimits(anywhere, max_bytes=len(body) - 1), f"larger than {len(body) - 1} bytes"),
+                (silent_host, MediaLimits(anywhere, fetch_timeout_s=0.5), "timed out after 0.5 s"),
+                (url, MediaLimits(MultiModalConfig.parse(None, None, "example.com")), "not among"),
+                (f"{image_host}/a.png".replace("http", "gopher"), MediaLimits(anywhere), "unsupported image URL")]:
+            with pytest.raises(ValueError, match=message):
+                load(target, limits, "p")
+            with pytest.raises(ValueError, match=message):
+                asyncio.run(load_async(target, limits, "p", pool))
 
 
 @pytest.fixture(scope="module")

@@ -72,11 +72,9 @@ async def load_async(url: str, limits: MediaLimits, where: str, pool: Executor) 
         reader = _data_bytes if scheme == "data" else _file_bytes
         return await loop.run_in_executor(pool, lambda: decode(reader(url, limits, where), where))
     try:
-        async with asyncio.timeout(limits.fetch_timeout_s):  # the whole fetch, however slowly bytes trickle
-            async with httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=True) as client, \
-                    client.stream("GET", url) as response:
-                data = await _checked_body_async(response, limits, where)
-    except (TimeoutError, httpx.TimeoutException):
+        # The whole fetch is bounded, however slowly its bytes trickle in.
+        data = await asyncio.wait_for(_fetch(url, limits, where), limits.fetch_timeout_s)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
         raise ValueError(_timeout_message(url, limits, where)) from None
     except httpx.HTTPError as e:
         raise ValueError(f"{where}: fetching {_short(url)} failed: {e}") from None
@@ -156,6 +154,12 @@ def _checked_body(response: httpx.Response, chunks: Iterable[bytes], limits: Med
         if len(body) > limits.max_bytes:
             raise ValueError(_too_large(where, limits))
     return bytes(body)
+
+
+async def _fetch(url: str, limits: MediaLimits, where: str) -> bytes:
+    async with httpx.AsyncClient(timeout=limits.fetch_timeout_s, follow_redirects=True) as client, \
+            client.stream("GET", url) as response:
+        return await _checked_body_async(response, limits, where)
 
 
 async def _checked_body_async(response: httpx.Response, limits: MediaLimits, where: str) -> bytes:
