@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,7 @@ from pagellm.config import MultiModalConfig
 from pagellm.entrypoints.chat_images import split_images
 from pagellm.entrypoints.media import MediaLimits, load, load_async
 from pagellm.tokenizer.chat_template import iterates_message_content
+from pagellm.tokenizer.tokenizer import load_tokenizer_at
 
 TEMPLATE = ("{% for message in messages %}{{ 't40 ' if message['role'] == 'user' else 't42 ' }}"
             "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image> "
@@ -117,6 +119,14 @@ def test_a_template_that_loops_over_content_gets_typed_parts_and_a_text_template
     # Without images, text parts are joined as before.
     assert split_images([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                         TEMPLATE, "<image>").messages[0]["content"] == "a\nb"
+
+
+def test_a_processors_chat_template_json_is_read_when_there_is_no_jinja_file(tiny, tmp_path):
+    folder, _, _ = tiny
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    assert load_tokenizer_at(str(tmp_path)).chat_template == TEMPLATE
 
 
 def test_offline_chat_with_images_matches_hf(tiny, media):
