@@ -43,7 +43,8 @@ class PoolerConfig:
         runner, None for the generate runner. Fails naming the flag."""
         if runner != "pooling":
             if value is not None:
-                raise ValueError("pooler_config (--pooler-config) applies only with runner='pooling' (--runner pooling)")
+                raise ValueError("pooler_config (--pooler-config) applies only with runner='pooling' "
+                                 "(--runner pooling)")
             return None
         if value is None or isinstance(value, cls):
             return value or cls()

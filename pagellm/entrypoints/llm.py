@@ -80,7 +80,8 @@ class LLM:
         else:
             params_list = list(pooling_params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(f"pooling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts")
+                raise ValueError(f"pooling_params has {len(params_list)} entries but there are "
+                                 f"{len(prompt_list)} prompts")
         if truncate_prompt_tokens is not None:
             params_list = [p if not isinstance(p, PoolingParams) or p.truncate_prompt_tokens is not None
                            else dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -100,7 +101,9 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate.
+        """Apply the chat template to one conversation or a list of them, then generate. A message's
+        content may hold OpenAI's image_url parts for a model that takes images (data:, http(s):// and,
+        under allowed_local_media_path, file:// URLs; docs/serving.md#images), loaded in this thread.
         `cache_salt` (not in vLLM's `LLM.chat`, whose prompts cannot carry one): every conversation's
         prefix-cache blocks are shared only with requests of the same salt, as a prompt dict's
         "cache_salt" does in `generate`. `lora_request` and
@@ -181,7 +184,8 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, Sequence):
         return [{"prompt_token_ids": list(p)} if isinstance(p, Sequence) and not isinstance(p, str) else p
                 for p in prompts]
-    raise ValueError(f"prompts must be a string, a prompt dict, token ids, or a list of these, got {type(prompts).__name__}")
+    raise ValueError("prompts must be a string, a prompt dict, token ids, or a list of these, "
+                     f"got {type(prompts).__name__}")
 
 
 def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:

@@ -48,9 +48,12 @@ from pagellm.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 MEDIA_THREADS = 2
-"""Images decoded and prepared at once, off the event loop; more wait their turn. Bounds the CPU
-they take from the engine."""
+"""Images read and decoded at once, off the event loop; more wait their turn. Bounds the CPU they
+take from the engine."""
 _media_pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="pagellm-media")
+_prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="pagellm-mm-prepare")
+"""The model's Hugging Face processor runs on one thread: its fast tokenizer's settings are mutated
+per call, which two threads at once can break ("Already borrowed")."""
 
 T = TypeVar("T")
 Started = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]
@@ -152,7 +155,7 @@ class OpenAIServing:
                                  ) -> tuple[str, list[int], tuple[MultiModalItem, ...]]:
         """`render_chat` for a conversation with images: they are counted (--limit-mm-per-prompt) before
         any is fetched, fetched without blocking the event loop, then decoded and prepared by the
-        model's processor on the media threads; (text, token ids with each image's placeholders, the
+        model's processor off the loop too; (text, token ids with each image's placeholders, the
         images). Any image that cannot be had is a 400 naming its part."""
         images = self.engine.processor.images
         tokenizer = self.tokenizer()
@@ -163,7 +166,7 @@ class OpenAIServing:
             pictures = await asyncio.gather(*(load_async(url, self.media_limits, where, _media_pool)
                                               for url, where in content.image_urls))
             token_ids, items = await asyncio.get_running_loop().run_in_executor(
-                _media_pool, prepare, images, tokenizer, text, list(pictures))
+                _prepare_pool, prepare, images, tokenizer, text, list(pictures))
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         if self.metrics is not None:
