@@ -35,6 +35,7 @@ from test_web_ui import (
 
 from benchmarks import vlm_serving
 from pagellm import LLM, SamplingParams
+from pagellm.cli.main import build_parser
 from pagellm.config import MultiModalConfig
 from pagellm.entrypoints.chat_images import split_images
 from pagellm.entrypoints.media import MediaLimits, load, load_async
@@ -234,6 +235,20 @@ def test_http_images_are_capped_in_size_time_and_host(image_host, silent_host):
                 load(target, limits, "p")
             with pytest.raises(ValueError, match=message):
                 asyncio.run(load_async(target, limits, "p", pool))
+
+
+def test_the_media_flags_parse_as_vllms(tmp_path):
+    ns = build_parser().parse_args(["serve", "m", "--allowed-media-domains", "a.com", "B.org,c.net",
+                                    "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path",
+                                    str(tmp_path)])
+    config = MultiModalConfig.parse(ns.limit_mm_per_prompt, ns.allowed_local_media_path, ns.allowed_media_domains)
+    assert config.allowed_media_domains == ("a.com", "b.org", "c.net") and config.limit_per_prompt == {"image": 2}
+    for bad, message in [({"video": 1}, r"--limit-mm-per-prompt\) has unknown key\(s\) video"),
+                         ({"image": -1}, "image must be a non-negative integer"), ("{", "is not valid JSON")]:
+        with pytest.raises(ValueError, match=message):
+            MultiModalConfig.parse(bad, None, None)
+    with pytest.raises(ValueError, match=r"--allowed-local-media-path\) must be an existing folder"):
+        MultiModalConfig.parse(None, str(tmp_path / "missing"), None)
 
 
 @pytest.fixture(scope="module")

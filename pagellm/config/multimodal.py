@@ -40,9 +40,8 @@ class MultiModalConfig:
                                  f"got {allowed_local_media_path!r}")
         domains = None
         if allowed_media_domains is not None:
-            items = (allowed_media_domains.split(",") if isinstance(allowed_media_domains, str)
-                     else allowed_media_domains)
-            domains = tuple(d.strip().lower() for d in items if d.strip())
+            items = [allowed_media_domains] if isinstance(allowed_media_domains, str) else allowed_media_domains
+            domains = tuple(d.strip().lower() for item in items for d in item.split(",") if d.strip())
         return cls(limits, folder, domains)
 
     def check_count(self, modality: str, count: int) -> None:
