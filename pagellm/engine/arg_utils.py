@@ -122,9 +122,16 @@ class EngineArgs:
     swap_space: float | None = _arg(None, "Alias of kv_offloading_size (the older name).")
     preemption_mode: str | None = _arg(None, "What happens to a request preempted when device blocks run out: recompute (its KV is dropped and recomputed when it resumes; the default) | swap (its computed blocks are copied to the host tier and copied back when it resumes; needs kv_offloading_size).")
     kv_transfer_config: str | dict | None = _arg(None, lambda: f'The KV connector, as vLLM: JSON like \'{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {{"cpu_bytes_to_use": 8589934592}}}}\'. Connectors: {KV_CONNECTOR_REGISTRY.describe()}. None: none, unless kv_offloading_size picks the OffloadingConnector.')
-    limit_mm_per_prompt: str | dict | None = _arg(None, 'Most images one prompt may carry, as vLLM: JSON like \'{"image": 4}\' (0: the model takes no images). None: 16. Checked offline and on the server (HTTP 400) before any image is fetched.')
-    allowed_local_media_path: str | None = _arg(None, "A folder whose files chat image_url parts may name as file:// URLs (LLM.chat and the server); None: file URLs are refused.")
-    allowed_media_domains: list[str] | None = _arg(None, "Hosts that http(s) image URLs may name (as vLLM: --allowed-media-domains a.com b.org; commas separate them too); None: any host. Fetches time out after PAGELLM_IMAGE_FETCH_TIMEOUT seconds (default 5) and stop at PAGELLM_MAX_IMAGE_BYTES (default 20 MiB).")
+    limit_mm_per_prompt: str | dict | None = _arg(
+        None, 'Most images one prompt may carry, as vLLM: JSON like \'{"image": 4}\' (0: the model takes no images). '
+              'None: 16. Checked offline and on the server (HTTP 400) before any image is fetched.')
+    allowed_local_media_path: str | None = _arg(
+        None, "A folder whose files chat image_url parts may name as file:// URLs (LLM.chat and the server); None: "
+              "file URLs are refused.")
+    allowed_media_domains: list[str] | None = _arg(
+        None, "Hosts that http(s) image URLs may name (as vLLM: --allowed-media-domains a.com b.org; commas separate "
+              "them too); None: any host. Fetches time out after PAGELLM_IMAGE_FETCH_TIMEOUT seconds (default 5) and "
+              "stop at PAGELLM_MAX_IMAGE_BYTES (default 20 MiB).")
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
