@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from benchmarks.kv_sizing_gpu import SMOLLM2_135M
 from pagellm.attention import get_attn_backend
@@ -267,3 +268,32 @@ def test_a_quantized_checkpoint_is_planned_as_the_engine_loads_it(tmp_path, caps
         assert cli_main(["plan", str(paths[name]), *gpu, "--quantization", flag]) == 2
         err = capsys.readouterr().err
         assert err.startswith("pagellm plan: error: --quantization") and message in err, err
+
+
+def test_a_vision_model_plans_its_encoders_peak_and_feature_cache(tmp_path, capsys):
+    vision = {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "image_size": 32, "patch_size": 8}  # tests/test_llava.py's tower
+    text = {**TINY_QWEN2, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False}
+    llava = tmp_path / "llava.json"
+    llava.write_text(json.dumps({"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+                                 "image_token_index": 999, "text_config": text, "vision_config": vision}))
+    flags = ["--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "4", "--gpu-memory-gib", "1",
+             "--max-model-len", "256", "--input-len", "128", "--output-len", "64"]
+    plan = _plan_json([str(llava), *flags], capsys)
+    # 64 placeholder tokens: four images of 16 start at once. A real tower's hidden states alone
+    # (every layer's, as LLaVA reads its feature layer off them) are a lower bound of its peak.
+    tower = transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**vision)).eval()
+    with torch.no_grad():
+        out = tower(torch.zeros(4, 3, 32, 32), output_hidden_states=True)
+    kept = sum(h.numel() * h.element_size() for h in out.hidden_states)
+    assert kept < plan["encoder_peak_bytes"] < 4 * kept
+    assert plan["encoder_cache_bytes"] == 4 * 16 * text["hidden_size"] * 4  # the projected features
+    # The same language model without the tower: the step's peak grows by the features at least, and
+    # the KV budget gives that up (and the tower's weights).
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(text))
+    without = _plan_json([str(plain), *flags], capsys)
+    assert without["encoder_peak_bytes"] == 0
+    grown = plan["activation_peak_bytes"] - without["activation_peak_bytes"]
+    assert grown >= plan["encoder_cache_bytes"]
+    assert without["kv_budget_bytes"] - plan["kv_budget_bytes"] >= grown

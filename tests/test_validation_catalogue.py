@@ -159,9 +159,12 @@ CATALOGUE = [
          f"max_model_len is {MAX_LEN}", "messages"),
     # Messages.
     Case("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "'user'", "messages.0.role"),
-    Case("image content part", CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "only text content parts",
-         "messages.0.content.0"),
+    Case("image content part to a text-only model", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400,
+         "messages[0].content[0]: this model takes text only", "messages"),
+    Case("audio content part", CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]}, 400,
+         "only text and image_url content parts", "messages.0.content.0"),
     Case("content type", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "a list of text parts",
          "messages.0.content"),
     Case("content missing", CHAT, {"messages": [{"role": "assistant"}]}, 400, "got nothing", "messages.0.content"),

@@ -112,6 +112,10 @@ class Ledger:
     """What is left for the KV cache; <= 0 when nothing is."""
     kv_bytes_per_block: int
     """One block: a slot per layer of the largest KV cache group (`pagellm.core.kv_cache_groups`)."""
+    encoder_peak_bytes: int = 0
+    """A vision model's encoder running on a step's images (`vision_encoder_bytes`); 0 without one."""
+    encoder_cache_bytes: int = 0
+    """The images' features kept until their placeholders are computed; 0 without a vision tower."""
 
     @property
     def kv_groups(self) -> tuple[KVCacheGroup, ...]:
@@ -195,7 +199,10 @@ def compute_ledger(spec: PlanSpec) -> Ledger:
     """The ledger of `spec` (see the module docstring)."""
     sizes = model_bytes(spec)
     on_gpu = spec.device == "cuda"
-    activation = activation_peak_bytes(spec) + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0)
+    encoder_peak, encoder_cache = vision_encoder_bytes(spec)
+    # The encoder runs before the step's forward pass; its output (the cache) lives through it.
+    activation = (max(activation_peak_bytes(spec), encoder_peak) + encoder_cache
+                  + (CUBLAS_WORKSPACE_BYTES if on_gpu else 0))
     non_torch = CUDA_CONTEXT_BYTES if on_gpu else 0
     if spec.kv_cache_memory_bytes is not None:
         budget = spec.kv_cache_memory_bytes
@@ -207,7 +214,27 @@ def compute_ledger(spec: PlanSpec) -> Ledger:
     else:
         budget = spec.cpu_kv_cache_bytes // spec.tensor_parallel_size
     return Ledger(spec, sizes.weights, sizes.decode_weights, sizes.buffers + sizes.allocator_rounding, activation,
-                  non_torch, cuda_graph_bytes(spec), budget, sizes.kv_bytes_per_block)
+                  non_torch, cuda_graph_bytes(spec), budget, sizes.kv_bytes_per_block, encoder_peak, encoder_cache)
+
+
+def vision_encoder_bytes(spec: PlanSpec) -> tuple[int, int]:
+    """(activation peak, feature cache) of a fixed-resolution vision tower (a CLIP `vision_config`
+    with an image_size: LLaVA-1.5) on one step's images: as many as the scheduler's encoder budget
+    (max_num_batched_tokens placeholders, at least one image) lets start at once. The tower keeps
+    every layer's hidden states (the feature layer is read off them) beside one layer's MLP, and the
+    projected features of those images stay until their placeholders are computed. (0, 0) for a
+    model without such a tower (text-only, or a dynamic-resolution one, not modelled yet)."""
+    vision = spec.arch.hf_config.get("vision_config")
+    if not vision or "image_size" not in vision:
+        return 0, 0
+    hidden, intermediate = vision.get("hidden_size", 768), vision.get("intermediate_size", 3072)
+    tokens = (vision["image_size"] // vision.get("patch_size", 32)) ** 2  # placeholders an image
+    images = max(1, spec.max_num_batched_tokens // tokens)
+    positions = images * (tokens + 1)  # with the class token
+    layers = vision.get("num_hidden_layers", 12)
+    tower = positions * spec.dtype_bytes * ((layers + 1) * hidden + 2 * hidden + 2 * intermediate)
+    features = images * tokens * spec.arch.hidden_size * spec.dtype_bytes
+    return tower + 2 * features, features  # the projector's hidden layer and output beside the tower
 
 
 def activation_peak_bytes(spec: PlanSpec) -> int:

@@ -250,7 +250,8 @@ def ledger_json(model: str, ledger: Ledger, tips: list[str]) -> dict[str, Any]:
         "model": model, "architecture": spec.arch.architecture, **inputs,
         "weights_bytes": ledger.weights_bytes, "decode_weights_bytes": ledger.decode_weights_bytes,
         "buffers_bytes": ledger.buffers_bytes,
-        "activation_peak_bytes": ledger.activation_peak_bytes, "non_torch_bytes": ledger.non_torch_bytes,
+        "activation_peak_bytes": ledger.activation_peak_bytes, "encoder_peak_bytes": ledger.encoder_peak_bytes,
+        "encoder_cache_bytes": ledger.encoder_cache_bytes, "non_torch_bytes": ledger.non_torch_bytes,
         "cuda_graph_bytes": ledger.cuda_graph_bytes, "kv_budget_bytes": ledger.kv_budget_bytes,
         "kv_bytes_per_token": ledger.kv_bytes_per_token, "kv_bytes_per_block": ledger.kv_bytes_per_block,
         "num_kv_blocks": ledger.num_kv_blocks, "kv_cache_tokens": ledger.kv_cache_tokens,
@@ -288,7 +289,13 @@ def format_plan(model: str, ledger: Ledger, tips: list[str]) -> str:
             ["buffers", _gib(ledger.buffers_bytes), "rotary table" + (", allocator rounding" if on_gpu else "")],
             ["activation peak", _gib(ledger.activation_peak_bytes),
              f"largest step: {spec.max_num_batched_tokens} tokens, "
-             f"{min(spec.max_num_seqs, spec.max_num_batched_tokens)} sequences sampled"]]
+             f"{min(spec.max_num_seqs, spec.max_num_batched_tokens)} sequences sampled"
+             + (", or the vision encoder, and its features" if ledger.encoder_peak_bytes else "")]]
+    if ledger.encoder_peak_bytes:
+        rows += [["  vision encoder", _gib(ledger.encoder_peak_bytes),
+                  f"the images of {spec.max_num_batched_tokens} placeholder tokens at once (part of the peak)"],
+                 ["  encoder cache", _gib(ledger.encoder_cache_bytes),
+                  "their features, kept through the step's forward pass (part of the peak)"]]
     if on_gpu:
         rows.append(["CUDA context", _gib(ledger.non_torch_bytes), "memory outside PyTorch"])
     rows.append(["KV cache", _gib(ledger.kv_cache_bytes), f"{ledger.num_kv_blocks} blocks of {spec.block_size} tokens"])

@@ -7,9 +7,11 @@ from pagellm.config.engine import CacheConfig, EngineConfig, ParallelConfig, Sch
 from pagellm.config.grammar_limits import GrammarLimits
 from pagellm.config.lora import LoRAConfig
 from pagellm.config.model import DraftModelConfig, ModelConfig, ModelSource, PoolerConfig
+from pagellm.config.multimodal import MultiModalConfig
 from pagellm.config.speculative import SpeculativeConfig
 
 __all__ = [
     "CacheConfig", "DraftModelConfig", "EngineConfig", "GrammarLimits", "LoRAConfig", "ModelArchConfig", "ModelConfig",
-    "ModelSource", "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig", "StructuredOutputsConfig",
+    "ModelSource", "MultiModalConfig", "ParallelConfig", "PoolerConfig", "SchedulerConfig", "SpeculativeConfig",
+    "StructuredOutputsConfig",
 ]

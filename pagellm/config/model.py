@@ -9,6 +9,7 @@ import torch
 
 from pagellm.config.arch import ModelArchConfig
 from pagellm.config.json_flags import json_object
+from pagellm.config.multimodal import MultiModalConfig
 
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -42,7 +43,8 @@ class PoolerConfig:
         runner, None for the generate runner. Fails naming the flag."""
         if runner != "pooling":
             if value is not None:
-                raise ValueError("pooler_config (--pooler-config) applies only with runner='pooling' (--runner pooling)")
+                raise ValueError("pooler_config (--pooler-config) applies only with runner='pooling' "
+                                 "(--runner pooling)")
             return None
         if value is None or isinstance(value, cls):
             return value or cls()
@@ -78,6 +80,8 @@ class ModelConfig:
     """No CUDA graphs for decode steps."""
     pooler: PoolerConfig | None = None
     """The pooling runner's pooler; None for the generate runner."""
+    multimodal: MultiModalConfig = field(default_factory=lambda: MultiModalConfig.parse(None, None, None))
+    """How many images a prompt may carry, and where the server may read them from."""
 
     @property
     def is_pooling(self) -> bool:

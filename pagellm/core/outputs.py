@@ -112,6 +112,10 @@ class ModelRunnerOutput:
     """draft_model speculation: per request, the draft model's proposal for its next step."""
     kv_connector_output: KVConnectorOutput | None = None
     """The KV connector's report of the step (failed loads, bytes moved), from the driver."""
+    encoder_images: int = 0
+    """Images the vision encoder ran on since the previous report."""
+    encoder_seconds: float = 0.0
+    """The time it took (measured on the device's stream, where there is one)."""
 
 
 @dataclass(slots=True)
@@ -181,6 +185,10 @@ class SchedulerStats:
     """LoRA adapters in use, when they are enabled."""
     kv_transfer: KVTransferStats | None = None
     """The KV connector's counters (host tier hits, bytes, swaps), when there is one."""
+    mm_encoder_images: int = 0
+    """Images the vision encoder ran on (total)."""
+    mm_encoder_seconds: float = 0.0
+    """The encoder's time on them (total)."""
 
 
 @dataclass(slots=True)

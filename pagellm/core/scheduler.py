@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagellm.core.encoder_budget import EncoderBudget
 from pagellm.core.interfaces import AdapterStore, DraftProposer, GrammarCompiler
 from pagellm.core.kv_cache_groups import max_blocks_held
 from pagellm.core.kv_cache_manager import KVCacheManager
@@ -59,6 +60,9 @@ class SchedulerLimits:
     enable_prefix_caching: bool
     sliding_windows: tuple[int | None, ...] = (None,)
     """Each KV cache group's sliding window (None: full attention), `pagellm.core.kv_cache_groups`."""
+    max_num_encoder_input_tokens: int | None = None
+    """Images' placeholder tokens a step may start encoding (`pagellm.core.encoder_budget`); None:
+    max_num_batched_tokens, as vLLM's default."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "num_blocks"):
@@ -123,6 +127,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_generation_tokens = 0
+        self.encoder_images = 0
+        self.encoder_seconds = 0.0
         self.speculative = speculative
         self.proposer = proposer
         self.lookahead = speculative.num_speculative_tokens if speculative is not None and proposer is None else 0
@@ -240,6 +246,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
+        encoder = EncoderBudget(self.limits.max_num_encoder_input_tokens or budget)
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -257,6 +264,9 @@ class Scheduler:
             request = running[i]
             start = request.num_computed_tokens
             num_new = min(request.num_tokens_with_placeholders - start, budget)
+            images = request.record.multi_modal
+            if images and start < images[-1].end:  # a prompt chunk before its last image's end
+                num_new = encoder.fit(images, start, num_new, resumed=False)
             if (num_new <= 0 or request.reaches_limit_in_flight(self.limits.max_model_len)
                     or (request.num_output_placeholders and not self.workers_see_samples)):
                 i += 1
@@ -327,6 +337,11 @@ class Scheduler:
                 continue
             num_computed = num_hit_tokens + num_external
             num_new = min(request.num_tokens - num_computed, budget)
+            images = request.record.multi_modal
+            if images and num_computed < images[-1].end:
+                num_new = encoder.fit(images, num_computed, num_new, resumed=True)
+                if num_new <= 0:
+                    break  # its next image waits for a step with encoder budget left
             lookahead = self._lookahead(request, num_computed + num_new, speculate)
             new_ids = self.kv.allocate_slots(request, num_external + num_new + lookahead, hit_blocks)
             if new_ids is None and lookahead:  # the prompt alone may still fit
@@ -624,6 +639,9 @@ class Scheduler:
         logprobs = output.logprobs or {}
         prompt_logprobs = output.prompt_logprobs or {}
         draft_token_ids = output.draft_token_ids or {}
+        if output.encoder_images:
+            self.encoder_images += output.encoder_images
+            self.encoder_seconds += output.encoder_seconds
         requests, running, max_model_len = self.requests, RequestStatus.RUNNING, self.limits.max_model_len
         for req_id, token_ids in zip(output.req_ids, output.sampled_token_ids):
             request = requests.get(req_id)
@@ -720,4 +738,6 @@ class Scheduler:
                 num_evictions=self.adapters.num_evictions),
             kv_transfer=None if self.connector is None else dataclasses.replace(
                 self.connector.stats, held_requests=len(self._held) + len(self._receiving)),
+            mm_encoder_images=self.encoder_images,
+            mm_encoder_seconds=self.encoder_seconds,
         )

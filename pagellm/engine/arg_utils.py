@@ -22,6 +22,7 @@ from pagellm.config import (
     LoRAConfig,
     ModelArchConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     PoolerConfig,
     SchedulerConfig,
@@ -122,6 +123,16 @@ class EngineArgs:
     swap_space: float | None = _arg(None, "Alias of kv_offloading_size (the older name).")
     preemption_mode: str | None = _arg(None, "What happens to a request preempted when device blocks run out: recompute (its KV is dropped and recomputed when it resumes; the default) | swap (its computed blocks are copied to the host tier and copied back when it resumes; needs kv_offloading_size).")
     kv_transfer_config: str | dict | None = _arg(None, lambda: f'The KV connector, as vLLM: JSON like \'{{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {{"cpu_bytes_to_use": 8589934592}}}}\'. Connectors: {KV_CONNECTOR_REGISTRY.describe()}. A kv_role without a kv_connector picks the NixlConnector (docs/disaggregated.md). None: none, unless kv_offloading_size picks the OffloadingConnector.')
+    limit_mm_per_prompt: str | dict | None = _arg(
+        None, 'Most images one prompt may carry, as vLLM: JSON like \'{"image": 4}\' (0: the model takes no images). '
+              'None: 16. Checked offline and on the server (HTTP 400) before any image is fetched.')
+    allowed_local_media_path: str | None = _arg(
+        None, "A folder whose files chat image_url parts may name as file:// URLs (LLM.chat and the server); None: "
+              "file URLs are refused.")
+    allowed_media_domains: list[str] | None = _arg(
+        None, "Hosts that http(s) image URLs may name (as vLLM: --allowed-media-domains a.com b.org; commas separate "
+              "them too); None: any host. Fetches time out after PAGELLM_IMAGE_FETCH_TIMEOUT seconds (default 5) and "
+              "stop at PAGELLM_MAX_IMAGE_BYTES (default 20 MiB).")
     pooler_config: str | dict | None = _arg(None, 'With runner pooling: JSON like \'{"pooling_type": "LAST", "normalize": true}\'; pooling_type LAST | MEAN | CLS (the last, mean or first token\'s final hidden state), normalize: L2-normalize the vector (a request may override it). None: LAST, normalized, as vLLM does for a decoder LM.')
 
     @classmethod
@@ -277,6 +288,8 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             enforce_eager=self.enforce_eager,
             pooler=PoolerConfig.parse(self.pooler_config, self.runner),
+            multimodal=MultiModalConfig.parse(self.limit_mm_per_prompt, self.allowed_local_media_path,
+                                              self.allowed_media_domains),
         )
         return EngineConfig(
             model=model,
@@ -325,6 +338,8 @@ class EngineArgs:
             text = f.metadata["help"]() if callable(f.metadata["help"]) else f.metadata["help"]
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            elif typing.get_origin(kind) is list:
+                group.add_argument(flag, nargs="+", type=typing.get_args(kind)[0], default=f.default, help=text)
             else:
                 group.add_argument(flag, type=kind, default=f.default, help=text)
 

@@ -27,9 +27,11 @@ class ImageProcessor:
         self.image_token_id: int = hf.get("image_token_id", hf.get("image_token_index"))
         self._hf_processor: Any = None
 
-    def process(self, text: str, media: Mapping) -> tuple[list[int], tuple[MultiModalItem, ...]]:
+    def process(self, text: str, media: Mapping, add_special_tokens: bool = True,
+                ) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """(prompt token ids with each image token expanded, the images as items), for a prompt's
-        text and its `multi_modal_data` ({"image": a PIL image or a list of them})."""
+        text and its `multi_modal_data` ({"image": a PIL image or a list of them}); the tokenizer adds
+        special tokens (BOS) if `add_special_tokens`."""
         unknown = set(media) - {"image"}
         if unknown:
             raise ValueError(f"multi_modal_data holds {sorted(unknown)}; this model takes only 'image'")
@@ -46,7 +48,8 @@ class ImageProcessor:
             raise ValueError(f"multi_modal_data: the prompt has {text.count(image_token)} image tokens "
                              f"({image_token!r}) for {len(images)} images; give one per image")
         try:
-            out = processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="np")
+            out = processor(text=text, images=[image.convert("RGB") for image in images], return_tensors="np",
+                            add_special_tokens=add_special_tokens)
         except ValueError as e:  # the processor's own check: image tokens in the text vs images given
             raise ValueError(f"multi_modal_data: {e}") from None
         token_ids = [int(t) for t in out["input_ids"][0]]

@@ -21,7 +21,9 @@ PromptType = Union[str, Mapping]
 """A text prompt, {"prompt": text}, or {"prompt_token_ids": [...]} (as vLLM's TextPrompt / TokensPrompt);
 a dict may carry "cache_salt": a non-empty string that keeps its prefix-cache blocks apart from those of
 requests with another salt or none, and {"prompt": text, "multi_modal_data": {"image": PIL image or list}}
-gives a model that takes images (LLaVA) the images of the text's image tokens."""
+gives a model that takes images (LLaVA) the images of the text's image tokens. A prompt whose images were
+already prepared by `InputProcessor.images.process` (the server does it off its event loop) gives them as
+"multi_modal_items" beside the "prompt_token_ids" it returned."""
 
 _POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
 """The inert sampling params a pooling request carries (it samples nothing)."""
@@ -121,6 +123,9 @@ class InputProcessor:
         """`tokenize`, and for a prompt with "multi_modal_data", the model's processor's token ids
         (each image token expanded) and the images."""
         media = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        prepared = prompt.get("multi_modal_items") if isinstance(prompt, Mapping) else None
+        if prepared is not None:
+            return self._prepared(prompt, prepared)
         if media is None:
             text, token_ids = self.tokenize(prompt)
             if self.images is not None and self.images.image_token_id in token_ids:
@@ -137,8 +142,21 @@ class InputProcessor:
         if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):
             raise ValueError("a prompt with multi_modal_data must give its text as 'prompt' (with one image token "
                              "per image), not prompt_token_ids")
+        images = media.get("image")
+        self.config.model.multimodal.check_count("image", len(images) if isinstance(images, (list, tuple)) else 1)
         token_ids, items = self.images.process(prompt["prompt"], media)
         return prompt["prompt"], token_ids, items
+
+    def _prepared(self, prompt: Mapping, items: object) -> tuple[str | None, list[int], tuple[MultiModalItem, ...]]:
+        """A prompt's "prompt_token_ids" and "multi_modal_items" as `images.process` made them."""
+        text, token_ids = self.tokenize(prompt)
+        if self.images is None or not isinstance(items, tuple) or \
+                not all(isinstance(item, MultiModalItem) for item in items):
+            raise ValueError("multi_modal_items must be the items InputProcessor.images.process made for this model")
+        self.config.model.multimodal.check_count("image", len(items))
+        if any(item.end > len(token_ids) or token_ids[item.offset] != self.images.image_token_id for item in items):
+            raise ValueError("multi_modal_items do not sit on the image tokens of prompt_token_ids")
+        return text, token_ids, items
 
     def _process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float,
                          cache_salt: str | None, lora_request: LoRARequest | None,

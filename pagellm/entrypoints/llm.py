@@ -11,6 +11,8 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.processor import PromptType
 from pagellm.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from pagellm.entrypoints.chat_images import check_images, image_token_text, prepare, split_images
+from pagellm.entrypoints.media import MediaLimits, load
 from pagellm.lora_request import LoRARequest
 from pagellm.outputs import EmbeddingRequestOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
@@ -78,7 +80,8 @@ class LLM:
         else:
             params_list = list(pooling_params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(f"pooling_params has {len(params_list)} entries but there are {len(prompt_list)} prompts")
+                raise ValueError(f"pooling_params has {len(params_list)} entries but there are "
+                                 f"{len(prompt_list)} prompts")
         if truncate_prompt_tokens is not None:
             params_list = [p if not isinstance(p, PoolingParams) or p.truncate_prompt_tokens is not None
                            else dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -98,21 +101,33 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate.
+        """Apply the chat template to one conversation or a list of them, then generate. A message's
+        content may hold OpenAI's image_url parts for a model that takes images (data:, http(s):// and,
+        under allowed_local_media_path, file:// URLs; docs/serving.md#images), loaded in this thread.
         `cache_salt` (not in vLLM's `LLM.chat`, whose prompts cannot carry one): every conversation's
         prefix-cache blocks are shared only with requests of the same salt, as a prompt dict's
         "cache_salt" does in `generate`. `lora_request` and
         `priority` (one per conversation) as in `generate`."""
         conversations = [messages] if _is_conversation(messages) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts = [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                          chat_template=chat_template, **(chat_template_kwargs or {}))
-            for conv in conversations
-        ]
-        # The template already carries any BOS token: don't let the tokenizer add a second one.
-        token_prompts = [{"prompt": p, "prompt_token_ids": tokenizer.encode(p, add_special_tokens=False),
-                          "cache_salt": cache_salt} for p in prompts]
+        images = self.llm_engine.processor.images
+        config = self.llm_engine.config.model.multimodal
+        token_prompts = []
+        for conv in conversations:
+            content = split_images(conv, chat_template or tokenizer.chat_template, image_token_text(images, tokenizer))
+            check_images(content, images, config)
+            text = tokenizer.apply_chat_template(content.messages, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, **(chat_template_kwargs or {}))
+            if content.image_urls:
+                limits = MediaLimits.from_env(config)
+                pictures = [load(url, limits, where) for url, where in content.image_urls]
+                token_ids, items = prepare(images, tokenizer, text, pictures)
+                token_prompts.append({"prompt": text, "prompt_token_ids": token_ids, "multi_modal_items": items,
+                                      "cache_salt": cache_salt})
+            else:
+                # The template already carries any BOS token: don't let the tokenizer add a second one.
+                token_ids = tokenizer.encode(text, add_special_tokens=False)
+                token_prompts.append({"prompt": text, "prompt_token_ids": token_ids, "cache_salt": cache_salt})
         return self.generate(token_prompts, sampling_params, use_tqdm, lora_request, priority)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType],
@@ -170,7 +185,8 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, Sequence):
         return [{"prompt_token_ids": list(p)} if isinstance(p, Sequence) and not isinstance(p, str) else p
                 for p in prompts]
-    raise ValueError(f"prompts must be a string, a prompt dict, token ids, or a list of these, got {type(prompts).__name__}")
+    raise ValueError("prompts must be a string, a prompt dict, token ids, or a list of these, "
+                     f"got {type(prompts).__name__}")
 
 
 def _as_lora_list(lora_request: Any, n: int) -> list[LoRARequest | None]:

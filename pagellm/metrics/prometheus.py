@@ -24,6 +24,9 @@ INTER_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 REQUEST_LATENCY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
+MM_PREPARE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Seconds: a data URL of a small image prepares in milliseconds, a slow URL takes up to its timeout."""
+
 
 def token_count_buckets(max_value: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `max_value`: even resolution per decade of lengths."""
@@ -146,6 +149,16 @@ class PrometheusStatLogger:
         for reason in TURNED_AWAY_REASONS:
             self.http_turned_away.labels(model_name, reason)
 
+        self.mm_images = Counter("pagellm:mm_images", "Images of chat requests fetched, decoded and prepared by the "
+                                 "model's processor.", ["model_name"], registry=self.registry)
+        self.mm_images.labels(model_name)
+        self.mm_encoder_images = counter("pagellm:mm_encoder_images", "Images the vision encoder ran on.")
+        self.mm_encoder_seconds = counter("pagellm:mm_encoder_seconds", "Seconds the vision encoder took.")
+        self.mm_prepare_time = Histogram("pagellm:mm_prepare_seconds",
+                                         "Seconds to fetch, decode and prepare one request's images.", ["model_name"],
+                                         buckets=MM_PREPARE_BUCKETS, registry=self.registry)
+        self.mm_prepare_time.labels(model_name)
+
         self.time_to_first_token = histogram("pagellm:time_to_first_token_seconds",
                                              "Time to first token in seconds.", TTFT_BUCKETS)
         self.inter_token_latency = histogram("pagellm:inter_token_latency_seconds",
@@ -168,11 +181,13 @@ class PrometheusStatLogger:
         # Totals since each engine started, turned into increments per engine.
         self._deltas = [(CumulativeDelta(), CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
         self._spec_deltas: list[dict[str, CumulativeDelta]] = [{} for _ in range(num_engines)]
+        self._encoder_deltas = [(CumulativeDelta(), CumulativeDelta()) for _ in range(num_engines)]
         self._lora = None if max_loras is None else _LoRAMetrics(self.registry, model_name, num_engines, max_loras)
         for engine in range(num_engines):  # every series exists from the start, at zero
             for family in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage,
                            self.prompt_tokens, self.generation_tokens, self.num_preemptions,
                            self.prefix_cache_queries, self.prefix_cache_hits, self.spec_decode_num_drafts,
+                           self.mm_encoder_images, self.mm_encoder_seconds,
                            self.spec_decode_num_draft_tokens, self.spec_decode_num_accepted_tokens,
                            self.time_to_first_token,
                            self.inter_token_latency, self.e2e_request_latency, self.request_queue_time,
@@ -216,6 +231,9 @@ class PrometheusStatLogger:
         self.num_preemptions.labels(*labels).inc(preemptions.update(scheduler_stats.num_preemptions))
         self.prefix_cache_queries.labels(*labels).inc(prefix_queries.update(scheduler_stats.prefix_cache_queries))
         self.prefix_cache_hits.labels(*labels).inc(prefix_hits.update(scheduler_stats.prefix_cache_hits))
+        encoder_images, encoder_seconds = self._encoder_deltas[engine_index]
+        self.mm_encoder_images.labels(*labels).inc(encoder_images.update(scheduler_stats.mm_encoder_images))
+        self.mm_encoder_seconds.labels(*labels).inc(encoder_seconds.update(scheduler_stats.mm_encoder_seconds))
         if scheduler_stats.spec is not None:
             self._record_spec(scheduler_stats.spec, labels, self._spec_deltas[engine_index])
         if scheduler_stats.kv_transfer is not None:
@@ -259,6 +277,11 @@ class PrometheusStatLogger:
         if reason not in TURNED_AWAY_REASONS:
             raise ValueError(f"reason must be one of {', '.join(TURNED_AWAY_REASONS)}, got {reason!r}")
         self.http_turned_away.labels(self.model_name, reason).inc()
+
+    def record_images(self, count: int, seconds: float) -> None:
+        """One request's `count` images, fetched, decoded and prepared in `seconds`."""
+        self.mm_images.labels(self.model_name).inc(count)
+        self.mm_prepare_time.labels(self.model_name).observe(seconds)
 
     def render(self) -> bytes:
         """The registry's current state in the Prometheus text exposition format."""

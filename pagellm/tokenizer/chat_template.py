@@ -49,15 +49,21 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-@functools.lru_cache(maxsize=16)
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile once per distinct template string; a server renders the same one for every request."""
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile once per distinct template string; a server renders the same one for every request."""
+    env = _environment()
     try:
         tree = env.parse(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
@@ -67,6 +73,24 @@ def compile_chat_template(source: str) -> jinja2.Template:
         raise ValueError(f"chat template loads another template (line {loading.lineno}): `include`, `import`, "
                          "`extends` and `from` are not allowed; a chat template is one self-contained string")
     return env.from_string(tree)
+
+
+@functools.lru_cache(maxsize=16)
+def iterates_message_content(source: str) -> bool:
+    """Whether the template loops over a message's `content` (`{% for part in message['content'] %}`,
+    filtered or not): it then takes content as a list of typed parts ({"type": "image"} among them,
+    as multimodal processors' templates do) rather than as one text (vLLM's "openai" and "string"
+    content formats)."""
+    compile_chat_template(source)  # refuses a bad template with its own message
+    for loop in _environment().parse(source).find_all(nodes.For):
+        target = loop.iter
+        while isinstance(target, (nodes.Filter, nodes.Test)):
+            target = target.node
+        if isinstance(target, nodes.Getitem) and isinstance(target.arg, nodes.Const) and target.arg.value == "content":
+            return True
+        if isinstance(target, nodes.Getattr) and target.attr == "content":
+            return True
+    return False
 
 
 def render_chat_template(

@@ -146,6 +146,11 @@ def _read_chat_template(directory: str, config: dict[str, Any]) -> str | None:
     if os.path.isfile(jinja_path):
         with open(jinja_path, encoding="utf-8") as f:
             return f.read()
+    # A multimodal processor's template, as older transformers saved it (llava-hf/llava-1.5-7b-hf):
+    # the one that places images, before the tokenizer's.
+    processor_template = read_json(os.path.join(directory, "chat_template.json"), missing_ok=True).get("chat_template")
+    if isinstance(processor_template, str):
+        return processor_template
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -2,8 +2,9 @@
 placeholder of theirs is computed (a prompt chunked across steps encodes each image once)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +46,38 @@ def scheduled_images(states: Sequence[RecordFields], starts: np.ndarray, query_l
     return images
 
 
+@dataclass(slots=True)
+class EncoderTimes:
+    """Images encoded and the encoder's time since the last `take`. On a GPU the time is read off CUDA
+    events once the device has passed them (the host never waits for it)."""
+
+    images: int = 0
+    seconds: float = 0.0
+    pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def run(self, encode: Callable[[torch.Tensor], torch.Tensor], pixels: torch.Tensor) -> torch.Tensor:
+        self.images += len(pixels)
+        if pixels.device.type != "cuda":
+            start = time.perf_counter()
+            features = encode(pixels)
+            self.seconds += time.perf_counter() - start
+            return features
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record()
+        features = encode(pixels)
+        events[1].record()
+        self.pending.append(events)
+        return features
+
+    def take(self) -> tuple[int, float]:
+        """(images, seconds) since the previous take; timings the device has not reached yet come later."""
+        done = [pair for pair in self.pending if pair[1].query()]
+        self.pending = [pair for pair in self.pending if not pair[1].query()]
+        seconds = self.seconds + sum(start.elapsed_time(end) for start, end in done) / 1000
+        images, self.images, self.seconds = self.images, 0, 0.0
+        return images, seconds
+
+
 class EncoderCache:
     """Each image's features by content hash, from the step that first needs them until every
     request using them has computed all its placeholders (or was freed). It holds only images
@@ -56,6 +89,7 @@ class EncoderCache:
         """Per content hash, the requests whose placeholders still need its features."""
         self._held_by: dict[str, set[str]] = {}
         """Per request, the content hashes it holds."""
+        self.times = EncoderTimes()
 
     def __len__(self) -> int:
         return len(self._features)
@@ -74,7 +108,7 @@ class EncoderCache:
         for shape, items in by_shape.items():
             pixels = torch.stack([torch.frombuffer(bytearray(item.data), dtype=torch.float32).view(shape)
                                   for item in items]).to(device)
-            for item, features in zip(items, encode(pixels)):
+            for item, features in zip(items, self.times.run(encode, pixels)):
                 self._features[item.content_hash] = features
         rows = np.concatenate([np.arange(image.first_row, image.first_row + image.count) for image in images])
         features = torch.cat([self._features[image.item.content_hash][

@@ -529,8 +529,11 @@ class StepInFlight:
         if runner.drafter is not None and self._propose:
             live = runner.requests.states  # (a request freed since the launch gave its blocks back)
             drafts = runner.drafter.propose([s for s in self._states if live.get(s.request_id) is s])
+        # Read after the step's results: the device has passed the encoder's events of this step.
+        images, seconds = runner.encoder_cache.times.take()
         return ModelRunnerOutput(self._req_ids, token_ids, logprobs or None,
-                                 _finished_prompt_logprobs(self._states) or None, draft_token_ids=drafts or None)
+                                 _finished_prompt_logprobs(self._states) or None, draft_token_ids=drafts or None,
+                                 encoder_images=images, encoder_seconds=seconds)
 
 
 def _rows(arrays: list[np.ndarray], rows: list[int] | slice, k: int) -> TokenLogprobs:

@@ -65,15 +65,31 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str
+    """data:image/...;base64,..., http(s)://... or file://... (under --allowed-local-media-path)."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted and ignored: the model's processor decides the resolution."""
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
-    """One message; the fields it was sent with reach the chat template (content as text)."""
+    """One message; the fields it was sent with reach the chat template (content parts as
+    `chat_images.split_images` arranges them)."""
 
     model_config = ConfigDict(**STRICT_TYPES, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    """Text, or a list of text parts (joined by newlines); other part types (images, audio) are
-    refused. None only in an assistant message that calls tools."""
+    content: str | list[ContentPart] | None = None
+    """Text, or a list of text and image_url parts (text parts joined by newlines); other part types
+    (audio, files) are refused. None only in an assistant message that calls tools."""
     tool_calls: list[MessageToolCall] | None = None
     """An assistant message's tool calls; their JSON arguments reach the template as objects."""
     tool_call_id: str | None = None
@@ -92,16 +108,15 @@ class ChatMessage(BaseModel):
                                                      "part": '{"type": "text", "text": "..."}'})
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            if kind != "text":
-                raise PydanticCustomError("unsupported_content", "only text content parts are supported by "
-                                          "this server, got {kind}", {"param": f"content.{i}", "kind": repr(kind)})
+            if kind not in ("text", "image_url"):
+                raise PydanticCustomError("unsupported_content", "only text and image_url content parts are "
+                                          "supported by this server, got {kind}",
+                                          {"param": f"content.{i}", "kind": repr(kind)})
         return data
 
     def for_template(self) -> dict[str, Any]:
         # Only the fields sent: templates test for the presence of keys like `tool_calls`.
         message = {"content": None, **self.model_dump(exclude_unset=True)}
-        if isinstance(self.content, list):
-            message["content"] = "\n".join(part.text for part in self.content)
         for call in message.get("tool_calls") or ():
             # Templates write the arguments with `tojson`, as transformers' callers pass them.
             call["function"]["arguments"] = _json_or_text(call["function"]["arguments"])

@@ -1,4 +1,4 @@
-"""Request and response bodies of OpenAI's Responses API (POST /v1/responses), text in and out.
+"""Request and response bodies of OpenAI's Responses API (POST /v1/responses): text and images in, text out.
 
 Fields the server accepts but cannot act on (tools, background runs) are
 refused by serving_responses.py with a 400 naming them; the rest of OpenAI's optional fields are
@@ -8,7 +8,7 @@ or ignored.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
@@ -25,19 +25,29 @@ class InputContentPart(StrictModel):
     logprobs: list[Any] | None = None
 
 
+class InputImagePart(StrictModel):
+    type: Literal["input_image"]
+    image_url: str
+    """A data:, http(s):// or file:// URL, taken as a chat image_url part's (docs/serving.md#images)."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted and ignored: the model's processor decides the resolution."""
+
+
 class InputMessage(StrictModel):
     """One message of the conversation; other item types (function calls, reasoning) are refused."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputContentPart]
+    content: str | list[Annotated[InputContentPart | InputImagePart, Field(discriminator="type")]]
     id: str | None = None
     status: str | None = None
 
-    def text_parts(self) -> list[dict[str, str]]:
-        """The content as the chat path's text parts."""
-        texts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content]
-        return [{"type": "text", "text": t} for t in texts]
+    def chat_parts(self) -> list[dict[str, Any]]:
+        """The content as the chat path's text and image_url parts."""
+        if isinstance(self.content, str):
+            return [{"type": "text", "text": self.content}]
+        return [{"type": "image_url", "image_url": {"url": p.image_url}} if isinstance(p, InputImagePart)
+                else {"type": "text", "text": p.text} for p in self.content]
 
 
 class ResponsesRequest(StrictModel):

@@ -4,8 +4,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -13,8 +15,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from pagellm.core.multimodal import MultiModalItem
 from pagellm.core.request import check_prompt_fits
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.entrypoints.chat_images import ChatContent, check_images, image_token_text, prepare, split_images
+from pagellm.entrypoints.media import MediaLimits, load_async
 from pagellm.entrypoints.openai.admission import Work, ticket_of
 from pagellm.entrypoints.openai.chat_output import ChatOutput
 from pagellm.entrypoints.openai.constraints import OutputConstraint, one_constraint, request_constraints
@@ -32,6 +37,7 @@ from pagellm.entrypoints.openai.served_models import ServedModel, ServedModels, 
 from pagellm.entrypoints.openai.serving_tools import plan_tools
 from pagellm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagellm.lora_request import LoRARequest
+from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.outputs import CompletionOutput, RequestOutput
 from pagellm.pooling_params import PoolingParams
 from pagellm.reasoning.parsers import ReasoningParser
@@ -40,6 +46,14 @@ from pagellm.structured_output import GrammarError
 from pagellm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+MEDIA_THREADS = 2
+"""Images read and decoded at once, off the event loop; more wait their turn. Bounds the CPU they
+take from the engine."""
+_media_pool = ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="pagellm-media")
+_prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="pagellm-mm-prepare")
+"""The model's Hugging Face processor runs on one thread: its fast tokenizer's settings are mutated
+per call, which two threads at once can break ("Already borrowed")."""
 
 T = TypeVar("T")
 Started = tuple[RequestOutput, AsyncGenerator[RequestOutput, None]]
@@ -77,6 +91,10 @@ class OpenAIServing:
         self.chat_template = chat_template
         """Replaces the model's own template when set (`--chat-template`)."""
         self.limits = limits or ServerLimits()
+        self.media_limits = MediaLimits.from_env(engine.config.model.multimodal)
+        """Where chat image URLs may point, and how long and large their images may be."""
+        self.metrics = next((m for m in engine.stat_loggers if isinstance(m, PrometheusStatLogger)), None)
+        """The server's Prometheus metrics (images prepared), if the engine keeps them."""
         self.auto_tool_parser: ToolParser | None = get_tool_parser(auto_tool_parser)() if auto_tool_parser else None
         """Reads tool calls out of the text for tool_choice auto (--enable-auto-tool-choice --tool-call-parser)."""
         reasoning = engine.config.structured_outputs.reasoning_parser
@@ -110,15 +128,52 @@ class OpenAIServing:
                                           truncating) if texts else ())
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
-    async def render_chat(self, request: ChatPromptFields, truncating: bool = False) -> tuple[str, list[int]]:
+    async def render_chat(self, request: ChatPromptFields, truncating: bool = False,
+                          content: ChatContent | None = None) -> tuple[str, list[int]]:
         """The conversation's prompt text (`chat_text`) and its token ids (`token_ids_of`), as `LLM.chat`
-        builds them."""
-        text = self.chat_text(request)
+        builds them, for a conversation without images."""
+        content = content or self.chat_content(request)
+        if content.image_urls:
+            raise APIError(f"{content.image_urls[0][1]}: image parts are taken by chat completions only",
+                           param="messages")
+        text = self.chat_text(request, content)
         # The template already carries any BOS token: by default, don't let the tokenizer add a second one.
         [token_ids] = await self.token_ids_of([text], request.add_special_tokens, "messages", truncating)
         return text, token_ids
 
-    def chat_text(self, request: ChatPromptFields) -> str:
+    def chat_content(self, request: ChatPromptFields) -> ChatContent:
+        """The request's messages as the chat template takes them, and the images they point to."""
+        tokenizer = self.tokenizer()
+        try:
+            return split_images([m.for_template() for m in request.messages],
+                                self.chat_template or tokenizer.chat_template,
+                                image_token_text(self.engine.processor.images, tokenizer))
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+
+    async def render_chat_images(self, request: ChatPromptFields, content: ChatContent,
+                                 ) -> tuple[str, list[int], tuple[MultiModalItem, ...]]:
+        """`render_chat` for a conversation with images: they are counted (--limit-mm-per-prompt) before
+        any is fetched, fetched without blocking the event loop, then decoded and prepared by the
+        model's processor off the loop too; (text, token ids with each image's placeholders, the
+        images). Any image that cannot be had is a 400 naming its part."""
+        images = self.engine.processor.images
+        tokenizer = self.tokenizer()
+        start = time.perf_counter()
+        try:
+            check_images(content, images, self.engine.config.model.multimodal)
+            text = self.chat_text(request, content)
+            pictures = await asyncio.gather(*(load_async(url, self.media_limits, where, _media_pool)
+                                              for url, where in content.image_urls))
+            token_ids, items = await asyncio.get_running_loop().run_in_executor(
+                _prepare_pool, prepare, images, tokenizer, text, list(pictures))
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        if self.metrics is not None:
+            self.metrics.record_images(len(items), time.perf_counter() - start)
+        return text, token_ids, items
+
+    def chat_text(self, request: ChatPromptFields, content: ChatContent | None = None) -> str:
         """The conversation rendered through the chat template: the prompt's text."""
         if request.continue_final_message and request.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt cannot both be true; "
@@ -129,7 +184,7 @@ class OpenAIServing:
         if clashing:
             raise APIError(f"chat_template_kwargs may not set {', '.join(sorted(clashing))}; "
                            "use the request's own fields", param="chat_template_kwargs")
-        messages = [m.for_template() for m in request.messages]
+        messages = (content or self.chat_content(request)).messages
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
         tokenizer = self.tokenizer()
 
@@ -305,7 +360,13 @@ class OpenAIServing:
             tools = plan_tools(request, self.auto_tool_parser)
             tool_constraints = [tools.constraint] if tools.constraint is not None else []
             constraint = one_constraint([*request_constraints(request), *tool_constraints])
-            text, token_ids = await self.render_chat(request, request.truncate_prompt_tokens is not None)
+            content = self.chat_content(request)
+            items: tuple[MultiModalItem, ...] = ()
+            if content.image_urls:
+                text, token_ids, items = await self.render_chat_images(request, content)
+            else:
+                text, token_ids = await self.render_chat(request, request.truncate_prompt_tokens is not None,
+                                                         content)
             max_tokens, param = request.max_tokens_field()
             self.check_fits(request, len(token_ids), names.get("messages", "messages"), max_tokens,
                             names.get(param, param))
@@ -314,6 +375,8 @@ class OpenAIServing:
                 params.skip_special_tokens = False  # the parser's marker is one
             await self.admit(raw_request, [len(token_ids)], params, "messages", param, request.priority)
             prompt = {"prompt": text, "prompt_token_ids": token_ids, "cache_salt": request.cache_salt}
+            if items:
+                prompt["multi_modal_items"] = items
             started = await self.start(prompt, params, request_id, constraint, model.lora_request, request.priority)
         except APIError as e:
             if e.param is not None:

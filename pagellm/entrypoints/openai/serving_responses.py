@@ -76,7 +76,7 @@ class OpenAIServingResponses(OpenAIServing):
             # An empty text is no input, as an empty list is.
             history += [{"role": "user", "content": request.input}] if request.input else []
         else:
-            history += [{"role": m.role, "content": m.text_parts()} for m in request.input]
+            history += [{"role": m.role, "content": m.chat_parts()} for m in request.input]
         if not history:
             raise APIError("input is empty: send at least one message", param="input")
         return history

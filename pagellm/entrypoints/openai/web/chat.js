@@ -11,12 +11,17 @@ const state = {
   currentId: localStorage.getItem(`${STORE}.current`),
   controller: null, // the AbortController of the reply streaming now
   defaults: { temperature: 1, top_p: 1 }, // the server's (generation_config.json), once /stats answers
+  attached: [], // data URLs of the images the next message carries
 };
 
 // -- conversations ------------------------------------------------------------------------------
 
 function save() {
-  localStorage.setItem(STORE, JSON.stringify(state.conversations));
+  try {
+    localStorage.setItem(STORE, JSON.stringify(state.conversations));
+  } catch {  // images can outgrow the browser's quota: the conversation then lives only in this tab
+    showError("This browser cannot keep these conversations (their images are too large); they last until a reload.");
+  }
   localStorage.setItem(`${STORE}.current`, state.currentId || "");
 }
 
@@ -103,6 +108,11 @@ function fillMessage(element, message) {
     }
   } else {
     content.textContent = message.content;
+    for (const url of message.images || []) {
+      const thumb = document.createElement("img");
+      thumb.className = "thumb"; thumb.src = url; thumb.alt = "attached image";
+      content.append(thumb);
+    }
   }
   element.querySelector(".stats").textContent = message.state === "stopped" ? `stopped · ${statsText(message.stats)}`
     : statsText(message.stats);
@@ -150,7 +160,8 @@ function editMessage(element, conversation, index) {
   cancel.type = "button"; cancel.className = "small"; cancel.textContent = "Cancel";
   send.onclick = () => {
     if (!editor.value.trim()) return;
-    conversation.messages.splice(index, conversation.messages.length, { role: "user", content: editor.value });
+    const { images } = conversation.messages[index];
+    conversation.messages.splice(index, conversation.messages.length, { role: "user", content: editor.value, images });
     reply(conversation);
   };
   cancel.onclick = () => renderMessages();
@@ -192,7 +203,10 @@ function settings() {
 
 function requestBody(conversation) {
   const s = settings();
-  const messages = conversation.messages.map(({ role, content }) => ({ role, content }));
+  // Images go first, as OpenAI's image_url parts; the server puts them where the model's template wants them.
+  const messages = conversation.messages.map(({ role, content, images }) => ({ role, content: images?.length
+    ? [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text: content }]
+    : content }));
   if (s.system.trim()) messages.unshift({ role: "system", content: s.system });
   const body = { model: $("model").value, messages, stream: true, stream_options: { include_usage: true },
     temperature: s.temperature, top_p: s.top_p };
@@ -318,7 +332,7 @@ async function reply(conversation) {
   };
   if (conversation.title === "New chat") {
     const first = conversation.messages.find((m) => m.role === "user");
-    if (first) conversation.title = first.content.slice(0, 40);
+    if (first) conversation.title = first.content.slice(0, 40) || "Image";
   }
   save();
   render();
@@ -327,13 +341,35 @@ async function reply(conversation) {
 function send(event) {
   event.preventDefault();
   const text = $("input").value;
-  if (!text.trim() || state.controller) return;
+  if ((!text.trim() && !state.attached.length) || state.controller) return;
   if (!current()) newConversation();
   const conversation = current();
-  conversation.messages.push({ role: "user", content: text });
+  const message = { role: "user", content: text };
+  if (state.attached.length) message.images = state.attached;
+  conversation.messages.push(message);
   $("input").value = "";
+  attach([]);
   autosize();
   reply(conversation);
+}
+
+// The images the next message carries, as data URLs (read in the browser; nothing is uploaded before sending).
+function attach(urls) {
+  state.attached = urls;
+  const chip = $("attached");
+  chip.hidden = !urls.length;
+  chip.textContent = `${urls.length} image${urls.length === 1 ? "" : "s"} ✕`;
+}
+
+async function readImages(files) {
+  const read = (file) => new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+  attach([...state.attached, ...await Promise.all([...files].map(read))]);
+  $("attach-input").value = "";
 }
 
 // -- settings and start-up ----------------------------------------------------------------------
@@ -407,6 +443,8 @@ async function main() {
   });
   $("input").addEventListener("input", autosize);
   $("stop").addEventListener("click", () => state.controller?.abort());
+  $("attach-input").addEventListener("change", (event) => readImages(event.target.files).catch((e) => showError(String(e))));
+  $("attached").addEventListener("click", () => attach([]));
   $("new-chat").addEventListener("click", () => { newConversation(); closePanels(); });
   $("toggle-sidebar").addEventListener("click", () => document.body.classList.toggle("show-sidebar"));
   $("toggle-settings").addEventListener("click", () => document.body.classList.toggle("show-settings"));
