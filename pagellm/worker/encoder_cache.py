@@ -60,21 +60,23 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._features)
 
-    def embeds(self, images: list[ScheduledImage], encode: Callable[[torch.Tensor], torch.Tensor],
+    def embeds(self, images: list[ScheduledImage],
+               encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat batch rows, their features) of this step's placeholders, running `encode` on the
-        images not cached (batched by pixel shape)."""
+        """(flat batch rows, their features) of this step's placeholders, running `encode` (the
+        model's `encode_images`) on the images not cached, batched by pixel shape and grid."""
         missing: dict[str, MultiModalItem] = {}
         for image in images:
             if image.item.content_hash not in self._features:
                 missing.setdefault(image.item.content_hash, image.item)
-        by_shape: dict[tuple[int, ...], list[MultiModalItem]] = {}
+        by_shape: dict[tuple, list[MultiModalItem]] = {}
         for item in missing.values():
-            by_shape.setdefault(item.shape, []).append(item)
-        for shape, items in by_shape.items():
+            by_shape.setdefault((item.shape, item.grid_thw), []).append(item)
+        for (shape, grid), items in by_shape.items():
             pixels = torch.stack([torch.frombuffer(bytearray(item.data), dtype=torch.float32).view(shape)
                                   for item in items]).to(device)
-            for item, features in zip(items, encode(pixels)):
+            grids = None if grid is None else torch.tensor([grid] * len(items), dtype=torch.int64, device=device)
+            for item, features in zip(items, encode(pixels, grids)):
                 self._features[item.content_hash] = features
         rows = np.concatenate([np.arange(image.first_row, image.first_row + image.count) for image in images])
         features = torch.cat([self._features[image.item.content_hash][

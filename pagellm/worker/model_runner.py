@@ -29,6 +29,7 @@ from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, MAX_CAPTURE_TOKENS, Dec
 from pagellm.worker.encoder_cache import EncoderCache
 from pagellm.worker.kv_connector import KVConnectorWorker, build_kv_connector_worker
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
+from pagellm.worker.mrope import mrope_merge_size
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ps = parallel_state()
         self.kv_groups = kv_cache_groups(config.model.source.arch.sliding_windows, config.model.max_model_len)
-        self.requests = RequestStates(self.block_size, self.device, num_kv_groups=len(self.kv_groups))
+        self.requests = RequestStates(self.block_size, self.device, num_kv_groups=len(self.kv_groups),
+                                      mrope_merge_size=mrope_merge_size(self.arch.hf_config))
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
