@@ -6,12 +6,15 @@ an image's placeholders, preemption), the prefix cache (the same image hits, ano
 and the M-RoPE positions and rotation on their own."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 import transformers
 from engine_utils import assert_no_leak
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from pagellm import LLM, SamplingParams
@@ -38,6 +41,7 @@ PROMPTS = [
     {"prompt": f"t3 {VISION_TOKENS} t4 t5 t11 t12 {VISION_TOKENS} t6",
      "multi_modal_data": {"image": [image(1, 24, 16), image(2, 32, 32)]}},
     {"prompt": f"t20 t21 t22 t23 t24 t25 {VISION_TOKENS} t30", "multi_modal_data": {"image": [image(3, 16, 32)]}},
+    {"prompt": "t40 t41 t42 t43"},  # text only, beside requests with images
 ]
 
 VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=4,
@@ -120,6 +124,12 @@ def assert_matches_hf(model, images_processor, outs, prompts) -> None:
     """Each output is HF's greedy continuation of its prompt and images: the argmax of HF's logits
     at every position, with HF's logprob."""
     for prompt, out in zip(prompts, outs):
+        if "multi_modal_data" not in prompt:
+            seq = out.outputs[0]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([out.prompt_token_ids + seq.token_ids[:-1]])).logits[0]
+            assert logits[len(out.prompt_token_ids) - 1:].argmax(dim=-1).tolist() == seq.token_ids
+            continue
         images = prompt["multi_modal_data"]["image"]
         pixels = images_processor(images=images if isinstance(images, list) else [images], return_tensors="pt")
         ids = out.prompt_token_ids
@@ -174,6 +184,33 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(tiny):
     # placeholders begin in block 0).
     assert [out.num_cached_tokens for out in outs] == [0, 2 * BLOCK, 0]
     assert outs[2].outputs[0].token_ids != outs[0].outputs[0].token_ids
+
+
+@pytest.mark.slow
+def test_both_checkpoint_layouts_load(tiny, tmp_path):
+    """transformers >= 4.52 names the tensors model.visual.* and model.language_model.*; the Qwen
+    releases (and what transformers 5 saves) visual.* and model.*."""
+    folder, model, images_processor = tiny
+    tensors = load_file(folder / "model.safetensors")
+    assert any(name.startswith("visual.") for name in tensors)
+    renamed = {("model." + name if name.startswith("visual.") else
+                name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name): tensor
+               for name, tensor in tensors.items()}
+    for path in folder.iterdir():
+        if path.name != "model.safetensors":
+            shutil.copy(path, tmp_path / path.name)
+    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    outs = LLM(str(tmp_path), **CPU).generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert_matches_hf(model, images_processor, outs, PROMPTS[:2])
+
+
+@pytest.mark.slow
+def test_image_token_count_mismatch_is_refused(tiny):
+    folder, _, _ = tiny
+    llm = LLM(str(folder), **CPU)
+    with pytest.raises(ValueError, match=r"the prompt has 1 image tokens \('<\|image_pad\|>'\) for 2 images"):
+        llm.generate([{**PROMPTS[0], "multi_modal_data": {"image": [image(0, 8, 8), image(1, 8, 8)]}}], GREEDY,
+                     use_tqdm=False)
 
 
 def test_mrope_positions_follow_transformers_get_rope_index():
