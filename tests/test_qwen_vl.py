@@ -6,6 +6,7 @@ an image's placeholders, preemption), the prefix cache (the same image hits, ano
 and the M-RoPE positions and rotation on their own."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -187,19 +188,29 @@ def test_the_same_image_hits_the_prefix_cache_and_another_does_not(tiny):
 
 
 @pytest.mark.slow
-def test_both_checkpoint_layouts_load(tiny, tmp_path):
-    """transformers >= 4.52 names the tensors model.visual.* and model.language_model.*; the Qwen
-    releases (and what transformers 5 saves) visual.* and model.*."""
+@pytest.mark.parametrize("layout", ["transformers-4.52", "qwen-release"])
+def test_other_checkpoint_layouts_load(tiny, tmp_path, layout):
+    """transformers 4.52 to 4.57 name the tensors model.visual.* and model.language_model.* (5.x
+    saves visual.* and model.*, as the fixture); Qwen's releases keep the language model's fields at
+    the top of config.json, M-RoPE in rope_scaling {"type": "mrope"}."""
     folder, model, images_processor = tiny
-    tensors = load_file(folder / "model.safetensors")
-    assert any(name.startswith("visual.") for name in tensors)
-    renamed = {("model." + name if name.startswith("visual.") else
-                name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name): tensor
-               for name, tensor in tensors.items()}
     for path in folder.iterdir():
-        if path.name != "model.safetensors":
-            shutil.copy(path, tmp_path / path.name)
-    save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        shutil.copy(path, tmp_path / path.name)
+    if layout == "transformers-4.52":
+        tensors = load_file(folder / "model.safetensors")
+        assert any(name.startswith("visual.") for name in tensors)
+        renamed = {("model." + name if name.startswith("visual.") else
+                    name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name):
+                   tensor for name, tensor in tensors.items()}
+        save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        text = config.pop("text_config")
+        rope = text.pop("rope_parameters")
+        config.update(text, model_type=config["model_type"], rope_theta=rope["rope_theta"],
+                      rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+        config["vision_config"]["in_chans"] = 3
+        (tmp_path / "config.json").write_text(json.dumps(config))
     outs = LLM(str(tmp_path), **CPU).generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert_matches_hf(model, images_processor, outs, PROMPTS[:2])
 

@@ -67,8 +67,8 @@ class ImageProcessor:
         return token_ids, self._items(token_ids, list(pixels), [total // len(pixels)] * len(pixels),
                                       [None] * len(pixels))
 
-    def _process_dynamic(self, text: str, image_token: str, images: list) -> tuple[list[int],
-                                                                                  tuple[MultiModalItem, ...]]:
+    def _process_dynamic(self, text: str, image_token: str,
+                         images: list) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Qwen2-VL's processing: each image's patches [t x h x w, channels x patch size] and grid,
         its image token repeated t x h x w / merge_size^2 times (its merged features)."""
         out = self._hf_processor(images=images, return_tensors="np")
