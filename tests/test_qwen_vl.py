@@ -162,8 +162,15 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
     encoded = []
     encode = runner.model.encode_images
     runner.model.encode_images = lambda pixels, grids: encoded.append(len(pixels)) or encode(pixels, grids)
+    steps = []  # (rotary positions' dims, longest query) of each step
+    forward = runner.model.forward
+    runner.model.forward = lambda ids, positions, md, *args, **kwargs: steps.append(
+        (positions.dim(), md.max_query_len)) or forward(ids, positions, md, *args, **kwargs)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_matches_hf(model, images_processor, outs, PROMPTS)
+    if variant == "batch":  # three positions a token for the prompts; decode steps one (the decode graphs')
+        assert steps[0] == (2, max(len(out.prompt_token_ids) for out in outs))
+        assert {dims for dims, _ in steps[1:]} == {1}
     if variant == "preempted":
         assert llm.llm_engine.engine_core.stats().num_preemptions > 0
     else:  # each image encoded once, however many steps its placeholders took

@@ -65,8 +65,9 @@ class FlatBatch:
     input_ids: torch.Tensor
     """[num_tokens] int64."""
     positions: torch.Tensor
-    """[num_tokens] int64, or [3, num_tokens] for a step of a model with M-RoPE that computes
-    image placeholders (the rotary positions: a token's KV slot is by its index all the same)."""
+    """[num_tokens] int64: each token's rotary position (its index; with M-RoPE, plus its request's
+    delta after its images), or [3, num_tokens] for a step of a model with M-RoPE that computes
+    tokens among a request's images (`_mrope_step_positions`)."""
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     """[num_sampling_rows] int64: rows of the hidden states whose next token is sampled: one per
@@ -241,19 +242,19 @@ class RequestStates:
             draft_ids = np.concatenate([[*spec.get(req_ids[i], ()), -1] for i in sampling_rows]).astype(np.int64)
 
         extra = [input_ids, logits_indices, placeholder_rows, self.sampled_row[rows[placeholders]]]
+        if draft_ids is not None:
+            extra.append(draft_ids)
         rope_positions = (_mrope_step_positions(states, starts, query_lens, query_start_loc)
                           if self.mrope_merge_size is not None and self.num_with_images else None)
         if rope_positions is not None:
             extra.append(rope_positions)
-        if draft_ids is not None:
-            extra.append(draft_ids)
         grid = attention_layout(block_tables, starts, query_lens, self.block_size, self.device, extra)
-        input_ids_dev, logits_dev, placeholder_dev, source_dev, *rest_dev = grid.extra
-        rope_dev = rest_dev.pop(0) if rope_positions is not None else grid.positions
-        drafts_dev = rest_dev
+        input_ids_dev, logits_dev, placeholder_dev, source_dev, *drafts_dev = grid.extra
+        # The KV slots follow each token's index; the rotary positions may not (M-RoPE).
+        positions = drafts_dev.pop() if rope_positions is not None else grid.positions
         batch = FlatBatch(
             input_ids=input_ids_dev,
-            positions=rope_dev,
+            positions=positions,
             attn_metadata=grid.attn_metadata,
             logits_indices=logits_dev,
             sampling_req_ids=[req_ids[i] for i in sampling_rows.tolist()],

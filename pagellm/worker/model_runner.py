@@ -303,8 +303,9 @@ class ModelRunner:
         else the send of its intermediate tensors to the next stage (started, not waited for).
         `lora_slots`: each row's adapter slot (None: no adapter). `mm_embeds`: image features that
         replace some rows' token embeddings (the first stage of a model that takes images)."""
-        # The decode graphs embed tokens themselves: a step with image features runs eagerly.
-        graph = self.graphs is not None and self.graphs.fits(md) and mm_embeds is None
+        # The decode graphs embed tokens themselves and take one position a token: a step with
+        # image features, or with three positions a token (M-RoPE among images), runs eagerly.
+        graph = self.graphs is not None and self.graphs.fits(md) and mm_embeds is None and positions.dim() == 1
         extra = {} if mm_embeds is None else {"mm_embeds": mm_embeds}
         if self.lora is not None:
             if lora_slots is None:
