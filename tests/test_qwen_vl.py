@@ -221,12 +221,15 @@ def test_other_checkpoint_layouts_load(tiny, tmp_path, layout):
     assert_matches_hf(model, images_processor, outs, PROMPTS[:2])
 
 
-def test_image_token_count_mismatch_is_refused(tiny):
+def test_bad_images_are_refused(tiny):
     folder, _, _ = tiny
     llm = LLM(str(folder), **CPU)
     with pytest.raises(ValueError, match=r"the prompt has 1 image tokens \('<\|image_pad\|>'\) for 2 images"):
         llm.generate([{**PROMPTS[0], "multi_modal_data": {"image": [image(0, 8, 8), image(1, 8, 8)]}}], GREEDY,
                      use_tqdm=False)
+    with pytest.raises(ValueError, match=r"multi_modal_data: absolute aspect ratio must be smaller than 200"):
+        llm.generate([{**PROMPTS[0], "multi_modal_data": {"image": image(0, 900, 2)}}], GREEDY, use_tqdm=False)
+    assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
 
 
 def test_mrope_positions_follow_transformers_get_rope_index():

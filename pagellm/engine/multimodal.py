@@ -71,7 +71,10 @@ class ImageProcessor:
                          images: list) -> tuple[list[int], tuple[MultiModalItem, ...]]:
         """Qwen2-VL's processing: each image's patches [t x h x w, channels x patch size] and grid,
         its image token repeated t x h x w / merge_size^2 times (its merged features)."""
-        out = self._hf_processor(images=images, return_tensors="np")
+        try:
+            out = self._hf_processor(images=images, return_tensors="np")
+        except ValueError as e:  # an image it cannot resize within its bounds (an extreme aspect ratio)
+            raise ValueError(f"multi_modal_data: {e}") from None
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         grids = [tuple(int(n) for n in grid) for grid in out["image_grid_thw"]]
         lengths = [t * h * w // self.merge_size ** 2 for t, h, w in grids]
