@@ -119,7 +119,7 @@ def test_greedy_tokens_and_logprobs_match_hf(tiny, variant):
     runner = llm.llm_engine.engine_core.executor.worker.runner
     encoded = []
     encode = runner.model.encode_images
-    runner.model.encode_images = lambda pixels: encoded.append(len(pixels)) or encode(pixels)
+    runner.model.encode_images = lambda pixels, grids: encoded.append(len(pixels)) or encode(pixels, grids)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_matches_hf(model, processor, outs, PROMPTS)
     if variant == "preempted":
@@ -196,7 +196,7 @@ def test_the_encoder_cache_keeps_features_while_a_request_needs_them():
                           data=np.arange(6, dtype=np.float32).tobytes(), shape=(1, 2, 3))
     encoded = []
 
-    def encode(pixels):  # features row j of an image: j + its pixels' sum
+    def encode(pixels, grids):  # features row j of an image: j + its pixels' sum
         encoded.append(len(pixels))
         return pixels.flatten(1).sum(1)[:, None, None] + torch.arange(4.0)[None, :, None]
 

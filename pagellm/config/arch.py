@@ -44,6 +44,10 @@ MODEL_REGISTRY: Registry[ArchitectureEntry] = Registry("model architecture", bui
     ArchitectureEntry("GptOssForCausalLM", "pagellm.models.gpt_oss:GptOssForCausalLM", model_type="gpt_oss"),
     ArchitectureEntry("LlavaForConditionalGeneration", "pagellm.models.llava:LlavaForConditionalGeneration",
                       model_type="llava"),
+    ArchitectureEntry("Qwen2VLForConditionalGeneration", "pagellm.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+                      model_type="qwen2_vl"),
+    ArchitectureEntry("Qwen2_5_VLForConditionalGeneration",
+                      "pagellm.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration", model_type="qwen2_5_vl"),
 ))
 """Every architecture the engine runs, by Hugging Face name."""
 

@@ -12,7 +12,7 @@ class MultiModalItem(msgspec.Struct, frozen=True, kw_only=True):
     modality: str
     """"image" (the only kind for now)."""
     content_hash: str
-    """SHA-256 (hex) of the preprocessed pixel values and their shape: the same image, prepared the
+    """SHA-256 (hex) of the preprocessed pixel values, their shape and grid: the same image, prepared the
     same way, has the same hash. It joins the block hashes of the blocks holding its placeholders
     and keys the worker's encoder cache."""
     offset: int
@@ -22,7 +22,11 @@ class MultiModalItem(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes
     """The pixel values, float32 in C order (bytes: the record stays free of torch and numpy)."""
     shape: tuple[int, ...]
-    """The pixel values' shape, e.g. (3, 336, 336)."""
+    """The pixel values' shape, e.g. (3, 336, 336), or (patches, channels x patch size) for a
+    dynamic-resolution vision transformer (Qwen2-VL)."""
+    grid_thw: tuple[int, int, int] | None = None
+    """Its patch grid (temporal, height, width) where the image's size sets its patch count
+    (Qwen2-VL's `image_grid_thw`); None for a fixed-size tower (LLaVA's CLIP)."""
 
     @property
     def end(self) -> int:

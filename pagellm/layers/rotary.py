@@ -170,3 +170,31 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, num_heads, head_dim]; key [T, num_kv_heads, head_dim]."""
         return ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (Qwen2-VL's M-RoPE): a token has three positions (temporal,
+    height, width) and each third of the rotated pairs, as `mrope_section` splits them, turns by
+    one of them. Text tokens have all three equal, which is the plain rotation: positions [T] are
+    taken as such (decode steps, prompts without images)."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, mrope_section: list[int]) -> None:
+        super().__init__(head_dim, max_position, base)
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"rope_scaling's mrope_section must be three numbers summing to head_dim / 2 = "
+                             f"{head_dim // 2}, got {mrope_section!r}")
+        pair_axis = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        # Which of the three positions each column of the cos/sin table (cos half, sin half) takes.
+        self.register_buffer("column_axis", torch.cat((pair_axis, pair_axis)), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] or [3, T]; query [T, num_heads, head_dim]; key [T, num_kv_heads, head_dim]."""
+        if positions.dim() == 1:
+            return super().forward(positions, query, key)
+        rows = self.cos_sin_cache[positions]  # [3, T, head_dim]
+        axis = self.column_axis.view(1, 1, -1).expand(1, rows.shape[1], -1)
+        per_token = rows.gather(0, axis)[0]  # [T, head_dim]: each column from its own position
+        index = torch.arange(per_token.shape[0], device=positions.device)
+        return ops.rotary_embedding(index, query, key, per_token)

@@ -78,12 +78,13 @@ token embeddings of those rows (an image's placeholder tokens)."""
 
 @runtime_checkable
 class SupportsImages(Protocol):
-    """A `CausalLM` that also takes images (LLaVA): the worker encodes them and hands the features
+    """A `CausalLM` that also takes images (LLaVA, Qwen2-VL): the worker encodes them and hands the features
     of the placeholder tokens each step computes to `forward`."""
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values [B, 3, H, W] (the Hugging Face processor's) -> features [B, N, hidden_size],
-        N the placeholder tokens of each image."""
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """pixel_values [B, 3, H, W] (the Hugging Face processor's), or [B, patches, patch values]
+        with each image's `image_grid_thw` [B, 3] (a dynamic-resolution tower, every image of the
+        call the same grid) -> features [B, N, hidden_size], N the placeholder tokens of each image."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                 intermediate: IntermediateTensors | None = None,

@@ -128,6 +128,8 @@ class LlamaDecoderLayer(nn.Module):
             return f"{type(self.self_attn).__name__} changes q/k before the rotary embedding"
         if type(self.mlp) is not LlamaMLP:
             return f"its MLP is a {type(self.mlp).__name__}, not a dense Llama MLP"
+        if type(self.self_attn.rotary_emb).forward is not RotaryEmbedding.forward:
+            return f"its {type(self.self_attn.rotary_emb).__name__} rotates otherwise than by one position a token"
         return None
 
     def smoothable(self) -> list[tuple[RMSNorm, nn.Module]]:

@@ -18,6 +18,7 @@ from pagellm.attention.backend import AttentionBackend, AttentionMetadata
 from pagellm.config.arch import ModelArchConfig
 from pagellm.models.interface import IntermediateTensors, MultiModalEmbeds
 from pagellm.models.llama import LlamaForCausalLM
+from pagellm.models.vision_embeds import embed_with_images
 
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),  # transformers < 4.52, and what 5.x saves
@@ -66,9 +67,10 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                                                     hf.get("projector_hidden_act", "gelu"),
                                                     hf.get("multimodal_projector_bias", True))
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
         """pixel_values [B, 3, H, W] -> features [B, N, hidden_size]: the chosen vision layer's
-        hidden states (without the class token under the "default" strategy), projected."""
+        hidden states (without the class token under the "default" strategy), projected (a
+        fixed-size tower: no grid)."""
         dtype = self.multi_modal_projector.linear_1.weight.dtype
         out = self.vision_tower(pixel_values.to(dtype), output_hidden_states=True)
         features = out.hidden_states[self.feature_layer]
@@ -81,9 +83,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                 mm_embeds: MultiModalEmbeds | None = None) -> torch.Tensor | IntermediateTensors:
         if mm_embeds is None:
             return self.model(input_ids, positions, attn_metadata, intermediate)
-        rows, features = mm_embeds
-        embeds = self.model.embed_tokens(input_ids)
-        embeds[rows] = features.to(embeds.dtype)
+        embeds = embed_with_images(self.model.embed_tokens, input_ids, mm_embeds)
         return self.model(input_ids, positions, attn_metadata, intermediate, inputs_embeds=embeds)
 
     def checkpoint_names(self, param_name: str) -> list[str]:

@@ -13,6 +13,7 @@ from pagellm.core.request import EngineCoreRequest, RecordFields
 from pagellm.lora.manager import LoRAManager
 from pagellm.sample.logits_processors import uses_logits_processors
 from pagellm.worker.encoder_cache import ScheduledImage, scheduled_images
+from pagellm.worker.mrope import MRopePositions, mrope_positions
 
 
 @dataclass(slots=True, kw_only=True)
@@ -39,6 +40,9 @@ class CachedRequestState(RecordFields):
     """Its row of the persistent batch (`RequestStates.block_tables`...), while it lives."""
     uses_processors: bool = False
     """Whether its sampling needs logits processors (`uses_logits_processors`)."""
+    mrope: MRopePositions | None = None
+    """Its tokens' three rotary positions (a prompt with images, a model with M-RoPE); None: each
+    token is at its index."""
 
     @classmethod
     def from_new(cls, new: NewRequestData, *, row: int) -> CachedRequestState:
@@ -61,7 +65,9 @@ class FlatBatch:
     input_ids: torch.Tensor
     """[num_tokens] int64."""
     positions: torch.Tensor
-    """[num_tokens] int64."""
+    """[num_tokens] int64: each token's rotary position (its index; with M-RoPE, plus its request's
+    delta after its images), or [3, num_tokens] for a step of a model with M-RoPE that computes
+    tokens among a request's images (`_mrope_step_positions`)."""
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     """[num_sampling_rows] int64: rows of the hidden states whose next token is sampled: one per
@@ -108,9 +114,11 @@ class RequestStates:
     of walking requests."""
 
     def __init__(self, block_size: int, device: torch.device, lora: LoRAManager | None = None,
-                 num_kv_groups: int = 1) -> None:
-        """`lora`: the adapters' slots, which the requests that use one hold while they live."""
+                 num_kv_groups: int = 1, mrope_merge_size: int | None = None) -> None:
+        """`lora`: the adapters' slots, which the requests that use one hold while they live.
+        `mrope_merge_size`: a model with M-RoPE's vision `spatial_merge_size` (None: plain positions)."""
         self.block_size = block_size
+        self.mrope_merge_size = mrope_merge_size
         self.device = device
         self.lora = lora
         self.states: dict[str, CachedRequestState] = {}
@@ -142,6 +150,9 @@ class RequestStates:
             state = self.states[new.req_id] = CachedRequestState.from_new(new, row=self._take_row())
             self.num_special += state.uses_processors
             self.num_with_images += bool(state.record.multi_modal)
+            if self.mrope_merge_size is not None and state.record.multi_modal:
+                state.mrope = mrope_positions(state.num_prompt_tokens, state.record.multi_modal,
+                                              self.mrope_merge_size)
             self.num_blocks[state.row] = 0
             lora = state.record.lora_request
             self.lora_slot[state.row] = -1 if lora is None else self.lora.acquire(lora.lora_int_id)
@@ -233,11 +244,17 @@ class RequestStates:
         extra = [input_ids, logits_indices, placeholder_rows, self.sampled_row[rows[placeholders]]]
         if draft_ids is not None:
             extra.append(draft_ids)
+        rope_positions = (_mrope_step_positions(states, starts, query_lens, query_start_loc)
+                          if self.mrope_merge_size is not None and self.num_with_images else None)
+        if rope_positions is not None:
+            extra.append(rope_positions)
         grid = attention_layout(block_tables, starts, query_lens, self.block_size, self.device, extra)
         input_ids_dev, logits_dev, placeholder_dev, source_dev, *drafts_dev = grid.extra
+        # The KV slots follow each token's index; the rotary positions may not (M-RoPE).
+        positions = drafts_dev.pop() if rope_positions is not None else grid.positions
         batch = FlatBatch(
             input_ids=input_ids_dev,
-            positions=grid.positions,
+            positions=positions,
             attn_metadata=grid.attn_metadata,
             logits_indices=logits_dev,
             sampling_req_ids=[req_ids[i] for i in sampling_rows.tolist()],
@@ -285,6 +302,35 @@ class RequestStates:
             state = self.states.get(req_id)
             if state is not None:  # None: freed (finished, aborted, preempted) while in flight
                 state.token_ids.extend(new)
+
+
+def _mrope_step_positions(states: list[CachedRequestState], starts: np.ndarray, query_lens: np.ndarray,
+                          query_start_loc: np.ndarray) -> np.ndarray | None:
+    """The rotary positions of a step's tokens where some request has M-RoPE positions (None:
+    every token at its index): [3, num_tokens] when some computes tokens among its images', else
+    [num_tokens], each token after a request's last image moved by its delta (decode steps keep
+    one position a token, as the decode graphs take them)."""
+    chosen = [i for i, s in enumerate(states) if s.mrope is not None]
+    if not chosen:
+        return None
+    num_tokens = int(query_start_loc[-1])
+    req_of_token = np.repeat(np.arange(len(states)), query_lens)
+    positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+    ends = starts + query_lens
+    if not any(starts[i] < states[i].mrope.end and ends[i] > states[i].mrope.start for i in chosen):
+        for i in chosen:
+            if starts[i] >= states[i].mrope.end:
+                positions[query_start_loc[i]:query_start_loc[i + 1]] += states[i].mrope.delta
+        return positions
+    positions = np.repeat(positions[None], 3, axis=0)
+    for i in chosen:
+        mrope, row, start, end = states[i].mrope, int(query_start_loc[i]), int(starts[i]), int(ends[i])
+        prompt_end = min(end, mrope.prompt.shape[1])
+        if start < prompt_end:
+            positions[:, row:row + prompt_end - start] = mrope.prompt[:, start:prompt_end]
+        first_output = max(start, prompt_end)
+        positions[:, row + first_output - start:row + end - start] += mrope.delta
+    return positions
 
 
 @dataclass(slots=True)

@@ -55,16 +55,17 @@ class EncoderTimes:
     seconds: float = 0.0
     pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
-    def run(self, encode: Callable[[torch.Tensor], torch.Tensor], pixels: torch.Tensor) -> torch.Tensor:
+    def run(self, encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], pixels: torch.Tensor,
+            grids: torch.Tensor | None) -> torch.Tensor:
         self.images += len(pixels)
         if pixels.device.type != "cuda":
             start = time.perf_counter()
-            features = encode(pixels)
+            features = encode(pixels, grids)
             self.seconds += time.perf_counter() - start
             return features
         events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         events[0].record()
-        features = encode(pixels)
+        features = encode(pixels, grids)
         events[1].record()
         self.pending.append(events)
         return features
@@ -94,21 +95,23 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._features)
 
-    def embeds(self, images: list[ScheduledImage], encode: Callable[[torch.Tensor], torch.Tensor],
+    def embeds(self, images: list[ScheduledImage],
+               encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(flat batch rows, their features) of this step's placeholders, running `encode` on the
-        images not cached (batched by pixel shape)."""
+        """(flat batch rows, their features) of this step's placeholders, running `encode` (the
+        model's `encode_images`) on the images not cached, batched by pixel shape and grid."""
         missing: dict[str, MultiModalItem] = {}
         for image in images:
             if image.item.content_hash not in self._features:
                 missing.setdefault(image.item.content_hash, image.item)
-        by_shape: dict[tuple[int, ...], list[MultiModalItem]] = {}
+        by_shape: dict[tuple, list[MultiModalItem]] = {}
         for item in missing.values():
-            by_shape.setdefault(item.shape, []).append(item)
-        for shape, items in by_shape.items():
+            by_shape.setdefault((item.shape, item.grid_thw), []).append(item)
+        for (shape, grid), items in by_shape.items():
             pixels = torch.stack([torch.frombuffer(bytearray(item.data), dtype=torch.float32).view(shape)
                                   for item in items]).to(device)
-            for item, features in zip(items, self.times.run(encode, pixels)):
+            grids = None if grid is None else torch.tensor([grid] * len(items), dtype=torch.int64, device=device)
+            for item, features in zip(items, self.times.run(encode, pixels, grids)):
                 self._features[item.content_hash] = features
         rows = np.concatenate([np.arange(image.first_row, image.first_row + image.count) for image in images])
         features = torch.cat([self._features[image.item.content_hash][

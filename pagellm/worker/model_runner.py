@@ -30,6 +30,7 @@ from pagellm.worker.cuda_graphs import MAX_CAPTURE_SIZE, MAX_CAPTURE_TOKENS, Dec
 from pagellm.worker.encoder_cache import EncoderCache
 from pagellm.worker.kv_connector import KVConnectorWorker, build_kv_connector_worker
 from pagellm.worker.loading import bind_kv_cache, build_model, kv_bytes_per_block
+from pagellm.worker.mrope import mrope_merge_size
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.ps = parallel_state()
         self.kv_groups = kv_cache_groups(config.model.source.arch.sliding_windows, config.model.max_model_len)
-        self.requests = RequestStates(self.block_size, self.device, num_kv_groups=len(self.kv_groups))
+        self.requests = RequestStates(self.block_size, self.device, num_kv_groups=len(self.kv_groups),
+                                      mrope_merge_size=mrope_merge_size(self.arch.hf_config))
         self.model: CausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -315,8 +317,9 @@ class ModelRunner:
         else the send of its intermediate tensors to the next stage (started, not waited for).
         `lora_slots`: each row's adapter slot (None: no adapter). `mm_embeds`: image features that
         replace some rows' token embeddings (the first stage of a model that takes images)."""
-        # The decode graphs embed tokens themselves: a step with image features runs eagerly.
-        graph = self.graphs is not None and self.graphs.fits(md) and mm_embeds is None
+        # The decode graphs embed tokens themselves and take one position a token: a step with
+        # image features, or with three positions a token (M-RoPE among images), runs eagerly.
+        graph = self.graphs is not None and self.graphs.fits(md) and mm_embeds is None and positions.dim() == 1
         extra = {} if mm_embeds is None else {"mm_embeds": mm_embeds}
         if self.lora is not None:
             if lora_slots is None:
