@@ -27,7 +27,7 @@ from engine_utils import assert_no_leak
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "between 1 and 16"),
     ({"num_speculative_tokens": True}, "between 1 and 16"),
-    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of ngram, draft_model"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of ngram, draft_model, suffix"),
     ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs model"),
     ({"num_speculative_tokens": 2, "model": "draft.gguf", "prompt_lookup_max": 3}, "do not apply to method 'draft_model'"),
     ({"num_speculative_tokens": 2, "quantization": "gguf"}, "do not apply to method 'ngram'"),
