@@ -29,10 +29,12 @@ if __package__ in (None, ""):
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json  # noqa: E402
 
-TEMPLATE = ('Read the text and fill in this JSON form with the person\'s details, then stop:\n'
-            '{{"name": "...", "city": "...", "age": ..., "job": "..."}}\n\nText: {text}\nJSON:')
-NAMES = ["Maria Lopez", "Tom Becker", "Aiko Tanaka", "Samuel Okafor", "Lena Fischer", "Omar Haddad", "Julia Rossi",
-         "Pavel Novak", "Grace Kim", "Daniel Moreau"]
+TEMPLATE = ("You are an agent that files contacts. Read the text and call the tool add_contact by answering with "
+            "this JSON, filled in, and nothing else:\n"
+            '{{"tool": "add_contact", "arguments": {{"name": "...", "city": "...", "age": ..., "job": "..."}}}}'
+            "\n\nText: {text}\nJSON:")
+FIRST_NAMES = ["Maria", "Tom", "Aiko", "Samuel", "Lena", "Omar", "Julia", "Pavel", "Grace", "Daniel"]
+LAST_NAMES = ["Lopez", "Becker", "Tanaka", "Okafor", "Fischer", "Haddad", "Rossi", "Novak", "Kim", "Moreau"]
 CITIES = ["Lisbon", "Hamburg", "Osaka", "Lagos", "Vienna", "Cairo", "Turin", "Prague", "Seoul", "Lyon"]
 JOBS = ["nurse", "carpenter", "teacher", "software engineer", "baker", "pilot", "architect", "journalist",
         "pharmacist", "electrician"]
@@ -43,9 +45,13 @@ SENTENCES = ["{name} is a {age}-year-old {job} who lives in {city}.",
 
 
 def texts(count: int) -> list[str]:
-    """`count` different inputs: every combination is distinct within 10 x 10 x 10 x 4."""
-    return [SENTENCES[i % 4].format(name=NAMES[i % 10], city=CITIES[(i * 3 + i // 10) % 10],
-                                    job=JOBS[(i * 7 + i // 10) % 10], age=23 + (i * 13) % 40)
+    """`count` inputs (up to 100), each about a different person; cities, jobs and sentence shapes
+    recur, as they would in real traffic."""
+    if count > len(FIRST_NAMES) * len(LAST_NAMES):
+        raise ValueError(f"--requests must be <= {len(FIRST_NAMES) * len(LAST_NAMES)}")
+    return [SENTENCES[i % 4].format(name=f"{FIRST_NAMES[i % 10]} {LAST_NAMES[(i + i // 10) % 10]}",
+                                    city=CITIES[(i * 3 + i // 10) % 10], job=JOBS[(i * 7 + i // 10) % 10],
+                                    age=23 + (i * 13) % 40)
             for i in range(count)]
 
 
@@ -111,8 +117,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for summary, base in ((r, plain), (r["second_half"], plain["second_half"])):
             summary["speedup"] = summary["tok_s"] / base["tok_s"]
             summary["decode_speedup"] = summary["decode_tok_s"] / base["decode_tok_s"]
-    payload = {**run_metadata(), "benchmark": "suffix_decoding", "command": " ".join(["python -m benchmarks.suffix_decoding",
-                                                                                      *(argv or sys.argv[1:])]),
+    command = " ".join(["python -m benchmarks.suffix_decoding", *(sys.argv[1:] if argv is None else argv)])
+    payload = {**run_metadata(), "benchmark": "suffix_decoding", "command": command,
                "parameters": vars(args), "template": TEMPLATE, "inputs": inputs, "results": results,
                "outputs": {name: [r["text"] for r in runs] for name, runs in per_request.items()}}
     rows = [[name, r["decode_tok_s"], r["decode_speedup"], r["tok_s"], r["speedup"],

@@ -12,7 +12,6 @@ the method names of `speculative_config` are `PROPOSER_REGISTRY`'s, and `registe
 """
 from pagellm.config.speculative import PROPOSER_REGISTRY, ProposerEntry, SpeculativeConfig
 from pagellm.spec_decode.ngram import NgramProposer
-from pagellm.spec_decode.suffix import SuffixProposer
 from pagellm.spec_decode.proposer import (
     DeviceProposer,
     HostProposer,
@@ -22,6 +21,7 @@ from pagellm.spec_decode.proposer import (
     proposer_class,
     register_proposer,
 )
+from pagellm.spec_decode.suffix import SuffixProposer
 
 __all__ = ["PROPOSER_REGISTRY", "DeviceProposer", "HostProposer", "NgramProposer", "Proposer", "ProposerEntry",
            "SpeculativeConfig", "SuffixProposer", "build_device_proposer", "build_host_proposer", "proposer_class",

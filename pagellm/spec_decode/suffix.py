@@ -5,11 +5,12 @@ extraction with a fixed template) and n-gram lookup within one prompt finds noth
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagellm.config.speculative import SpeculativeConfig
 from pagellm.spec_decode.proposer import HostProposer
-from pagellm.spec_decode.suffix_tree import Cursor, SuffixTrie
+from pagellm.spec_decode.suffix_tree import Cursor, SuffixTrie, TrieNode
 
 
 @dataclass(slots=True)
@@ -28,10 +29,10 @@ class SuffixProposer(HostProposer):
     """Two kinds of trie (`SuffixTrie`, of depth suffix_decoding_max_tree_depth): one per running
     request over its prompt and output, extended by each call's new tokens only; and one global
     over the outputs of the last suffix_decoding_max_cached_requests requests to finish (first in,
-    first out), to which `forget` moves a request's output. Each proposes from the longest suffix
-    of the request's tokens it has seen continued; the proposal with the larger expected number of
-    accepted tokens wins. A step costs depth trie steps per new token plus two binary searches of
-    the match length, whatever the lengths of the requests."""
+    first out), to which `forget` moves a request's output. Each matches the suffixes of the
+    request's tokens it has seen continued, the longest first (`_best_match`); the proposal with
+    the larger expected number of accepted tokens wins. A step costs depth trie steps per new
+    token plus at most depth^2 for the matches, whatever the lengths of the requests."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config)
@@ -54,17 +55,34 @@ class SuffixProposer(HostProposer):
         limit = min(self.k, max_tokens)
         if limit <= 0 or not token_ids:
             return []
+        context = token_ids[max(0, len(token_ids) - self.depth):]
+        # The own trie's cursor holds the node of each suffix of the request's tokens; a suffix
+        # seen continued has shorter ones that were too, down to length 1.
+        longest = next((n for n in range(len(own.cursor) - 1, 0, -1) if own.cursor[n].child is not None), 0)
+        best, score = self._best_match(own.cursor.__getitem__, longest, limit)
+        _, longest = self.cache.longest_match(context)
+        if longest:
+            tokens, cache_score = self._best_match(lambda n: self.cache.find(context[len(context) - n:]),
+                                                   longest, limit)
+            if cache_score > score:
+                best = tokens
+        return best
+
+    def _best_match(self, node_of: Callable[[int], TrieNode], longest: int, limit: int) -> tuple[list[int], float]:
+        """The continuation with the most tokens expected to be accepted among the matches of
+        `longest` tokens down to 1 (`node_of(n)`: the node of the last n), each allowed
+        int(max_spec_factor * n) tokens; the longest on ties. The longest match alone would leave a
+        loop little to propose: its one occurrence before ends where the request's tokens do."""
         best: list[int] = []
         best_score = 0.0
-        for trie in (own.trie, self.cache):
-            node, length = trie.longest_match(token_ids)
-            cap = min(limit, int(self.spec_factor * length + 1e-9))
-            if length == 0 or cap <= 0:
-                continue
-            tokens, score = SuffixTrie.continuation(node, cap, self.min_prob)
+        for n in range(longest, 0, -1):
+            cap = min(limit, int(self.spec_factor * n + 1e-9))
+            if cap <= best_score:  # each token adds at most 1: no shorter match can do better
+                break
+            tokens, score = SuffixTrie.continuation(node_of(n), cap, self.min_prob)
             if score > best_score:
                 best, best_score = tokens, score
-        return best
+        return best, best_score
 
     def forget(self, req_id: str) -> None:
         """Drop the request's trie and add its output to the global one (finished or aborted alike:

@@ -7,7 +7,7 @@ token is `depth` dictionary steps whatever the sequence's length, with no suffix
 splitting to get wrong; removing a sequence decrements the same paths (`remove`), which a compressed
 suffix tree or a suffix automaton make far more intricate (the latter cannot remove at all). The
 price is memory: up to `depth` nodes per token where the text does not repeat itself (a node is
-64 bytes: `_Node` keeps its first child in slots and only a branching node holds a dict), which
+64 bytes: `TrieNode` keeps its first child in slots and only a branching node holds a dict), which
 the proposer bounds with the number of requests it caches.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 
-class _Node:
+class TrieNode:
     """A substring: how often it occurs, and its one-token extensions. The first child sits in
     `token`/`child` (most nodes of a deep trie have one), the others in `more`."""
 
@@ -24,16 +24,16 @@ class _Node:
     def __init__(self) -> None:
         self.count = 0
         self.token = -1
-        self.child: _Node | None = None
-        self.more: dict[int, _Node] | None = None
+        self.child: TrieNode | None = None
+        self.more: dict[int, TrieNode] | None = None
 
-    def get(self, token: int) -> _Node | None:
+    def get(self, token: int) -> TrieNode | None:
         if self.token == token:
             return self.child
         return None if self.more is None else self.more.get(token)
 
-    def add(self, token: int) -> _Node:
-        node = _Node()
+    def add(self, token: int) -> TrieNode:
+        node = TrieNode()
         if self.child is None:
             self.token, self.child = token, node
         else:
@@ -55,14 +55,14 @@ class _Node:
             if not self.more:
                 self.more = None
 
-    def children(self) -> Iterator[tuple[int, _Node]]:
+    def children(self) -> Iterator[tuple[int, TrieNode]]:
         if self.child is not None:
             yield self.token, self.child
             if self.more is not None:
                 yield from self.more.items()
 
 
-Cursor = list[_Node]
+Cursor = list[TrieNode]
 """The nodes of a sequence's latest suffixes, of 0 (the root) to depth - 1 tokens: where its next
 token extends the trie."""
 
@@ -74,7 +74,7 @@ class SuffixTrie:
         if depth < 1:
             raise ValueError(f"a suffix trie needs a depth >= 1, got {depth}")
         self.depth = depth
-        self.root = _Node()
+        self.root = TrieNode()
 
     def cursor(self) -> Cursor:
         """Where a new sequence starts."""
@@ -108,16 +108,16 @@ class SuffixTrie:
                     break
                 node = child
 
-    def find(self, tokens: Sequence[int]) -> _Node | None:
+    def find(self, tokens: Sequence[int]) -> TrieNode | None:
         """The node of `tokens`, None where they do not occur."""
-        node: _Node | None = self.root
+        node: TrieNode | None = self.root
         for token in tokens:
             node = node.get(token)
             if node is None:
                 return None
         return node
 
-    def longest_match(self, context: Sequence[int]) -> tuple[_Node, int]:
+    def longest_match(self, context: Sequence[int]) -> tuple[TrieNode, int]:
         """The node of the longest suffix of `context` (at most depth - 1 tokens) that occurred
         followed by some token, and its length (0: the root). A suffix that did has shorter ones
         that did too, so a binary search over the length finds it in O(depth log depth)."""
@@ -133,7 +133,7 @@ class SuffixTrie:
         return best, low
 
     @staticmethod
-    def continuation(node: _Node, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
+    def continuation(node: TrieNode, max_tokens: int, min_prob: float) -> tuple[list[int], float]:
         """From `node`, follow the most frequent next token while the path's probability (the
         product of each step's share of its node's continuations) stays >= `min_prob`, up to
         `max_tokens`. Returns the tokens and their expected number accepted (the sum of the
