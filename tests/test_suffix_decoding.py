@@ -9,6 +9,7 @@ from engine_utils import assert_no_leak
 
 from pagellm import LLM, SamplingParams
 from pagellm.spec_decode import SpeculativeConfig, SuffixProposer, build_host_proposer
+from pagellm.spec_decode.suffix import INDEX_BUDGET
 from pagellm.spec_decode.suffix_tree import SuffixTrie
 
 
@@ -265,3 +266,12 @@ def test_aborted_requests_reach_the_cache(smollm2_path):
     assert not engine.has_unfinished_requests()
     assert engine.engine_core.scheduler.proposer.num_cached_requests == 1
     assert_no_leak(engine)
+
+
+def test_a_long_prompt_is_indexed_over_several_steps():
+    """At most INDEX_BUDGET tokens a call join a request's own trie; until it has caught up with
+    the request's tokens it proposes nothing of its own, then what the whole history gives."""
+    tokens = [1, 2, 3, 4, 5] + [9] * (2 * INDEX_BUDGET) + [1, 2, 3]
+    proposer = suffix()
+    assert proposer.propose(tokens, 10, "r") == [] and proposer.propose(tokens, 10, "r") == []
+    assert proposer.propose(tokens, 10, "r") == [4, 5, 9] == suffix().propose(tokens, 10)
