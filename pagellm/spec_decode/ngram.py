@@ -72,3 +72,7 @@ class NgramProposer(HostProposer):
 
     def forget(self, req_id: str) -> None:
         self._arrays.pop(req_id, None)
+
+    @property
+    def num_requests_kept(self) -> int:
+        return len(self._arrays)

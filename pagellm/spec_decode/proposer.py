@@ -47,6 +47,11 @@ class HostProposer(Proposer, DraftProposer):
     def forget(self, req_id: str) -> None:
         """Drop what was kept for a finished request (nothing by default)."""
 
+    @property
+    def num_requests_kept(self) -> int:
+        """How many requests it keeps state for (none by default): 0 once all have finished."""
+        return 0
+
 
 class DeviceProposer(Proposer):
     """Runs in every worker: loads with the target model, keeps its KV cache in the target's blocks

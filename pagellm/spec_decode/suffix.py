@@ -107,7 +107,12 @@ class SuffixProposer(HostProposer):
 
     @property
     def num_cached_requests(self) -> int:
+        """How many finished requests' outputs the global trie holds."""
         return len(self._cached)
+
+    @property
+    def num_requests_kept(self) -> int:
+        return len(self._requests)
 
     def _own(self, token_ids: list[int], req_id: str | None, num_prompt_tokens: int) -> _RequestTrie:
         state = None if req_id is None else self._requests.get(req_id)
