@@ -3,13 +3,14 @@ inputs, requests one after another), plain decoding, n-gram prompt lookup and su
 by side.
 
 Each of --requests requests asks, with the same template, for the fields of a different short
-text as JSON; greedy, batch 1. Each request runs on the three engines in turn (so that a busy
-host slows all three alike); the suffix engine's global tree learns from the outputs of the
-requests before. Reported per engine: output tokens/s over all requests (and over the second half,
-once the cache holds earlier outputs), decode tokens/s (the tokens after the first, over the time
-after the first: what speculation speeds up), the speed-ups over plain decoding, acceptance rate, tokens
-per step, the proposer's host time per call, and whether every greedy text is identical to plain
-decoding's (it must be).
+text as JSON (a tool call); greedy, batch 1. Each request runs on every engine in turn (so that a
+busy host slows all alike): plain, n-gram, and suffix decoding with each suffix_decoding_min_token_prob
+of --suffix-min-probs, whose global trees learn from the outputs of the requests before. Reported
+per engine: decode tokens/s (the tokens after the first, over the time after the first: what
+speculation speeds up) and end-to-end tokens/s, over all requests and over the second half (more
+outputs cached), the speed-ups over plain decoding, acceptance rate, tokens per step, the
+proposer's host time per call, and whether every greedy text is identical to plain decoding's (it
+must be).
 
     .venv/bin/python -m benchmarks.suffix_decoding
     .venv/bin/python -m benchmarks.suffix_decoding --requests 4 --no-save     # smoke test
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     engines = {"plain": None,
                f"ngram k={args.ngram_k}": {"method": "ngram", "num_speculative_tokens": args.ngram_k},
-               f"suffix k={args.suffix_k}": {"method": "suffix", "num_speculative_tokens": args.suffix_k}}
+               **{f"suffix k={args.suffix_k} p={p}": {"method": "suffix", "num_speculative_tokens": args.suffix_k,
+                                                      "suffix_decoding_min_token_prob": p}
+                  for p in args.suffix_min_probs}}
     llms = {name: LLM(args.model, dtype=args.dtype, max_model_len=2048, speculative_config=spec)
             for name, spec in engines.items()}
     timers = {}
@@ -163,6 +166,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--ngram-k", type=int, default=5)
     parser.add_argument("--suffix-k", type=int, default=8)
+    parser.add_argument("--suffix-min-probs", type=lambda s: [float(p) for p in s.split(",")], default=[0.1, 0.3],
+                        help="suffix_decoding_min_token_prob of each suffix engine (0.1: vLLM's default)")
     parser.add_argument("--dtype", default="float32",
                         help="activations; float32 keeps verification's several rows bit-identical to one-row decoding")
     parser.add_argument("--no-save", action="store_true")
