@@ -47,7 +47,7 @@ PROPOSER_REGISTRY: Registry[ProposerEntry] = Registry("speculative decoding meth
     ProposerEntry("draft_model", "pagellm.worker.draft_model:DraftModelProposer", "worker", _MODEL_KEYS, ("draft",),
                   "a smaller model of the same vocabulary"),
     ProposerEntry("suffix", "pagellm.spec_decode.suffix:SuffixProposer", "scheduler", _SUFFIX_KEYS, (),
-                  "suffix trees over the request and recent outputs"),
+                  "suffix tries over the request and recent outputs"),
 ))
 """Every `speculative_config` method, by name."""
 
@@ -77,12 +77,13 @@ class SpeculativeConfig:
     quantization: str | None = None
     """The draft's weights (draft_model), as the target's --quantization; None: its default."""
     suffix_decoding_max_tree_depth: int = 24
-    """(suffix) The longest substring the suffix trees index: a match and its continuation
+    """(suffix) The longest substring the suffix tries index: a match and its continuation
     together. vLLM's default."""
     suffix_decoding_max_cached_requests: int = 1000
-    """(suffix) How many finished requests' outputs the global tree keeps (first in, first out; 0:
-    none). vLLM's default is 10,000; the trees here are Python objects of up to
-    max_tree_depth nodes (64 bytes each) per output token, so the default is a tenth of that."""
+    """(suffix) How many finished requests' outputs the global trie keeps (first in, first out; 0:
+    none). vLLM's default is 10,000; the tries here are Python objects of up to max_tree_depth
+    nodes of 64 bytes per output token (1.5 KB a token of text that does not repeat), so the
+    default is a tenth of that."""
     suffix_decoding_max_spec_factor: float = 1.0
     """(suffix) At most this many draft tokens per token of the match (a short match predicts
     little). vLLM's default."""

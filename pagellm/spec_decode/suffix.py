@@ -14,8 +14,8 @@ from pagellm.spec_decode.suffix_tree import Cursor, SuffixTrie, TrieNode
 
 INDEX_BUDGET = 256
 """The most tokens a call adds to a request's own trie: a long prompt is indexed over its first
-steps (its own trie proposes once it has caught up), not in one step (2,000 tokens take 40-120 ms
-on a 2-core host, about 20-60 us a token)."""
+steps (its own trie proposes once it has caught up), not in one step (2,000 tokens took 120 ms on
+a busy 2-core host, 60 us a token)."""
 
 
 @dataclass(slots=True)
