@@ -15,11 +15,11 @@ TINY_LLAMA = {
 
 
 def assert_no_leak(engine: LLMEngine) -> None:
-    """Nothing left to run, every KV block back in the pool, no n-gram history left behind."""
+    """Nothing left to run, every KV block back in the pool, no proposer state left behind."""
     core = engine.engine_core
     assert not core.has_unfinished_requests()
     if core.scheduler.proposer is not None:
-        assert not core.scheduler.proposer._arrays
+        assert core.scheduler.proposer.num_requests_kept == 0
     assert core.scheduler.kv.pool.num_free_blocks == core.num_blocks
     assert core.stats().kv_cache_usage == 0.0
 

@@ -114,7 +114,7 @@ def test_unknown_names_name_the_flag_and_list_the_registered_ones():
         ("reasoning_parser", "o1", "reasoning_parser (--reasoning-parser) must be one of qwen3, deepseek_r1, "
                                    "got 'o1'"),
         ("speculative_config", {"method": "eagle", "num_speculative_tokens": 2},
-         "speculative_config (--speculative-config) method must be one of ngram, draft_model, got 'eagle'"),
+         "speculative_config (--speculative-config) method must be one of ngram, draft_model, suffix, got 'eagle'"),
     ]:
         assert _refused(lambda: EngineArgs(**{field: value}).validate()) == message
     _refused(lambda: get_model_class("GPT2LMHeadModel"), "model architecture 'GPT2LMHeadModel' is not supported; "
@@ -262,7 +262,7 @@ def test_register_executor():
 class RepeatProposer(HostProposer):
     """Proposes the last token again."""
 
-    def propose(self, token_ids, max_tokens, req_id=None):
+    def propose(self, token_ids, max_tokens, req_id=None, num_prompt_tokens=0):
         return token_ids[-1:] * min(max_tokens, self.config.num_speculative_tokens)
 
 

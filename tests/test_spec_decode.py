@@ -7,18 +7,17 @@ import json
 import numpy as np
 import pytest
 import torch
+from engine_utils import assert_no_leak
 from prometheus_client import CollectorRegistry
 
 from pagellm import LLM, SamplingParams
-from pagellm.engine.arg_utils import EngineArgs
 from pagellm.core.outputs import SchedulerStats, SpecDecodeStats
+from pagellm.engine.arg_utils import EngineArgs
 from pagellm.metrics.prometheus import PrometheusStatLogger
 from pagellm.metrics.stats import IterationStats
 from pagellm.sample.metadata import SamplingMetadata
 from pagellm.sample.rejection import verify
 from pagellm.spec_decode import NgramProposer, SpeculativeConfig
-
-from engine_utils import assert_no_leak
 
 
 @pytest.mark.parametrize("value, match", [
@@ -27,9 +26,10 @@ from engine_utils import assert_no_leak
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "between 1 and 16"),
     ({"num_speculative_tokens": True}, "between 1 and 16"),
-    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of ngram, draft_model"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, "method must be one of ngram, draft_model, suffix"),
     ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs model"),
-    ({"num_speculative_tokens": 2, "model": "draft.gguf", "prompt_lookup_max": 3}, "do not apply to method 'draft_model'"),
+    ({"num_speculative_tokens": 2, "model": "draft.gguf", "prompt_lookup_max": 3},
+     "do not apply to method 'draft_model'"),
     ({"num_speculative_tokens": 2, "quantization": "gguf"}, "do not apply to method 'ngram'"),
     ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown key"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must be >= prompt_lookup_min"),
@@ -243,15 +243,17 @@ def test_max_tokens_and_stops_are_never_overshot(smollm2_path, prompts):
 
 
 @pytest.mark.slow
-def test_sampled_tokens_keep_their_distribution(smollm2_path, tokenizer):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_sampled_tokens_keep_their_distribution(smollm2_path, tokenizer, method):
     """Seeded requests at temperature 1 continuing a repeated phrase, so that drafts are proposed
     from the second token on (about half accepted): the distribution of the 2nd to 4th tokens with
-    speculation matches the one without (chi-square over the tokens both runs saw 10+ times)."""
+    speculation matches the one without (chi-square over the tokens both runs saw 10+ times). Suffix
+    decoding also proposes from the earlier requests' outputs."""
     prompt = tokenizer.encode("red green blue, red green blue, red green blue, red green blue, red",
                               add_special_tokens=False)
     params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True) for s in range(300)]
     runs = {}
-    for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": 3})):
+    for name, spec in (("plain", None), ("spec", {"method": method, "num_speculative_tokens": 3})):
         llm = LLM(smollm2_path, **{**ENGINE, "max_num_seqs": 64}, kv_cache_memory_bytes=64 << 20,
                   speculative_config=spec)
         outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
@@ -452,7 +454,8 @@ def test_draft_model_config_errors_name_the_flag(tmp_path):
             args.create_engine_config()
         assert match in str(e.value)
     config = EngineArgs(target, load_format="dummy", device="cpu", max_model_len=128,
-                        speculative_config={"model": tiny("draft", 256), "num_speculative_tokens": 2}).create_engine_config()
+                        speculative_config={"model": tiny("draft", 256), "num_speculative_tokens": 2}
+                        ).create_engine_config()
     assert config.draft.source.load_format == "dummy" and config.draft.source.arch.vocab_size == 256
 
 

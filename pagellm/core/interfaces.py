@@ -50,8 +50,10 @@ class DraftProposer(Protocol):
     """Proposes draft tokens for a request about to decode, beside the scheduler (speculative
     decoding's host-side proposers, such as n-gram prompt lookup)."""
 
-    def propose(self, token_ids: list[int], max_tokens: int, req_id: str | None = None) -> list[int]:
-        """Up to `max_tokens` draft tokens to follow `token_ids`; state may be kept per `req_id`."""
+    def propose(self, token_ids: list[int], max_tokens: int, req_id: str | None = None,
+                num_prompt_tokens: int = 0) -> list[int]:
+        """Up to `max_tokens` draft tokens to follow `token_ids` (the first `num_prompt_tokens` the
+        prompt's, 0: not told); state may be kept per `req_id`."""
 
     def forget(self, req_id: str) -> None:
         """Drop what was kept for a finished request."""

@@ -455,7 +455,7 @@ class Scheduler:
                    self.limits.max_model_len - request.num_tokens, budget) - 1
         if self.proposer is None:  # the workers proposed when this request's last token came back
             return proposal[:max(room, 0)]
-        return self.proposer.propose(request.all_token_ids, room, record.request_id)
+        return self.proposer.propose(request.all_token_ids, room, record.request_id, request.num_prompt_tokens)
 
     def _grammar_ready(self, request: Request) -> bool:
         """Whether a waiting request's grammar is compiled; one that failed or ran out of time is

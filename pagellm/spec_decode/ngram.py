@@ -21,7 +21,8 @@ class NgramProposer(HostProposer):
         that a step converts only its new tokens (converting whole histories of a 64-request batch
         took 4 ms a step)."""
 
-    def propose(self, token_ids: list[int], max_tokens: int, req_id: str | None = None) -> list[int]:
+    def propose(self, token_ids: list[int], max_tokens: int, req_id: str | None = None,
+                num_prompt_tokens: int = 0) -> list[int]:
         """Up to min(k, max_tokens) tokens that followed an earlier occurrence of the longest
         suffix of `token_ids` (between prompt_lookup_min and _max tokens long): the latest one
         with that many tokens after it, else the latest; [] if the suffix never occurred before.
@@ -71,3 +72,7 @@ class NgramProposer(HostProposer):
 
     def forget(self, req_id: str) -> None:
         self._arrays.pop(req_id, None)
+
+    @property
+    def num_requests_kept(self) -> int:
+        return len(self._arrays)

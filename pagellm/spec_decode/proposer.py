@@ -39,11 +39,18 @@ class HostProposer(Proposer, DraftProposer):
         self.config = config
 
     @abstractmethod
-    def propose(self, token_ids: list[int], max_tokens: int, req_id: str | None = None) -> list[int]:
-        """Up to `max_tokens` draft tokens to follow `token_ids`; state may be kept per `req_id`."""
+    def propose(self, token_ids: list[int], max_tokens: int, req_id: str | None = None,
+                num_prompt_tokens: int = 0) -> list[int]:
+        """Up to `max_tokens` draft tokens to follow `token_ids` (the first `num_prompt_tokens` the
+        prompt's, 0: not told); state may be kept per `req_id`."""
 
     def forget(self, req_id: str) -> None:
         """Drop what was kept for a finished request (nothing by default)."""
+
+    @property
+    def num_requests_kept(self) -> int:
+        """How many requests it keeps state for (none by default): 0 once all have finished."""
+        return 0
 
 
 class DeviceProposer(Proposer):
