@@ -21,6 +21,7 @@ from engine_utils import wait_for
 from server_utils import RemoteServer, is_idle, metric_samples
 from starlette.testclient import TestClient
 
+from pagellm.config.multimodal import MultiModalConfig
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
@@ -419,8 +420,10 @@ DOCUMENTS = ("{% for d in documents or [] %}{{ d['title'] + ': ' + d['text'] }}\
 def serving_with(template: str) -> OpenAIServing:
     """The chat-rendering part of a server whose chat template is `template` (no engine behind it)."""
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    engine = SimpleNamespace(tokenizer=Tokenizer(backend),
-                             config=SimpleNamespace(structured_outputs=SimpleNamespace(reasoning_parser=None)))
+    engine = SimpleNamespace(tokenizer=Tokenizer(backend), stat_loggers=[], processor=SimpleNamespace(images=None),
+                             config=SimpleNamespace(structured_outputs=SimpleNamespace(reasoning_parser=None),
+                                                    model=SimpleNamespace(multimodal=MultiModalConfig.parse(
+                                                        None, None, None))))
     return OpenAIServing(engine, models=None, chat_template=template)
 
 
