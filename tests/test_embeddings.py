@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from server_utils import RemoteServer
 
 from pagellm import LLM, EngineArgs, PoolingParams, SamplingParams
 from pagellm.config import PoolerConfig
@@ -18,7 +19,6 @@ from pagellm.core.outputs import ModelRunnerOutput
 from pagellm.core.request import EngineCoreRequest
 from pagellm.core.scheduler import Scheduler, SchedulerLimits
 from pagellm.entrypoints.openai.api_server import build_app
-from server_utils import RemoteServer
 
 MAX_LEN = 512
 KV_BYTES = 32 << 20
@@ -223,7 +223,7 @@ def test_embed_needs_the_pooling_runner(smollm2_path):
     llm.llm_engine = types.SimpleNamespace(config=config)
     with pytest.raises(ValueError, match="runner='pooling'"):
         llm.embed("Hello")
-    engine = types.SimpleNamespace(config=config, tokenizer=None, is_running=True)
+    engine = types.SimpleNamespace(config=config, tokenizer=None, is_running=True, stat_loggers=[])
     with TestClient(build_app(engine, "smollm2")) as http:
         response = http.post("/v1/embeddings", json={"input": "Hello"})
     assert response.status_code == 400

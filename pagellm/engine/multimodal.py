@@ -11,6 +11,10 @@ import numpy as np
 from pagellm.config.arch import ModelArchConfig
 from pagellm.core.multimodal import MultiModalItem
 
+TEXT_ONLY = ("this model takes text only; images need a model with a vision tower (LLaVA-1.5, Qwen2-VL, "
+             "Qwen2.5-VL: docs/models.md)")
+"""What a request with images hears from a text-only model."""
+
 
 def takes_images(arch: ModelArchConfig) -> bool:
     """Whether the model has a vision tower (its config.json a `vision_config`)."""

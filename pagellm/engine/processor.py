@@ -9,7 +9,7 @@ from typing import Union
 from pagellm.config import EngineConfig
 from pagellm.core.multimodal import MultiModalItem
 from pagellm.core.request import EngineCoreRequest, check_prompt_fits
-from pagellm.engine.multimodal import ImageProcessor, takes_images
+from pagellm.engine.multimodal import TEXT_ONLY, ImageProcessor, takes_images
 from pagellm.lora_request import LoRARequest
 from pagellm.pooling_params import PoolingParams
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -135,8 +135,7 @@ class InputProcessor:
             return text, token_ids, ()
         arch = self.config.model.source.arch.architecture
         if self.images is None:
-            raise ValueError(f"multi_modal_data: this model ({arch}) takes text only; images need a model with a "
-                             "vision tower (LlavaForConditionalGeneration)")
+            raise ValueError(f"multi_modal_data: {TEXT_ONLY} ({arch})")
         if not isinstance(media, Mapping):
             raise ValueError(f"multi_modal_data must be a dict such as {{'image': image}}, got {type(media).__name__}")
         if "prompt_token_ids" in prompt or not isinstance(prompt.get("prompt"), str):

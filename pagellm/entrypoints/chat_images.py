@@ -15,7 +15,7 @@ from PIL import Image
 
 from pagellm.config import MultiModalConfig
 from pagellm.core.multimodal import MultiModalItem
-from pagellm.engine.multimodal import ImageProcessor
+from pagellm.engine.multimodal import TEXT_ONLY, ImageProcessor
 from pagellm.tokenizer import Tokenizer
 from pagellm.tokenizer.chat_template import iterates_message_content
 
@@ -82,8 +82,7 @@ def check_images(content: ChatContent, images: ImageProcessor | None, config: Mu
     if not content.image_urls:
         return
     if images is None:
-        raise ValueError(f"{content.image_urls[0][1]}: this model takes text only; image parts need a model with "
-                         "a vision tower (LlavaForConditionalGeneration)")
+        raise ValueError(f"{content.image_urls[0][1]}: {TEXT_ONLY}")
     config.check_count("image", len(content.image_urls))
 
 
