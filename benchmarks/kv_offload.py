@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.phases import PhaseRunner
+from benchmarks.phases import PhaseRunner, best_seconds
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.benchmarks.datasets import random_requests
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, summarize, write_json
@@ -165,16 +165,7 @@ def copy_bandwidth(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     random.Random(args.seed).shuffle(order)  # blocks scattered over the cache, host slots in a row
 
     def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(args.copy_reps):
-            if time.perf_counter() > deadline:
-                break
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_seconds(fn, args.copy_reps, deadline, device)
 
     def save() -> None:
         worker.start_load_kv(OffloadMetadata(save_device=order[:n], save_host=list(range(n))))
@@ -191,11 +182,6 @@ def copy_bandwidth(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     return {"blocks": n, "bytes": size, "pinned": on_gpu, **rates,
             "to_host_fraction": rates["tier_to_host_GBps"] / rates["plain_to_host_GBps"],
             "to_device_fraction": rates["tier_to_device_GBps"] / rates["plain_to_device_GBps"]}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _isolated(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.phases import PhaseRunner
+from benchmarks.phases import PhaseRunner, best_seconds
 from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, summarize, write_json
 from pagellm.core.nixl_connector import NixlMetadata, RemoteLoad, RemotePrefill
@@ -45,11 +45,6 @@ def _free_port() -> int:
 
 def _transfer_config(role: str) -> dict[str, Any]:
     return {"kv_role": role, "kv_connector_extra_config": {"side_channel_port": _free_port()}}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def pull(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
@@ -81,16 +76,7 @@ def pull(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     reps = 0
 
     def timed(fn) -> float:
-        best = float("inf")
-        for _ in range(args.copy_reps):
-            if time.perf_counter() > deadline:
-                break
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_seconds(fn, args.copy_reps, deadline, device)
 
     def nixl_pull() -> None:
         nonlocal reps

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 _GRACE_S = 5.0
 """A phase's own deadline comes this long (at most a quarter of its cap) before its alarm, so it can
 stop cleanly first."""
@@ -83,3 +85,24 @@ def _alarm(seconds: float) -> Iterator[None]:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def best_seconds(fn: Callable[[], object], reps: int, deadline: float, device: torch.device) -> float:
+    """The fastest of up to `reps` calls of `fn`, the device synchronized before and after each; no
+    call starts after `deadline` (a `time.perf_counter()` value): inf when none ran."""
+    best = float("inf")
+    for _ in range(reps):
+        if time.perf_counter() > deadline:
+            break
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda._synchronize(device)
