@@ -105,4 +105,4 @@ def best_seconds(fn: Callable[[], object], reps: int, deadline: float, device: t
 def _synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on a CPU)."""
     if device.type == "cuda":
-        torch.cuda._synchronize(device)
+        torch.cuda.synchronize(device)
