@@ -118,7 +118,9 @@ def test_sigterm_under_load_drains_or_cuts_cleanly_and_leaves_no_process(smollm2
     rng = random.Random(SEED + 1)
     # Short requests finish within --shutdown-timeout; long ones are cut by it.
     requests = [load_request(rng, 8 if i % 2 else 400) for i in range(NUM_CLIENTS)]
-    with serving(smollm2_path, "--shutdown-timeout", f"{SHUTDOWN_TIMEOUT_S:g}") as (server, _):
+    # Requests waiting for room wait past the shutdown (not the adversary's 3 s), so that each one that
+    # does not finish is cut by it, not by its queue timeout on a slow machine.
+    with serving(smollm2_path, "--shutdown-timeout", f"{SHUTDOWN_TIMEOUT_S:g}", "--queue-timeout", "60") as (server, _):
         tree = process_tree(server.process.pid)
         signalled: list[float] = []
 
@@ -136,7 +138,8 @@ def test_sigterm_under_load_drains_or_cuts_cleanly_and_leaves_no_process(smollm2
     cut = [o for o in outcomes if o.kind in (ERROR, STREAM_ERROR)]
     assert len(finished) + len(cut) == len(outcomes), [o for o in outcomes if o not in finished + cut]
     assert finished and cut, outcomes
-    assert all(o.code == 503 and "shut" in o.detail for o in cut), cut
+    not_by_shutdown = [o for o in cut if not (o.code == 503 and "shut" in o.detail)]
+    assert not not_by_shutdown, not_by_shutdown
     assert answered < SHUTDOWN_TIMEOUT_S + CUT_GRACE_S, f"the last client was answered {answered:.1f} s after"
     assert not left, f"processes left behind: {left}"
     assert not faults, faults
