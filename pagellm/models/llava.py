@@ -14,11 +14,10 @@ import transformers
 from torch import nn
 from transformers.activations import ACT2FN
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend
 from pagellm.config.arch import ModelArchConfig
-from pagellm.models.interface import IntermediateTensors, MultiModalEmbeds
 from pagellm.models.llama import LlamaForCausalLM
-from pagellm.models.vision_embeds import embed_with_images
+from pagellm.models.vision_embeds import ImageEmbedsForward
 
 _TEXT_PREFIXES = (
     ("language_model.model.", "model."),  # transformers < 4.52, and what 5.x saves
@@ -42,7 +41,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
+class LlavaForConditionalGeneration(ImageEmbedsForward, LlamaForCausalLM):
     """Loads Hugging Face LLaVA checkpoints (`interface.CausalLM` and `interface.SupportsImages`)."""
 
     def __init__(self, config: ModelArchConfig, attn_backend: AttentionBackend) -> None:
@@ -77,14 +76,6 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if self.select_strategy == "default":
             features = features[:, 1:]
         return self.multi_modal_projector(features)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                intermediate: IntermediateTensors | None = None,
-                mm_embeds: MultiModalEmbeds | None = None) -> torch.Tensor | IntermediateTensors:
-        if mm_embeds is None:
-            return self.model(input_ids, positions, attn_metadata, intermediate)
-        embeds = embed_with_images(self.model.embed_tokens, input_ids, mm_embeds)
-        return self.model(input_ids, positions, attn_metadata, intermediate, inputs_embeds=embeds)
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         if param_name.startswith(("vision_tower.", "multi_modal_projector.")):

@@ -22,12 +22,11 @@ from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVi
 from transformers.models.qwen2_vl import modeling_qwen2_vl
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
-from pagellm.attention.backend import AttentionBackend, AttentionMetadata
+from pagellm.attention.backend import AttentionBackend
 from pagellm.config.arch import ModelArchConfig
 from pagellm.layers.rotary import MRotaryEmbedding
-from pagellm.models.interface import IntermediateTensors, MultiModalEmbeds
 from pagellm.models.qwen2 import Qwen2ForCausalLM
-from pagellm.models.vision_embeds import embed_with_images
+from pagellm.models.vision_embeds import ImageEmbedsForward
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 """Where checkpoints keep the vision transformer: transformers >= 4.52 under `model.`, before (and
@@ -47,7 +46,7 @@ def mrope_section(hf_config: dict) -> list[int]:
                      "each of the temporal, height and width positions turns)")
 
 
-class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+class Qwen2VLForConditionalGeneration(ImageEmbedsForward, Qwen2ForCausalLM):
     """Loads Hugging Face Qwen2-VL checkpoints (`interface.CausalLM` and `interface.SupportsImages`)."""
 
     vision_cls: type[nn.Module] = modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel
@@ -79,15 +78,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         dtype = self.visual.patch_embed.proj.weight.dtype
         out = self.visual(pixel_values.flatten(0, 1).to(dtype), grid_thw=image_grid_thw)
         return out.pooler_output.view(len(pixel_values), -1, out.pooler_output.shape[-1])
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                intermediate: IntermediateTensors | None = None,
-                mm_embeds: MultiModalEmbeds | None = None) -> torch.Tensor | IntermediateTensors:
-        """`CausalLM.forward`; positions [T] or, for a step with image tokens, [3, T] (M-RoPE)."""
-        if mm_embeds is None:
-            return self.model(input_ids, positions, attn_metadata, intermediate)
-        embeds = embed_with_images(self.model.embed_tokens, input_ids, mm_embeds)
-        return self.model(input_ids, positions, attn_metadata, intermediate, inputs_embeds=embeds)
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         if param_name.startswith("visual."):
