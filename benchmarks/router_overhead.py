@@ -30,6 +30,7 @@ import httpx
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, write_json
 from pagellm.benchmarks.serve import ServeConfig, make_workload, run_serve
 from pagellm.benchmarks.server_process import ServerProcess
+from pagellm.loader.source import default_model_path
 
 _SMOKE = {"num_prompts": 4, "input_len": 16, "output_len": 4, "max_concurrency": 2, "rounds": 1}
 MODEL_NAME = "bench"
@@ -93,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, key, value)
     engine_flags = ["--device", args.device, "--max-model-len", str(args.input_len + args.output_len + 64),
                     "--served-model-name", MODEL_NAME, "--no-enable-prefix-caching", "--load-format", args.load_format]
+    if args.load_format == "dummy":  # random weights have no tokenizer: the workload's (SmolLM2's) reads the text
+        engine_flags += ["--tokenizer", default_model_path()]
     config = ServeConfig(model=MODEL_NAME, num_prompts=args.num_prompts, input_len=args.input_len,
                          output_len=args.output_len, max_concurrency=args.max_concurrency, seed=args.seed,
                          num_warmups=args.num_warmups, disable_tqdm=True)

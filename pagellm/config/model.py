@@ -26,6 +26,9 @@ class ModelSource:
     arch: ModelArchConfig
     generation_config: dict[str, Any] = field(default_factory=dict)
     """Hugging Face `generation_config.json` content ({} if none); GGUF gives bos/eos/pad ids."""
+    tokenizer: str | None = None
+    """A tokenizer other than the model's own (`--tokenizer`): a `.gguf` file or a directory with
+    tokenizer.json; None: the model's."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import types
 import typing
 from collections.abc import Callable, Collection
@@ -70,6 +71,7 @@ class EngineArgs:
     """Everything `LLM(...)` and `pagellm serve` accept about the engine."""
 
     model: str | None = _arg(None, "GGUF file, Hugging Face directory, or (with load_format='dummy') a preset name. None: the embedded SmolLM2-135M-Instruct.")
+    tokenizer: str | None = _arg(None, "Tokenizer to use instead of the model's own: a .gguf file or a directory with tokenizer.json (e.g. text prompts for dummy weights, which have none). Its vocabulary must fit the model's.")
     load_format: str = _arg("auto", 'auto | gguf | safetensors | dummy (random seeded weights, for benchmarks).')
     quantization: str | None = _arg(None, lambda: f"How linear layers' weights are stored and multiplied: {QUANTIZATION_REGISTRY.describe()}. None: the checkpoint's quantization_config; gguf for a GGUF model on a GPU, or on the CPU when the kernels can run there (x86-64 with AVX2 and a C compiler); else none. Check the quality first with pagellm eval.")
     kv_cache_dtype: str = _arg("auto", "How KV-cache entries are stored: auto (the model's dtype) | fp8 (float8 e4m3, also fp8_e4m3: one byte an entry, so about twice the KV blocks of 16-bit entries; an entry is stored divided by its layer's per-tensor k/v scale where the checkpoint has calibrated ones (k_scale / v_scale), else as it is, as vLLM does without them; attention computes in the model's dtype). fp8 needs a GPU of compute capability 8.9+ (Ada, Hopper), or on the CPU the torch attention backend.")
@@ -249,6 +251,8 @@ class EngineArgs:
         self.validate()
         device = _resolve_device(self.device)
         source = resolve_model(self.model, self.load_format)
+        if self.tokenizer is not None:
+            source = dataclasses.replace(source, tokenizer=os.path.expanduser(self.tokenizer))
         arch = source.arch
         max_model_len = self.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:

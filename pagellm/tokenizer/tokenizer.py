@@ -94,7 +94,10 @@ class Tokenizer:
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer | None:
-    """The source's tokenizer; None when there is none (a dummy preset, or a dummy config-only folder)."""
+    """The source's tokenizer (its `--tokenizer` if given); None when there is none (a dummy preset, or a
+    dummy config-only folder)."""
+    if source.tokenizer is not None:
+        return _checked_tokenizer(source)
     path = source.path
     if os.path.isfile(path) and path.endswith(".gguf"):
         return _load_gguf_tokenizer(path)
@@ -117,6 +120,18 @@ def load_tokenizer_at(path: str) -> Tokenizer:
         generation_config = read_json(os.path.join(path, "generation_config.json"), missing_ok=True)
         return _load_hf_tokenizer(path, generation_config)
     raise ValueError(f"tokenizer {path!r} is neither a .gguf file nor a directory with tokenizer.json")
+
+
+def _checked_tokenizer(source: ModelSource) -> Tokenizer:
+    """`--tokenizer`, refused (naming the flag) when it is missing or has ids the model cannot embed."""
+    try:
+        tokenizer = load_tokenizer_at(source.tokenizer)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"tokenizer (--tokenizer): {e}") from None
+    if tokenizer.vocab_size > source.arch.vocab_size:
+        raise ValueError(f"tokenizer (--tokenizer) {source.tokenizer!r} has {tokenizer.vocab_size} tokens, more than "
+                         f"the model's vocab_size {source.arch.vocab_size}")
+    return tokenizer
 
 
 def _load_gguf_tokenizer(path: str) -> Tokenizer:
