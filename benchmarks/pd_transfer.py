@@ -1,9 +1,11 @@
 """Disaggregated prefill/decode's KV transfer (NixlConnector) on one device, in the same run:
 
 - `pull`: two NixlConnector worker halves over caches of the model's KV shapes on the same device
-  (a producer's and a consumer's), the consumer pulling `--copy-blocks` scattered blocks of every
-  layer (one NIXL READ), against a plain device-to-device copy of as many bytes and a gather/scatter
-  of the same blocks with torch: GB/s and the pull's fraction of the plain copy.
+  (a producer's and a consumer's), the consumer pulling `--copy-blocks` blocks of every layer (one
+  NIXL READ), consecutive on both sides (what a fresh allocator hands out: one descriptor per cache
+  tensor) and scattered (random block ids: one descriptor per block and tensor), against a plain
+  device-to-device copy of as many bytes and a gather/scatter of the scattered blocks with torch:
+  GB/s, descriptors per pull and each pull's fraction of the plain copy.
 - `engines`: a prefill engine and a decode engine sharing the device (`--kv-cache-gib` of KV each,
   dummy weights), `--num-prompts` prompts of `--prompt-len` tokens prefilled on the first and decoded
   on the second (`--output-len` tokens), against the decode engine computing the prompts itself: the
@@ -32,6 +34,7 @@ from pagellm import LLM, EngineArgs, SamplingParams
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, summarize, write_json
 from pagellm.core.nixl_connector import NixlMetadata, RemoteLoad, RemotePrefill
 from pagellm.worker.nixl_connector import NixlWorker
+from pagellm.worker.nixl_runs import block_runs
 
 _SMOKE = {"copy_blocks": 8, "copy_reps": 2, "num_prompts": 2, "prompt_len": 48, "output_len": 4,
           "kv_cache_gib": 0.01, "max_model_len": 128, "budget_s": 300.0}
@@ -71,21 +74,22 @@ def pull(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
     size = n * producer.block_bytes * producer.num_tensors
     flat_src = torch.empty(size, dtype=torch.uint8, device=device)
     flat_dst = torch.empty_like(flat_src)
-    src_blocks = torch.tensor(rng.sample(range(2 * n), n), device=device)
-    dst_blocks = torch.tensor(rng.sample(range(2 * n), n), device=device)
+    src_start, dst_start = rng.randrange(n + 1), rng.randrange(n + 1)
+    patterns = {"consecutive": (list(range(src_start, src_start + n)), list(range(dst_start, dst_start + n))),
+                "scattered": (rng.sample(range(2 * n), n), rng.sample(range(2 * n), n))}
+    src_blocks, dst_blocks = (torch.tensor(ids, device=device) for ids in patterns["scattered"])
     reps = 0
 
     def timed(fn) -> float:
         return best_seconds(fn, args.copy_reps, deadline, device)
 
-    def nixl_pull() -> None:
+    def nixl_pull(src: list[int], dst: list[int]) -> None:
         nonlocal reps
         reps += 1
         req_id = f"bench-{reps}"
         remote = RemotePrefill(settings.engine_id, settings.side_channel_host, settings.side_channel_port, req_id,
-                               tuple(src_blocks.tolist()), settings.tp_size)
-        consumer.start_load_kv(NixlMetadata(loads=[RemoteLoad(req_id, remote, dst_blocks.tolist(),
-                                                              src_blocks.tolist())]))
+                               tuple(src), settings.tp_size)
+        consumer.start_load_kv(NixlMetadata(loads=[RemoteLoad(req_id, remote, dst, src)]))
         while True:
             report = consumer.get_finished()
             if report is not None and req_id in report.finished_recving:
@@ -93,21 +97,27 @@ def pull(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
                     raise RuntimeError("the pull failed (see the log)")
                 return
 
+    def measure_pull(src: list[int], dst: list[int]) -> dict[str, Any]:
+        nixl_pull(src, dst)  # a warm-up, outside the timing (the very first one shakes hands)
+        src_ids, dst_ids = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+        for (pk, pv), (ck, cv) in zip(producer.kv_caches, consumer.kv_caches):
+            if not (torch.equal(ck[dst_ids], pk[src_ids]) and torch.equal(cv[dst_ids], pv[src_ids])):
+                raise RuntimeError("the pull did not copy the blocks")
+        return {"nixl_pull_GBps": size / timed(lambda: nixl_pull(src, dst)) / 1e9,
+                "descriptors_per_pull": block_runs(dst, src).lengths.size * producer.num_tensors}
+
     def torch_gather_scatter() -> None:
         for (pk, pv), (ck, cv) in zip(producer.kv_caches, consumer.kv_caches):
             ck.index_copy_(0, dst_blocks, pk.index_select(0, src_blocks))
             cv.index_copy_(0, dst_blocks, pv.index_select(0, src_blocks))
 
-    nixl_pull()  # the handshake, once, outside the timing
-    first = producer.kv_caches[0][0][src_blocks[0]]
-    assert torch.equal(consumer.kv_caches[0][0][dst_blocks[0]], first), "the pull did not copy the blocks"
-    rates = {"plain_copy_GBps": size / timed(lambda: flat_dst.copy_(flat_src)) / 1e9,
-             "torch_gather_scatter_GBps": size / timed(torch_gather_scatter) / 1e9,
-             "nixl_pull_GBps": size / timed(nixl_pull) / 1e9}
+    pulls = {name: measure_pull(src, dst) for name, (src, dst) in patterns.items()}
+    plain = size / timed(lambda: flat_dst.copy_(flat_src)) / 1e9
     producer.listener.close()
-    return {"blocks": n, "bytes": size, "descriptors_per_pull": n * producer.num_tensors,
-            "memory": producer.mem_type, **rates,
-            "pull_fraction_of_plain_copy": rates["nixl_pull_GBps"] / rates["plain_copy_GBps"]}
+    for record in pulls.values():
+        record["fraction_of_plain_copy"] = record["nixl_pull_GBps"] / plain
+    return {"blocks": n, "bytes": size, "block_bytes": producer.block_bytes, "memory": producer.mem_type,
+            "plain_copy_GBps": plain, "torch_gather_scatter_GBps": size / timed(torch_gather_scatter) / 1e9, **pulls}
 
 
 def engines(args: argparse.Namespace, deadline: float) -> dict[str, Any]:
@@ -173,14 +183,16 @@ def _table(payload: dict[str, Any]) -> str:
     rows = []
     copy = payload["results"]["pull"]
     if copy is not None:
-        rows += [["plain device copy", f"{copy['plain_copy_GBps']:.2f}", "100%"],
-                 ["torch gather/scatter", f"{copy['torch_gather_scatter_GBps']:.2f}",
-                  f"{copy['torch_gather_scatter_GBps'] / copy['plain_copy_GBps']:.0%}"],
-                 ["NIXL pull", f"{copy['nixl_pull_GBps']:.2f}", f"{copy['pull_fraction_of_plain_copy']:.0%}"]]
+        rows += [["plain device copy", f"{copy['plain_copy_GBps']:.2f}", "100%", ""],
+                 ["torch gather/scatter (scattered blocks)", f"{copy['torch_gather_scatter_GBps']:.2f}",
+                  f"{copy['torch_gather_scatter_GBps'] / copy['plain_copy_GBps']:.0%}", ""]]
+        rows += [[f"NIXL pull, {name} blocks", f"{copy[name]['nixl_pull_GBps']:.2f}",
+                  f"{copy[name]['fraction_of_plain_copy']:.0%}", str(copy[name]["descriptors_per_pull"])]
+                 for name in ("consecutive", "scattered")]
     run = payload["results"]["engines"]
     if run is not None and run["engine_pull_GBps"] is not None:
-        rows.append(["engines: pull seen by the decode engine", f"{run['engine_pull_GBps']:.2f}", ""])
-    table = format_table(["transfer", "GB/s", "of plain copy"], rows, left=[0])
+        rows.append(["engines: pull seen by the decode engine", f"{run['engine_pull_GBps']:.2f}", "", ""])
+    table = format_table(["transfer", "GB/s", "of plain copy", "descriptors"], rows, left=[0])
     if run is not None:
         pulled, recomputed = run["ttft_pulled_s"], run["ttft_recomputed_s"]
         table += (f"\ndecode engine TTFT p50 for {run['prompt_len']}-token prompts: pulled "

@@ -10,16 +10,20 @@ import socket
 import time
 
 import pytest
+import torch
 from engine_utils import TINY_LLAMA, assert_no_leak
 from pydantic import ValidationError
 
 from benchmarks import pd_transfer as pd_transfer_bench
 from pagellm import LLM, SamplingParams
 from pagellm.config.kv_transfer import NIXL_CONNECTOR, KVTransferConfig, NixlSettings
+from pagellm.core.nixl_connector import NixlMetadata, RemoteLoad, RemotePrefill
 from pagellm.core.request import RequestStatus
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.worker import nixl_connector
 from pagellm.worker.nixl_connector import NixlWorker
+from pagellm.worker.nixl_runs import run_descriptors
 
 BLOCK = 16
 LOGPROBS = 3
@@ -150,6 +154,55 @@ def test_tensor_parallel_ranks_pull_their_shards(model_dir, pair):
     assert stats(consumer).transfer_failures == 1
 
 
+def test_pulls_land_the_exact_bytes_in_runs(model_dir, monkeypatch):
+    """Two worker halves over caches of random bytes: a pull of consecutive blocks, one of descending
+    blocks and one of scattered blocks copy exactly the producer's blocks onto the consumer's asked for
+    and touch no other block; consecutive stretches move as one descriptor per cache tensor."""
+    def worker(role: str, fill) -> NixlWorker:
+        transfer = {"kv_role": role, "kv_connector_extra_config": {"side_channel_port": free_port()}}
+        config = EngineArgs(model_dir, load_format="dummy", device="cpu", block_size=BLOCK,
+                            kv_transfer_config=transfer).create_engine_config()
+        arch = config.model.source.arch
+        shape = (64, BLOCK, arch.num_key_value_heads, arch.head_dim)
+        return NixlWorker(config, [(fill(shape), fill(shape)) for _ in range(arch.num_hidden_layers)])
+
+    torch.manual_seed(0)
+    producer, consumer = worker("kv_producer", torch.randn), worker("kv_consumer", torch.zeros)
+    rows = []  # the descriptor lists of the pull: local, then remote
+
+    def recorded(*args):
+        rows.append(run_descriptors(*args))
+        return rows[-1]
+
+    monkeypatch.setattr(nixl_connector, "run_descriptors", recorded)
+    settings = producer.settings
+    rng = random.Random(3)
+    pulls = {"consecutive": (list(range(20, 36)), list(range(40, 56))),
+             "descending": (list(range(15, 5, -1)), list(range(63, 53, -1))),
+             "scattered": (rng.sample(range(0, 64, 2), 12), rng.sample(range(20), 12))}  # no two ids adjacent
+    for name, (src, dst) in pulls.items():
+        for tensor in (t for pair in consumer.kv_caches for t in pair):
+            tensor.zero_()
+        rows.clear()
+        remote = RemotePrefill(settings.engine_id, settings.side_channel_host, settings.side_channel_port, name,
+                               tuple(src), settings.tp_size)
+        consumer.start_load_kv(NixlMetadata(loads=[RemoteLoad(name, remote, dst, src)]))
+        deadline = time.monotonic() + 10
+        while (report := consumer.get_finished()) is None or name not in report.finished_recving:
+            assert time.monotonic() < deadline, f"the {name} pull did not end"
+        assert not report.failed_block_ids
+        assert report.transfer_bytes == len(src) * producer.block_bytes * producer.num_tensors
+        others = torch.ones(64, dtype=torch.bool)
+        others[dst] = False
+        for (pk, pv), (ck, cv) in zip(producer.kv_caches, consumer.kv_caches):
+            for mine, theirs in ((ck, pk), (cv, pv)):
+                assert torch.equal(mine[dst], theirs[src]), name
+                assert not mine[others].any(), name
+        local_rows, remote_rows = rows
+        assert len(local_rows) == len(remote_rows) == producer.num_tensors * (len(src) if name == "scattered" else 1)
+    producer.listener.close()
+
+
 def test_block_size_mismatch_refused_and_recomputed(model_dir, pair):
     producer, _ = pair
     consumer = engine(model_dir, "kv_consumer", block_size=32)
@@ -195,7 +248,11 @@ def test_benchmark_smoke_pulls_and_decodes(model_dir):
     payload = pd_transfer_bench.main(["--model", model_dir, "--device", "cpu", "--smoke"])
     assert all(record["status"] == "ok" for record in payload["phases"].values()), payload["phases"]
     pull, run = payload["results"]["pull"], payload["results"]["engines"]
-    assert pull["bytes"] > 0 and pull["nixl_pull_GBps"] > 0
+    assert pull["bytes"] > 0 and pull["consecutive"]["nixl_pull_GBps"] > 0 and pull["scattered"]["nixl_pull_GBps"] > 0
+    with open(f"{model_dir}/config.json") as f:
+        tensors = 2 * json.load(f)["num_hidden_layers"]  # keys and values of each layer
+    assert pull["consecutive"]["descriptors_per_pull"] == tensors  # one run of every tensor
+    assert pull["scattered"]["descriptors_per_pull"] > tensors
     assert run["pulls"] == run["prompts"] and run["failures"] == 0 and run["bytes"] > 0
 
 

@@ -1,15 +1,16 @@
 """NixlConnector's worker half: this rank's KV cache registered with a NIXL agent; a consumer reads a
 producer's blocks with one-sided NIXL READs (UCX: host memory on a CPU, device memory on a GPU).
 
-Every cache tensor (keys and values of each layer) is one registered region cut into per-block
-descriptors (descriptor `i * num_blocks + b` is block b of tensor i), so one prepared transfer moves
-a request's blocks of every layer. A consumer rank first fetches the producer rank's layout and agent
-metadata through the side channel (`nixl_handshake`, once per producer), refuses a producer laid out
-differently (naming the key), then starts its pulls and polls them each step; a pull's completion
-notifies the producer (the request id rides on the READ), whose blocks are then freed. Each tensor-
-parallel rank pulls its own shard from the producer's rank of the same number; a pull (or a send)
-is reported only once every rank has seen it end (one all-reduce of flags per step while any is in
-flight), so no rank's blocks are reused while another rank's transfer still touches them.
+Every cache tensor (keys and values of each layer) is one registered region. A pull is one NIXL READ
+of a request's blocks of every layer, its descriptor lists built for it: one descriptor per cache
+tensor and run of blocks consecutive on both sides (`nixl_runs`). A consumer rank first fetches the
+producer rank's layout and agent metadata through the side channel (`nixl_handshake`, once per
+producer), refuses a producer laid out differently (naming the key), then starts its pulls and polls
+them each step; a pull's completion notifies the producer (the request id rides on the READ), whose
+blocks are then freed. Each tensor-parallel rank pulls its own shard from the producer's rank of the
+same number; a pull (or a send) is reported only once every rank has seen it end (one all-reduce of
+flags per step while any is in flight), so no rank's blocks are reused while another rank's transfer
+still touches them.
 
 Loads are asynchronous across steps, not per layer: the request waits (WAITING_FOR_REMOTE_KVS) while
 other requests run, and is scheduled once every layer has landed.
@@ -21,7 +22,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagellm.config import EngineConfig
@@ -31,6 +31,7 @@ from pagellm.distributed import get_tp_rank, tensor_parallel_all_reduce
 from pagellm.worker.kv_connector import KVCaches, KVConnectorWorker
 from pagellm.worker.nixl_api import nixl_agent, nixl_agent_config
 from pagellm.worker.nixl_handshake import HandshakeListener, KVLayout, fetch_handshake
+from pagellm.worker.nixl_runs import block_runs, run_descriptors
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ class _Producer:
     agent_name: str
     refused: str | None
     """Why its KV cannot be pulled (a layout mismatch, naming the key); None: it can."""
-    blocks: object = None
-    """Its prepared descriptor list (None when refused)."""
 
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
@@ -86,8 +85,6 @@ class NixlWorker(KVConnectorWorker):
                                 nixl_agent_config(backends=list(self.settings.backends)))
         self._registered = self.agent.register_memory(tensors)
         addrs = [t.data_ptr() for t in tensors]
-        self._local = self.agent.prep_xfer_dlist("", self._descriptors(addrs, self.num_blocks, device_id),
-                                                 self.mem_type)
         arch = config.model.source.arch
         self.layout = KVLayout(
             engine_id=self.settings.engine_id, agent_name=self.agent.name,
@@ -110,19 +107,6 @@ class NixlWorker(KVConnectorWorker):
             self.listener = HandshakeListener(self.settings.side_channel_host, self.settings.side_channel_port + rank,
                                               self.layout, self.agent.get_agent_metadata())
 
-    def _descriptors(self, addrs: list[int], num_blocks: int, device_id: int) -> np.ndarray:
-        """(address, length, device) of every block of every tensor: row i * num_blocks + b is block b of tensor i."""
-        offsets = np.arange(num_blocks, dtype=np.int64) * self.block_bytes
-        rows = np.empty((len(addrs) * num_blocks, 3), dtype=np.int64)
-        rows[:, 0] = (np.asarray(addrs, dtype=np.int64)[:, None] + offsets[None, :]).reshape(-1)
-        rows[:, 1] = self.block_bytes
-        rows[:, 2] = device_id
-        return rows
-
-    def _indices(self, block_ids: list[int], num_blocks: int) -> np.ndarray:
-        blocks = np.asarray(block_ids, dtype=np.int64)
-        return (np.arange(self.num_tensors, dtype=np.int64)[:, None] * num_blocks + blocks[None, :]).reshape(-1)
-
     # -- the step --------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: NixlMetadata) -> None:
@@ -143,9 +127,16 @@ class NixlWorker(KVConnectorWorker):
             if max(load.remote_block_ids, default=0) >= producer.layout.num_blocks:
                 raise ValueError(f"kv_transfer_params remote_block_ids go past the producer's "
                                  f"{producer.layout.num_blocks} blocks")
-            handle = self.agent.make_prepped_xfer(
-                "READ", self._local, self._indices(load.block_ids, self.num_blocks), producer.blocks,
-                self._indices(load.remote_block_ids, producer.layout.num_blocks), load.remote.request_id.encode())
+            runs = block_runs(load.block_ids, load.remote_block_ids)
+            theirs = producer.layout
+            local = self.agent.get_xfer_descs(run_descriptors(
+                self.layout.base_addrs, self.block_bytes, runs.local_first, runs.lengths, self.layout.device_id),
+                self.mem_type)
+            remote = self.agent.get_xfer_descs(run_descriptors(
+                theirs.base_addrs, theirs.block_bytes, runs.remote_first, runs.lengths, theirs.device_id),
+                theirs.mem_type)
+            handle = self.agent.initialize_xfer("READ", local, remote, producer.agent_name,
+                                                load.remote.request_id.encode())
             if self.agent.transfer(handle) == "ERR":
                 self.agent.release_xfer_handle(handle)
                 raise RuntimeError("NIXL refused the transfer")
@@ -178,9 +169,6 @@ class NixlWorker(KVConnectorWorker):
             refused = f"refused at handshake: {refused}"
             logger.error("NixlConnector: producer %s %s; its requests recompute here", remote.engine_id, refused)
         producer = _Producer(layout, name, refused)
-        if refused is None:
-            producer.blocks = self.agent.prep_xfer_dlist(
-                name, self._descriptors(layout.base_addrs, layout.num_blocks, layout.device_id), layout.mem_type)
         self._producers[remote.engine_id] = producer
         return producer
 
