@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, key, value)
     engine_flags = ["--device", args.device, "--max-model-len", str(args.input_len + args.output_len + 64),
                     "--served-model-name", MODEL_NAME, "--no-enable-prefix-caching", "--load-format", args.load_format]
-    if args.load_format == "dummy":  # random weights have no tokenizer: the workload's (SmolLM2's) reads the text
-        engine_flags += ["--tokenizer", default_model_path()]
-    config = ServeConfig(model=MODEL_NAME, num_prompts=args.num_prompts, input_len=args.input_len,
+    tokenizer = args.tokenizer or default_model_path()
+    if args.load_format == "dummy":  # random weights have no tokenizer: the workload's reads the text
+        engine_flags += ["--tokenizer", tokenizer]
+    config = ServeConfig(model=MODEL_NAME, tokenizer=tokenizer, num_prompts=args.num_prompts, input_len=args.input_len,
                          output_len=args.output_len, max_concurrency=args.max_concurrency, seed=args.seed,
                          num_warmups=args.num_warmups, disable_tqdm=True)
     workload = make_workload(config)  # the same prompts for both targets and every round
@@ -148,6 +149,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="", help="model path; '': the embedded SmolLM2")
+    p.add_argument("--tokenizer", default="", help="the prompts' tokenizer (a .gguf file or a directory with "
+                   "tokenizer.json; with --load-format dummy also the server's); '': the embedded SmolLM2's")
     p.add_argument("--device", default="cpu")
     p.add_argument("--load-format", default="auto",
                    help="'dummy': random weights of a named model's shapes (a GPU host, where the router's own cost "
