@@ -2,14 +2,19 @@
 `multi_modal_data`, the model's processor preparing every image), against Hugging Face's batched
 `generate` on the first K of the same requests with the same weights, in the same run.
 
-The model is random with a real model's shapes (`--model-shape`, a key of SHAPES), built with
-`transformers` from its config classes and saved with a processor (a word-level tokenizer with the
-image token, the model's CLIP image processor), so no download is needed; both engines load that
-folder. Throughput counts the 128 requested output tokens of every request (EOS ignored); TTFT is
-from the batch's start (every request arrives at once) to its first token.
+The model is random with a real model's shapes (`--model-shape`, a key of `vlm_models.SHAPES`:
+LLaVA-1.5-7B, the default, or Qwen2.5-VL-7B), built with `transformers` from its config classes and
+saved with a processor (a word-level tokenizer with the family's special tokens, the family's image
+processor), so no download is needed; both engines load that folder. The default stays LLaVA-1.5-7B
+so that the recorded runs' commands still mean what they meant. Throughput counts the 128 requested
+output tokens of every request (EOS ignored); TTFT is from the batch's start (every request arrives
+at once) to its first token. Each engine runs in a process of its own, one after the other, so the
+second finds the GPU's memory free.
 
     python -m benchmarks.vlm_serving --out-dir "$OUT" --commit SHA     # one GPU, LLaVA-1.5-7B shapes
+    python -m benchmarks.vlm_serving --model-shape qwen2.5-vl-7b --out-dir "$OUT" --commit SHA
     python -m benchmarks.vlm_serving --smoke                          # the CPU, a tiny LLaVA
+    python -m benchmarks.vlm_serving --smoke --model-shape tiny-qwen2.5-vl
 
 Prints a table and writes JSON under benchmarks/results/ (hardware, date, command, commit).
 """
@@ -25,80 +30,28 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
 
+from benchmarks.vlm_models import SHAPES, build_model, family
 from pagellm import LLM, SamplingParams
 from pagellm.benchmarks.results import default_result_path, format_table, run_metadata, summarize, write_json
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "llava-1.5-7b": {
-        "text": dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
-        "vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                       image_size=336, patch_size=14, projection_dim=768),
-        "image_token_index": 32000,
-    },
-    "tiny": {  # tests/test_llava.py's shapes
-        "text": dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=512),
-        "vision": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                       image_size=32, patch_size=8),
-        "image_token_index": 127,
-    },
-}
-"""Model shapes by name: the language model's LlamaConfig, the CLIP tower's, and the image token."""
-_SMOKE = {"model_shape": "tiny", "num_requests": 8, "hf_requests": 4, "hf_batch_size": 2, "output_len": 8,
-          "image_size": 32, "text_words": 8, "dtype": "float32", "device": "cpu", "max_model_len": 256}
-
-
-def build_model(shape: str, folder: Path, dtype: torch.dtype, device: str) -> transformers.LlavaProcessor:
-    """A random LlavaForConditionalGeneration of `shape` and its processor, saved to `folder`."""
-    spec = SHAPES[shape]
-    text = transformers.LlamaConfig(**spec["text"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    vision = transformers.CLIPVisionConfig(**spec["vision"])
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text,
-                                      image_token_index=spec["image_token_index"],
-                                      architectures=["LlavaForConditionalGeneration"])
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in its dtype: a 7B model in float32 would take 28 GB
-    try:
-        with torch.device(device):
-            model = transformers.LlavaForConditionalGeneration(config).eval()
-    finally:
-        torch.set_default_dtype(default)
-    model.save_pretrained(folder)
-    del model
-    vocab_size, image_token = spec["text"]["vocab_size"], spec["image_token_index"]
-    vocab = {f"t{i}": i for i in range(3, vocab_size) if i != image_token}
-    vocab |= {"<unk>": 0, "<s>": 1, "</s>": 2, "<image>": image_token}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                                                     unk_token="<unk>", pad_token="<unk>",
-                                                     extra_special_tokens=["<image>"], padding_side="left")
-    size = spec["vision"]["image_size"]
-    images = transformers.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    processor = transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer,
-                                            patch_size=spec["vision"]["patch_size"],
-                                            vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    processor.save_pretrained(folder)
-    return processor
+_SMOKE = {"num_requests": 8, "hf_requests": 4, "hf_batch_size": 2, "output_len": 8, "image_size": 32,
+          "text_words": 8, "dtype": "float32", "device": "cpu", "max_model_len": 256}
+_TINY = ("tiny", "tiny-qwen2.5-vl")
+"""The shapes `--smoke` takes (default: tiny, a LLaVA)."""
 
 
 def requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Prompts of `text_words` random words around one random image each (all distinct)."""
     rng = np.random.default_rng(args.seed)
-    vocab = SHAPES[args.model_shape]["text"]["vocab_size"]
-    image_token = SHAPES[args.model_shape]["image_token_index"]
+    spec = SHAPES[args.model_shape]
+    last_word = min(spec["text"]["vocab_size"], *spec["special_tokens"].values())
     out = []
     for _ in range(args.num_requests):
-        words = [f"t{w}" for w in rng.integers(3, min(vocab, image_token), args.text_words)]
-        half = len(words) // 2
+        words = [f"t{w}" for w in rng.integers(3, last_word, args.text_words)]
         pixels = rng.integers(0, 256, (args.image_size, args.image_size, 3), dtype=np.uint8)
-        out.append({"prompt": " ".join([*words[:half], "<image>", *words[half:]]),
+        out.append({"prompt": family(args.model_shape).prompt(words),
                     "multi_modal_data": {"image": Image.fromarray(pixels)}})
     return out
 
@@ -138,14 +91,12 @@ def run_hf(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     run's start."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
-    model = transformers.LlavaForConditionalGeneration.from_pretrained(folder, dtype=dtype).to(device).eval()
-    processor = transformers.AutoProcessor.from_pretrained(folder)
-    processor.tokenizer.padding_side = "left"
+    model = family(args.model_shape).model_class.from_pretrained(folder, dtype=dtype).to(device).eval()
+    prepare = family(args.model_shape).hf_inputs(folder)
     prompts = requests(args)[:args.hf_requests]
 
     def generate(batch: list[dict[str, Any]], new_tokens: int) -> None:
-        inputs = processor(text=[p["prompt"] for p in batch], images=[p["multi_modal_data"]["image"] for p in batch],
-                           padding=True, return_tensors="pt").to(device)
+        inputs = prepare([p["prompt"] for p in batch], [p["multi_modal_data"]["image"] for p in batch]).to(device)
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         with torch.no_grad():
             model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
@@ -174,6 +125,8 @@ def run_hf(folder: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     if args.smoke:
+        if args.model_shape not in _TINY:
+            raise ValueError(f"--model-shape: --smoke takes one of {_TINY}, not {args.model_shape!r}")
         for key, value in _SMOKE.items():
             setattr(args, key, value)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,7 +159,8 @@ def _table(payload: dict[str, Any]) -> str:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-shape", default="llava-1.5-7b", choices=sorted(SHAPES))
+    p.add_argument("--model-shape", default=None, choices=sorted(SHAPES),
+                   help="default: llava-1.5-7b; with --smoke, tiny")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, help="None: cuda if there is one, else cpu")
     p.add_argument("--num-requests", type=int, default=500)
@@ -220,7 +174,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help=f"the CPU, tiny sizes: {_SMOKE}")
     p.add_argument("--out-dir", default=None, help="also write the JSON here (e.g. $OUT)")
     p.add_argument("--commit", default=None, help="the code's commit, for a copy without git history")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.model_shape = args.model_shape or ("tiny" if args.smoke else "llava-1.5-7b")
+    return args
 
 
 if __name__ == "__main__":

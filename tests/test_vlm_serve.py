@@ -4,6 +4,7 @@ greedy tokens against Hugging Face's processor chat template and `generate`, dat
 the prefix cache with images, and each bad input refused by name (HTTP 400 on the server)."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import io
@@ -33,10 +34,12 @@ from test_web_ui import (
     wait,
 )
 
-from benchmarks import vlm_serving
+from benchmarks import vlm_models, vlm_serving
 from pagellm import LLM, SamplingParams
 from pagellm.cli.main import build_parser
 from pagellm.config import MultiModalConfig
+from pagellm.config.arch import ModelArchConfig
+from pagellm.engine.multimodal import ImageProcessor
 from pagellm.entrypoints.chat_images import split_images
 from pagellm.entrypoints.media import MediaLimits, load, load_async
 from pagellm.tokenizer.chat_template import iterates_message_content
@@ -360,13 +363,42 @@ def test_a_url_that_never_answers_times_out_without_blocking_others(client, serv
     assert "timed out after 10 s" in response.json()["error"]["message"]
 
 
-@pytest.mark.slow  # two spawned processes, about 40 s on 2 cores
-def test_the_vlm_benchmark_runs_its_smoke_sizes_on_the_cpu():
-    payload = vlm_serving.main(["--smoke"])
+@pytest.mark.slow  # two spawned processes, about 30 s on 2 cores
+@pytest.mark.parametrize("shape", [None, "tiny-qwen2.5-vl"])
+def test_the_vlm_benchmark_runs_its_smoke_sizes_on_the_cpu(shape):
+    payload = vlm_serving.main(["--smoke", *(["--model-shape", shape] if shape else [])])
     ours, hf = payload["results"]["pagellm"], payload["results"]["hf"]
     assert ours["num_requests"] == 8 and ours["output_tokens"] == 8 * 8 and ours["ttft_s"]["count"] == 8
     assert hf["num_requests"] == 4 and hf["output_tokens_per_s"] > 0
-    assert payload["git"]["commit"] and payload["parameters"]["model_shape"] == "tiny"
+    assert payload["git"]["commit"] and payload["parameters"]["model_shape"] == (shape or "tiny")
+
+
+def test_the_qwen_benchmark_prompt_of_a_336_pixel_image_is_the_same_144_features_for_both_engines(tmp_path):
+    """Qwen2.5-VL-7B's processor, as the benchmark saves it: pagellm's preparation and the one Hugging
+    Face's `generate` gets (left padded, the image's features marked) agree on the prompt's tokens."""
+    spec = vlm_models.SHAPES["qwen2.5-vl-7b"]
+    qwen = vlm_models.family("qwen2.5-vl-7b")
+    qwen.save_processor(spec, tmp_path)  # the processor only: the weights are not needed
+    args = argparse.Namespace(model_shape="qwen2.5-vl-7b", seed=0, num_requests=2, image_size=336, text_words=32)
+    prompts = vlm_serving.requests(args)
+    prompts[1]["prompt"] = qwen.prompt(["t5", "t6"])  # shorter: padded on the left
+    arch = ModelArchConfig.from_hf_dict(qwen.config(spec).to_dict())
+    ours = [ImageProcessor(str(tmp_path), arch).process(p["prompt"], p["multi_modal_data"]) for p in prompts]
+    texts, images = [p["prompt"] for p in prompts], [p["multi_modal_data"]["image"] for p in prompts]
+    hf = qwen.hf_inputs(str(tmp_path))(texts, images)
+    image = spec["special_tokens"]["<|image_pad|>"]
+    masks = hf["attention_mask"].tolist()
+    assert masks[0][0] == 1 and masks[1][:30] == [0] * 30
+    for (ids, items), row, mask in zip(ours, hf["input_ids"].tolist(), masks):
+        assert [t for t, keep in zip(row, mask) if keep] == ids
+        assert ids.count(image) == 144 and [item.length for item in items] == [144]
+    if "mm_token_type_ids" in hf:  # transformers whose M-RoPE positions follow it
+        assert hf["mm_token_type_ids"].sum().item() == 2 * 144
+
+
+def test_the_vlm_benchmark_smoke_refuses_a_full_size_shape():
+    with pytest.raises(ValueError, match="--model-shape: --smoke takes one of"):
+        vlm_serving.main(["--smoke", "--model-shape", "qwen2.5-vl-7b"])
 
 
 @pytest.mark.slow
