@@ -323,3 +323,21 @@ def test_startup_benchmark_smoke(tmp_path):
     assert cases["serve_after_warmup"]["cache_after"] == cases["warmup"]["cache_after"]
     written = json.loads((tmp_path / "startup_smoke_cpu.json").read_text())
     assert written["cases"] == payload["cases"] and written["git"]["commit"]
+
+
+def test_startup_benchmark_serve_cases_need_no_gguf_and_a_cut_run_keeps_finished_cases(tmp_path, monkeypatch):
+    def no_gguf() -> str:
+        raise AssertionError("the serve and warmup cases must not look for the SmolLM2 GGUF")
+
+    def serve_case(name, model, args, cache):
+        if name == "serve_filled_cache":
+            raise TimeoutError("the run was cut here")
+        return {"case": name, "ready_s": 1.5, "client_ready_s": 1.6, "phases": {startup.TOTAL: 1.5}}
+
+    monkeypatch.setattr(startup_bench, "default_model_path", no_gguf)
+    monkeypatch.setattr(startup_bench, "serve_case", serve_case)
+    with pytest.raises(TimeoutError):
+        startup_bench.main(["--cases", "serve", "warmup", "--out-dir", str(tmp_path)])
+    written = json.loads(next(tmp_path.glob("startup_*.json")).read_text())
+    assert [row["case"] for row in written["cases"]] == ["serve_empty_cache"]
+    assert written["cases"][0]["ready_s"] == 1.5
