@@ -8,11 +8,13 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import triton
+import zmq
 from engine_utils import TINY_LLAMA
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,6 +22,8 @@ from benchmarks import startup as startup_bench
 from pagellm import LLM
 from pagellm.cli.main import main as cli_main
 from pagellm.config.cache_dirs import CACHE_ROOT_ENV, TRITON_CACHE_ENV, cache_root, use_cache_for_triton
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.wire import Ready, encoder, output_decoder
 from pagellm.entrypoints.openai.api_server import server_startup_phases
 from pagellm.metrics import startup
@@ -267,6 +271,25 @@ def test_llm_reports_its_startup_phases(tiny_model_dir, caplog):
     assert phases[startup.TOTAL] == pytest.approx(sum(v for k, v in phases.items() if k != startup.TOTAL))
     assert f"engine ready in {startup.describe(phases)}" in caplog.text
     llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow  # spawns an engine-core process: seconds
+def test_engine_phases_end_when_the_core_was_ready_not_when_the_api_process_read_it(tiny_model_dir):
+    config = EngineArgs(tiny_model_dir, load_format="dummy", device="cpu", dtype="float32",
+                        kv_cache_memory_bytes=TINY_KV_BYTES).create_engine_config()
+    spawned = time.perf_counter()
+    engine = AsyncLLM(config, wait=False)
+    try:
+        # The ready message waits unread (poll does not take it) while this process does its own start.
+        assert zmq.Socket.shadow(engine._cores[0].output.underlying).poll(120_000)
+        ready_seen = time.perf_counter()
+        time.sleep(1.0)  # the API process's own start-up work, outlasting the core's
+        engine.wait_until_ready()
+        engine_s = sum(engine.startup_phases.values())
+        assert 0.0 < engine_s <= ready_seen - spawned
+        assert engine.startup_phases[startup.ENGINE_PROCESS_START] > 0.0
+    finally:
+        engine.shutdown()
 
 
 def test_the_server_reports_its_phases_as_a_gauge():

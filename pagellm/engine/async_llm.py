@@ -92,10 +92,11 @@ class AsyncLLM:
         unless given wait=False); raises with a core's reason if it fails to start."""
         for core in self._cores:
             core.wait_until_ready()
-        # Replicas start side by side: the slowest one's phases, and what its process took besides.
+        # Replicas start side by side: the slowest one's phases, and what its process took besides,
+        # until the last one was ready (this process may have read that later, busy with its own start).
+        ready_at = max(core.ready_at for core in self._cores)
         self.startup_phases: dict[str, float] = with_remainder(
-            slowest(core.startup_phases for core in self._cores), time.perf_counter() - self._spawned_at,
-            ENGINE_PROCESS_START)
+            slowest(core.startup_phases for core in self._cores), ready_at - self._spawned_at, ENGINE_PROCESS_START)
         """Seconds of each phase of the engine cores' start, as this process waited for them
         (`pagellm.metrics.startup`)."""
 

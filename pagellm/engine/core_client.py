@@ -39,6 +39,8 @@ class CoreClient:
         """The engine core's start-up phases, from its ready message."""
         self.ready = False
         """Whether the core has reported ready (it serves from then on)."""
+        self.ready_at = 0.0
+        """time.perf_counter() when the core sent its ready message (once `ready`)."""
         self.failure_reason: str | None = None
         """Why this core was found dead; None while it serves."""
         self.load = 0
@@ -72,6 +74,8 @@ class CoreClient:
                     self.num_blocks = message.num_blocks
                     self.startup_phases = message.startup_phases
                     self.ready = True
+                    late_s = time.time() - message.sent_at if message.sent_at is not None else 0.0
+                    self.ready_at = time.perf_counter() - max(0.0, late_s)
                     self.liveness.start(time.monotonic())
                     return
                 if isinstance(message, StartupFailed):
