@@ -10,12 +10,13 @@ Cases, each in a fresh process:
   llm_<dtype>_empty_cache / llm_<dtype>_filled_cache
                       `LLM(model=<SmolLM2 GGUF>, dtype=<dtype>)` for float32 and bfloat16, on an
                       empty cache folder, then on the one it filled
-Each row: seconds to ready (the server: as its client saw /health/ready answer, polled every 0.5 s,
-and as its own report counts from its process's start; LLM: from its process's start to LLM()
+Each row: seconds to ready (the server: as its client saw /health/ready answer, polled every
+CLIENT_POLL_S, and as its own report counts from its process's start; LLM: from its process's start to LLM()
 returning), then the engine's phases (`pagellm.metrics.startup`: pagellm:startup_seconds for the
 server, `llm.llm_engine.startup_phases` for LLM), and what the cache folder holds after it.
 Goals (issue 52): serve <= 20 s with an empty cache, <= 10 s with a filled one; SmolLM2 <= 15 s in
-any dtype. `--cases` runs some of the groups (serve, warmup, llm).
+any dtype. `--cases` runs some of the groups (serve, warmup, llm); only `llm` needs the SmolLM2 GGUF.
+The JSON is rewritten after every case, so a run cut short keeps the cases it finished.
 
 On the GPU machine, from the repository root (a fresh machine: nothing compiled before):
     python3 -m benchmarks.startup --out-dir "$OUT" --commit SHA
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,9 @@ from pagellm.loader.source import default_model_path
 from pagellm.metrics.startup import TOTAL
 
 SERVE_MODEL = "llama-3.1-8b"
+CLIENT_POLL_S = 0.05
+"""How often the client asks /health/ready during a start: a coarser poll would add up to its period
+to the time measured."""
 SMOKE_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16, "intermediate_size": 32,
     "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 512,
@@ -71,7 +76,7 @@ print("STARTUP " + json.dumps({"ready_s": ready_s, "phases": llm.llm_engine.star
 def serve_case(name: str, model: str, args: list[str], cache: Path) -> dict[str, Any]:
     """`pagellm serve` to /health/ready with `cache` as its cache folder, and its reported phases."""
     start = time.perf_counter()
-    with _cache_env(cache), ServerProcess(model, args, startup_timeout_s=600.0) as server:
+    with _cache_env(cache), ServerProcess(model, args, startup_timeout_s=600.0, poll_s=CLIENT_POLL_S) as server:
         client_ready_s = time.perf_counter() - start
         metrics = httpx.get(f"{server.url}/metrics", timeout=10.0).text
     phases = {s.labels["phase"]: s.value for family in text_string_to_metric_families(metrics)
@@ -140,17 +145,19 @@ class _cache_env:
 CASE_GROUPS = ("serve", "warmup", "llm")
 
 
-def run_cases(smoke: bool, serve_args: list[str], work: Path, groups: list[str]) -> list[dict[str, Any]]:
+def run_cases(smoke: bool, serve_args: list[str], work: Path, groups: list[str],
+              on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """The cases of `groups`, in order; `on_row` gets the rows so far after each case."""
     if smoke:
         folder = work / "tiny-llama"
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(SMOKE_CONFIG))
-        serve_model, llm_model = str(folder), str(folder)
+        serve_model = str(folder)
         serve_args = ["--load-format", "dummy", "--device", "cpu", "--dtype", "float32", "--kv-cache-memory-bytes",
                       str(SMOKE_ENGINE["kv_cache_memory_bytes"]), *serve_args]
         llm_extra: dict[str, Any] = SMOKE_ENGINE
     else:
-        serve_model, llm_model = SERVE_MODEL, default_model_path()
+        serve_model = SERVE_MODEL
         serve_args = ["--load-format", "dummy", *serve_args]
         llm_extra = {}
     rows = []
@@ -160,6 +167,7 @@ def run_cases(smoke: bool, serve_args: list[str], work: Path, groups: list[str])
         rows.append(row)
         print(f"{row['case']}: ready in {row['ready_s']:.2f} s; phases {json.dumps(_rounded(row['phases']))}; "
               f"cache {json.dumps(row['cache_after'])}", flush=True)
+        on_row(rows)
 
     if "serve" in groups:
         for cache_name in ("empty", "filled"):
@@ -169,6 +177,8 @@ def run_cases(smoke: bool, serve_args: list[str], work: Path, groups: list[str])
         add(warmup_case("warmup", serve_model, serve_args, work / "warmup-cache"), work / "warmup-cache")
         add(serve_case("serve_after_warmup", serve_model, serve_args, work / "warmup-cache"), work / "warmup-cache")
     if "llm" in groups:
+        # Only these cases load a real model: the embedded SmolLM2 GGUF (its package), unless --smoke.
+        llm_model = str(folder) if smoke else default_model_path()
         for dtype in LLM_DTYPES:
             for cache_name in ("empty", "filled"):
                 kwargs = {"model": llm_model, "dtype": dtype, **llm_extra}
@@ -197,14 +207,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out-dir", default=None, help="where the JSON goes; default benchmarks/results/")
     p.add_argument("--commit", default=None)
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="pagellm-startup-") as work:
-        rows = run_cases(args.smoke, args.serve_args.split(), Path(work), args.cases)
-    payload = {"benchmark": "startup", **run_metadata(args.commit), "parameters": vars(args), "cases": rows}
-    print(table(rows))
+    payload = {"benchmark": "startup", **run_metadata(args.commit), "parameters": vars(args), "cases": []}
     gpus = payload["hardware"].get("gpus") or [{"name": "cpu"}]
     prefix = "startup_" + ("smoke_" if args.smoke else "") + re.sub(r"[^a-z0-9]+", "_", gpus[0]["name"].lower())
     out = Path(args.out_dir) / f"{prefix}.json" if args.out_dir else default_result_path(prefix)
-    print(f"wrote {write_json(payload, out)}")
+
+    def write(rows: list[dict[str, Any]]) -> None:
+        payload["cases"] = rows
+        write_json(payload, out)
+
+    with tempfile.TemporaryDirectory(prefix="pagellm-startup-") as work:
+        rows = run_cases(args.smoke, args.serve_args.split(), Path(work), args.cases, on_row=write)
+    write(rows)
+    print(table(rows))
+    print(f"wrote {out}")
     return payload
 
 

@@ -67,7 +67,8 @@ def test_eval_on_sharegpt_answers(tmp_path, smollm2_path) -> None:
     """--text sharegpt: long ASCII answers from the dataset package, about SHAREGPT_CHARS in all,
     and the perplexity is of that text, not the sample's."""
     from pagellm.benchmarks.datasets import sharegpt_path
-    from pagellm.eval.cli import SHAREGPT_CHARS, sharegpt_text
+    from pagellm.eval.flags import SHAREGPT_CHARS
+    from pagellm.eval.run import sharegpt_text
 
     try:
         sharegpt_path()

@@ -13,11 +13,11 @@ from pydantic import TypeAdapter
 
 from pagellm import LLM, SamplingParams
 from pagellm.cli import main
-from pagellm.entrypoints.openai.api_server import load_chat_template
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from pagellm.entrypoints.openai.protocol_anthropic import MessagesRequest
 from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagellm.entrypoints.openai.server_start import load_chat_template
 from pagellm.sampling_params import RequestOutputKind
 from conftest import SHARED_SERVER_FLAGS as ENGINE_FLAGS
 from conftest import SHARED_SERVER_KV_BYTES as KV_BYTES

@@ -8,11 +8,13 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import triton
+import zmq
 from engine_utils import TINY_LLAMA
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,6 +22,8 @@ from benchmarks import startup as startup_bench
 from pagellm import LLM
 from pagellm.cli.main import main as cli_main
 from pagellm.config.cache_dirs import CACHE_ROOT_ENV, TRITON_CACHE_ENV, cache_root, use_cache_for_triton
+from pagellm.engine.arg_utils import EngineArgs
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.wire import Ready, encoder, output_decoder
 from pagellm.entrypoints.openai.api_server import server_startup_phases
 from pagellm.metrics import startup
@@ -269,6 +273,25 @@ def test_llm_reports_its_startup_phases(tiny_model_dir, caplog):
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # spawns an engine-core process: seconds
+def test_engine_phases_end_when_the_core_was_ready_not_when_the_api_process_read_it(tiny_model_dir):
+    config = EngineArgs(tiny_model_dir, load_format="dummy", device="cpu", dtype="float32",
+                        kv_cache_memory_bytes=TINY_KV_BYTES).create_engine_config()
+    spawned = time.perf_counter()
+    engine = AsyncLLM(config, wait=False)
+    try:
+        # The ready message waits unread (poll does not take it) while this process does its own start.
+        assert zmq.Socket.shadow(engine._cores[0].output.underlying).poll(120_000)
+        ready_seen = time.perf_counter()
+        time.sleep(1.0)  # the API process's own start-up work, outlasting the core's
+        engine.wait_until_ready()
+        engine_s = sum(engine.startup_phases.values())
+        assert 0.0 < engine_s <= ready_seen - spawned
+        assert engine.startup_phases[startup.ENGINE_PROCESS_START] > 0.0
+    finally:
+        engine.shutdown()
+
+
 def test_the_server_reports_its_phases_as_a_gauge():
     phases = server_startup_phases({startup.LOAD_WEIGHTS: 2.0, startup.ENGINE_PROCESS_START: 1.0}, serve_s=0.0)
     # The API process's own share is what its age leaves after the engine's phases (this test's
@@ -323,3 +346,21 @@ def test_startup_benchmark_smoke(tmp_path):
     assert cases["serve_after_warmup"]["cache_after"] == cases["warmup"]["cache_after"]
     written = json.loads((tmp_path / "startup_smoke_cpu.json").read_text())
     assert written["cases"] == payload["cases"] and written["git"]["commit"]
+
+
+def test_startup_benchmark_serve_cases_need_no_gguf_and_a_cut_run_keeps_finished_cases(tmp_path, monkeypatch):
+    def no_gguf() -> str:
+        raise AssertionError("the serve and warmup cases must not look for the SmolLM2 GGUF")
+
+    def serve_case(name, model, args, cache):
+        if name == "serve_filled_cache":
+            raise TimeoutError("the run was cut here")
+        return {"case": name, "ready_s": 1.5, "client_ready_s": 1.6, "phases": {startup.TOTAL: 1.5}}
+
+    monkeypatch.setattr(startup_bench, "default_model_path", no_gguf)
+    monkeypatch.setattr(startup_bench, "serve_case", serve_case)
+    with pytest.raises(TimeoutError):
+        startup_bench.main(["--cases", "serve", "warmup", "--out-dir", str(tmp_path)])
+    written = json.loads(next(tmp_path.glob("startup_*.json")).read_text())
+    assert [row["case"] for row in written["cases"]] == ["serve_empty_cache"]
+    assert written["cases"][0]["ready_s"] == 1.5

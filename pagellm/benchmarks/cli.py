@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagellm.benchmarks import plan as plan_command
 from pagellm.benchmarks.datasets import DATASETS
+from pagellm.benchmarks.plan_args import PLAN_ENGINE_ARGS, PLAN_HOST_ARGS
 from pagellm.benchmarks.serve_client import ENDPOINTS
 from pagellm.config.dtype_sizes import KV_CACHE_DTYPES
 from pagellm.engine.arg_utils import EngineArgs
@@ -82,8 +82,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                        help="limits as METRIC_STAT:MILLISECONDS, e.g. ttft_p99:2000 tpot_p90:100; METRIC one of "
                             "ttft, tpot, itl, e2el and STAT one of mean, median, p90, p99")
     sweep.add_argument("--min-gain", type=fraction, default=0.1,
-                       help="the knee is the first rung whose output throughput is within this fraction of the ladder's "
-                            "best: more load past it buys less")
+                       help="the knee is the first rung whose output throughput is within this fraction of the "
+                            "ladder's best: more load past it buys less")
     sweep.add_argument("--output-dir", default="sweep-results",
                        help="where sweep.json and the PNG plots go")
     sweep.add_argument("--server-model", default=None,
@@ -192,11 +192,18 @@ def register_plan(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                       help="what-if: KV entries in the model dtype (auto) or one byte (fp8), as the engine's "
                            "--kv-cache-dtype stores them")
-    EngineArgs.add_cli_args(plan, names=plan_command.PLAN_ENGINE_ARGS + plan_command.PLAN_HOST_ARGS)
+    EngineArgs.add_cli_args(plan, names=PLAN_ENGINE_ARGS + PLAN_HOST_ARGS)
     plan.add_argument("--input-len", type=positive_int, default=1024, help="typical prompt tokens per request")
     plan.add_argument("--output-len", type=positive_int, default=128, help="typical output tokens per request")
     plan.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    set_handler(plan, plan_command.run_cli)
+    set_handler(plan, _plan)
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    # The planner's ledger imports the GGUF and Triton modules, which no other command needs at start.
+    from pagellm.benchmarks.plan import run_cli
+
+    return run_cli(ns)
 
 
 def _serve(ns: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from pagellm.benchmarks.memory import Ledger, PlanSpec, compute_ledger
+from pagellm.benchmarks.plan_args import PLAN_ENGINE_ARGS
 from pagellm.benchmarks.results import format_table
 from pagellm.config import EngineConfig
 from pagellm.config.arch import ModelArchConfig
@@ -29,12 +30,6 @@ from pagellm.quantization import (
 from pagellm.quantization.gguf import GGUFConfig
 
 _GiB = 1 << 30
-PLAN_ENGINE_ARGS = ("dtype", "tensor_parallel_size", "enable_expert_parallel", "max_model_len",
-                    "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                    "kv_cache_memory_bytes", "enforce_eager")
-"""The engine flags that change how the KV cache is sized."""
-PLAN_HOST_ARGS = ("kv_offloading_size",)
-"""Engine flags about host memory, planned but not checked against this machine's."""
 
 
 def run_cli(ns: argparse.Namespace) -> int:

@@ -19,7 +19,9 @@ class ServerProcess:
     """`pagellm serve [model] *args` on 127.0.0.1 while the `with` block runs; output goes to a log
     file whose tail a failure quotes."""
 
-    def __init__(self, model: str | None, args: list[str], startup_timeout_s: float = 300.0) -> None:
+    def __init__(self, model: str | None, args: list[str], startup_timeout_s: float = 300.0,
+                 poll_s: float = _POLL_S) -> None:
+        """`poll_s`: how often /health/ready is asked while the server starts."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -27,6 +29,7 @@ class ServerProcess:
         self.command = [sys.executable, "-m", "pagellm.cli", "serve", *([model] if model else []),
                         "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._startup_timeout_s = startup_timeout_s
+        self._poll_s = poll_s
         self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-sweep-", suffix=".log")
         self._process: subprocess.Popen | None = None
 
@@ -60,7 +63,7 @@ class ServerProcess:
                         return
                 except httpx.TransportError:
                     pass  # not listening yet
-                time.sleep(_POLL_S)
+                time.sleep(self._poll_s)
         raise ValueError(f"pagellm serve was not ready within {self._startup_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def _stop(self) -> None:

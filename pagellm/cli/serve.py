@@ -6,6 +6,7 @@ import sys
 
 from pagellm.entrypoints.arg_types import set_handler
 from pagellm.entrypoints.openai.cli_args import add_serve_args
+from pagellm.entrypoints.openai.server_start import start_engine
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,12 +17,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    # Imported here, not at the top: FastAPI and the protocol models take a second to import,
-    # which `pagellm --help` and the other commands need not pay.
-    from pagellm.entrypoints.openai.api_server import run_server  # noqa: PLC0415
-
     try:
-        return run_server(ns)
+        with start_engine(ns) as start:
+            # Imported here, not at the top: FastAPI and the protocol models take a second to import,
+            # which `pagellm --help` and the other commands need not pay; and only now, so that the
+            # engine cores spawned by start_engine import and load the model meanwhile.
+            from pagellm.entrypoints.openai.api_server import run_server  # noqa: PLC0415
+
+            return run_server(ns, start)
     except RuntimeError as e:  # the engine process failed to start
         print(f"{ns.prog}: error: {e}", file=sys.stderr)
         return 1

@@ -52,13 +52,13 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None,
-                 stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S) -> None:
+                 stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S, *, wait: bool = True) -> None:
         """`stall_timeout_s`: how long one engine step may run before the engine counts as dead
-        (None: never; a core that stops heartbeating or exits is dead regardless)."""
+        (None: never; a core that stops heartbeating or exits is dead regardless). `wait`: return
+        once the cores are ready; False returns once their processes are spawned, so that the caller
+        does its own start-up work while they load the model, then calls `wait_until_ready` (and
+        `shutdown` should that work fail)."""
         self.config = config
-        self.tokenizer: Tokenizer | None = load_tokenizer(self.config.model.source)
-        self.processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, pooling=self.config.is_pooling)
         self.stat_loggers = list(stat_loggers or [])
         self._mailboxes: dict[str, OutputMailbox] = {}
         self._core_of: dict[str, CoreClient] = {}
@@ -72,19 +72,31 @@ class AsyncLLM:
         self._cores: list[CoreClient] = []
         num_replicas = self.config.parallel.data_parallel_size
         self.router = DataParallelRouter(num_replicas, self.config.cache.block_size)
-        start = time.perf_counter()
+        self._spawned_at = time.perf_counter()
         try:
+            # The cores first: they import and load the model while this process reads the tokenizer.
             for index in range(num_replicas):
                 self._cores.append(CoreClient(_replica_config(self.config, index), index, self._ctx,
                                               stall_timeout_s))
-            for core in self._cores:
-                core.wait_until_ready()
+            self.tokenizer: Tokenizer | None = load_tokenizer(self.config.model.source)
+            self.processor = InputProcessor(self.config, self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer, pooling=self.config.is_pooling)
+            if wait:
+                self.wait_until_ready()
         except BaseException:
             self.shutdown()
             raise
-        # Replicas start side by side: the slowest one's phases, and what its process took besides.
+
+    def wait_until_ready(self) -> None:
+        """Block until every core has loaded the model and sized its cache (the constructor does,
+        unless given wait=False); raises with a core's reason if it fails to start."""
+        for core in self._cores:
+            core.wait_until_ready()
+        # Replicas start side by side: the slowest one's phases, and what its process took besides,
+        # until the last one was ready (this process may have read that later, busy with its own start).
+        ready_at = max(core.ready_at for core in self._cores)
         self.startup_phases: dict[str, float] = with_remainder(
-            slowest(core.startup_phases for core in self._cores), time.perf_counter() - start, ENGINE_PROCESS_START)
+            slowest(core.startup_phases for core in self._cores), ready_at - self._spawned_at, ENGINE_PROCESS_START)
         """Seconds of each phase of the engine cores' start, as this process waited for them
         (`pagellm.metrics.startup`)."""
 
@@ -306,6 +318,9 @@ class AsyncLLM:
         return self._dead_reason is None and all(core.process.is_alive() for core in self._cores)
 
     def shutdown(self) -> None:
+        """Stop the cores and close the sockets; a second call does nothing."""
+        if self._ctx.closed:
+            return
         for core in self._cores:
             core.shutdown(graceful=self._dead_reason is None)
         if self._output_task is not None:

@@ -37,6 +37,10 @@ class CoreClient:
         self.num_blocks = 0
         self.startup_phases: dict[str, float] = {}
         """The engine core's start-up phases, from its ready message."""
+        self.ready = False
+        """Whether the core has reported ready (it serves from then on)."""
+        self.ready_at = 0.0
+        """time.perf_counter() when the core sent its ready message (once `ready`)."""
         self.failure_reason: str | None = None
         """Why this core was found dead; None while it serves."""
         self.load = 0
@@ -69,6 +73,9 @@ class CoreClient:
                     logger.info("engine core ready (pid %d): %d KV blocks", self.process.pid, message.num_blocks)
                     self.num_blocks = message.num_blocks
                     self.startup_phases = message.startup_phases
+                    self.ready = True
+                    late_s = time.time() - message.sent_at if message.sent_at is not None else 0.0
+                    self.ready_at = time.perf_counter() - max(0.0, late_s)
                     self.liveness.start(time.monotonic())
                     return
                 if isinstance(message, StartupFailed):
@@ -87,8 +94,10 @@ class CoreClient:
         return self.liveness.failure(now)
 
     def shutdown(self, graceful: bool) -> None:
-        """Ask the core to exit (when `graceful`), kill it if it has not within seconds, and close."""
-        if self.process.is_alive() and graceful:
+        """Ask the core to exit (when `graceful`), kill it if it has not within seconds, and close.
+        A core that has not reported ready is killed at once: it has no requests to finish, and it
+        reads no messages until its model is loaded."""
+        if self.process.is_alive() and graceful and self.ready:
             try:
                 zmq.Socket.shadow(self.input.underlying).send(encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:

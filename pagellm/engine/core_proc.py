@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -69,7 +70,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         heartbeat = threading.Thread(target=_send_heartbeats, args=(ctx, heartbeat_address, progress, stop),
                                      name="pagellm-heartbeat", daemon=True)
         heartbeat.start()
-        outputs.send(encoder.encode(Ready(core.num_blocks, core.startup_phases)))
+        outputs.send(encoder.encode(Ready(core.num_blocks, core.startup_phases, time.time())))
         try:
             _loop(core, inputs, outputs, progress)
         except Exception as e:

@@ -23,6 +23,9 @@ class Ready(msgspec.Struct, tag=True):
     num_blocks: int
     startup_phases: dict[str, float] = {}
     """Seconds of each phase of the engine core's construction (`pagellm.metrics.startup`)."""
+    sent_at: float | None = None
+    """time.time() when the core sent it: the API process, busy with its own start meanwhile, may
+    read it later."""
 
 
 class StartupFailed(msgspec.Struct, tag=True):

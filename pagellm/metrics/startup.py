@@ -29,9 +29,12 @@ ENGINE_OTHER = "engine_other"
 ENGINE_CONFIG = "engine_config"
 """Reading the model's config and checking the engine arguments (`LLM(...)`)."""
 ENGINE_PROCESS_START = "engine_process_start"
-"""The engine-core process's own start (spawn, imports) and its ready message, as the API process waits."""
+"""The engine-core process's own start (spawn, imports) and its ready message, from its spawn to the
+moment it sent that message."""
 API_SERVER = "api_server"
-"""The API process's own work: imports, flags, tokenizer, the app."""
+"""The API process's own work that the engine's start did not hide: its imports, flags and the
+engine's configuration before the cores are spawned; then (the tokenizer, FastAPI and the app, built
+while the cores start) only what outlasts them."""
 FRONTEND = "frontend"
 """LLMEngine's own work around its engine core: tokenizer, input and output processors."""
 TOTAL = "total"

@@ -11,7 +11,7 @@ from ray.serve import Application
 
 from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.entrypoints.openai import api_server
+from pagellm.entrypoints.openai import api_server, server_start
 from pagellm.entrypoints.openai.served_models import ServedModels
 from pagellm.entrypoints.openai.traffic import SEQS_IN_FLIGHT_PER_SEQ, TrafficLimits, TrafficState
 from pagellm.metrics.log_stats import LoggingStatLogger
@@ -100,7 +100,7 @@ def build_app(engine_args: dict[str, Any], *, served_model_name: str | Sequence[
         raise ValueError(f"max_ongoing_requests ({max_ongoing}) must be >= target_ongoing_requests "
                          f"({scaling['target_ongoing_requests']})")
     names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
-    template = api_server.load_chat_template(chat_template)  # read and checked here, not in every replica
+    template = server_start.load_chat_template(chat_template)  # read and checked here, not in every replica
     deployment = serve.deployment(EngineReplica, name=name, autoscaling_config=scaling,
                                   max_ongoing_requests=max_ongoing, ray_actor_options=ray_actor_options or {})
     return deployment.bind(dict(engine_args), names, api_key, template, web_ui)

@@ -29,7 +29,7 @@ from server_utils import RemoteServer
 
 from adversarial.probes import AUTH, CHAT_TEMPLATE, ENGINE_FLAGS, HI, MODEL, assert_serves_normally, server_faults
 from pagellm.config import StructuredOutputsConfig
-from pagellm.entrypoints.openai.api_server import load_chat_template
+from pagellm.entrypoints.openai.server_start import load_chat_template
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.structured_output.errors import GrammarError
 from pagellm.structured_output.source import GrammarChecker

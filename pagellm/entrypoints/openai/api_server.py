@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Coroutine, Sequence
@@ -24,7 +23,7 @@ from pagellm.engine.arg_utils import EngineArgs
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.engine.gc_freeze import freeze_startup_objects
 from pagellm.entrypoints.openai.auth import APIKeyMiddleware
-from pagellm.entrypoints.openai.cli_args import API_KEY_ENV, LoRAModule, runtime_lora_updating_allowed
+from pagellm.entrypoints.openai.cli_args import API_KEY_ENV, LoRAModule
 from pagellm.entrypoints.openai.errors import APIError, error_response, install_error_handlers, request_id_of
 from pagellm.entrypoints.openai.limits import ServerLimits
 from pagellm.entrypoints.openai.middleware import BodySizeLimitMiddleware, RequestIdMiddleware
@@ -45,6 +44,7 @@ from pagellm.entrypoints.openai.protocol_anthropic import CountTokensRequest, Co
 from pagellm.entrypoints.openai.protocol_embedding import EmbeddingRequest
 from pagellm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagellm.entrypoints.openai.served_models import ServedModel, ServedModels, UnknownModelError
+from pagellm.entrypoints.openai.server_start import ServerStart
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagellm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
@@ -58,8 +58,6 @@ from pagellm.loader.source import DEFAULT_MODEL_FILE
 from pagellm.metrics import startup
 from pagellm.metrics.log_stats import LoggingStatLogger
 from pagellm.metrics.prometheus import PrometheusStatLogger
-from pagellm.plugins import load_plugins
-from pagellm.tokenizer.chat_template import compile_chat_template
 from pagellm.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -223,24 +221,6 @@ def build_app(engine: AsyncLLM, served_model_name: str | Sequence[str] | ServedM
     return app
 
 
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file's content, or the value itself when it is an inline template."""
-    if value is None:
-        return None
-    if os.path.isfile(value):
-        with open(value, encoding="utf-8") as f:
-            template = f.read()
-    elif "{" in value:
-        template = value
-    else:
-        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template string")
-    try:
-        compile_chat_template(template)  # a syntax error should stop start-up, not fail every request
-    except ValueError as e:
-        raise ValueError(f"--chat-template: {e}") from None
-    return template
-
-
 def server_metrics(args: EngineArgs, config: EngineConfig, model_name: str,
                    traffic: TrafficState) -> PrometheusStatLogger:
     """The Prometheus metrics of a server of `config`'s engine, counting what `traffic` admits and turns away."""
@@ -257,19 +237,11 @@ def default_served_name(model: str | None) -> str:
     return model if model is not None else DEFAULT_MODEL_FILE.split(".")[0]
 
 
-def run_server(ns: argparse.Namespace) -> int:
-    """Start the engine process and serve until SIGINT/SIGTERM (exit status 0), or until the engine
-    core dies, freezes or stalls (ENGINE_DEAD_EXIT_CODE); `ns` holds `pagellm serve`'s flags."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    load_plugins()  # the API process's registries (the CLI has loaded them; run_server may be called alone)
-    # Bind before the model loads, so a busy port fails in a moment rather than after start-up.
-    sock = _bind(ns.host, ns.port)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_cleanly)
-    try:
-        return _run_event_loop(_serve(ns, sock))
-    finally:
-        sock.close()
+def run_server(ns: argparse.Namespace, start: ServerStart) -> int:
+    """Build the app while the engine cores of `start` (`server_start.start_engine`) load the model,
+    and serve once they are ready, until SIGINT/SIGTERM (exit status 0) or until an engine core
+    dies, freezes or stalls (ENGINE_DEAD_EXIT_CODE); `ns` holds `pagellm serve`'s flags."""
+    return _run_event_loop(_serve(ns, start))
 
 
 def _run_event_loop(main: Coroutine[Any, Any, int]) -> int:
@@ -289,33 +261,28 @@ def server_startup_phases(engine_phases: dict[str, float], serve_s: float) -> di
     return startup.with_total(startup.with_remainder(engine_phases, max(serve_s, age or 0.0), startup.API_SERVER))
 
 
-async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
-    started = time.perf_counter()
-    args = EngineArgs.from_cli_args(ns)
-    names = ns.served_model_name or [default_served_name(args.model)]
-    chat_template = load_chat_template(ns.chat_template)
-    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser, to read the model's tool calls")
-    if ns.lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora, which makes the engine able to run adapters")
-    allow_lora_updating = runtime_lora_updating_allowed(ns)
-    api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
-    limits = ServerLimits.from_namespace(ns)
-    # Every data-parallel replica runs max_num_seqs sequences. A timeout of 0 is none.
-    traffic = TrafficState(TrafficLimits.for_engine(
-        args.max_num_seqs * args.data_parallel_size, ns.max_seqs_in_flight, ns.max_waiting_requests,
-        ns.max_tokens_in_flight, ns.queue_timeout or None, ns.request_timeout or None))
-    config = args.create_engine_config()
-    models = ServedModels.for_engine(names, config)
-    await _load_lora_modules(models, ns.lora_modules or ())  # before the engine starts: a bad one fails fast
-    metrics = server_metrics(args, config, names[0], traffic)
-    engine = AsyncLLM(config, stat_loggers=[metrics, LoggingStatLogger(num_engines=args.data_parallel_size)],
-                      stall_timeout_s=ns.engine_stall_timeout or None)
+async def _serve(ns: argparse.Namespace, start: ServerStart) -> int:
+    args, config, engine, sock = start.args, start.config, start.engine, start.sock
     try:
+        names = ns.served_model_name or [default_served_name(args.model)]
+        chat_template, allow_lora_updating, limits = start.chat_template, start.allow_lora_updating, start.limits
+        api_key = ns.api_key or os.environ.get(API_KEY_ENV) or None
+        # Every data-parallel replica runs max_num_seqs sequences. A timeout of 0 is none.
+        traffic = TrafficState(TrafficLimits.for_engine(
+            args.max_num_seqs * args.data_parallel_size, ns.max_seqs_in_flight, ns.max_waiting_requests,
+            ns.max_tokens_in_flight, ns.queue_timeout or None, ns.request_timeout or None))
+        models = ServedModels.for_engine(names, config)
+        await _load_lora_modules(models, ns.lora_modules or ())  # while the engine loads: a bad one fails fast
+        metrics = server_metrics(args, config, names[0], traffic)
+        engine.stat_loggers += [metrics, LoggingStatLogger(num_engines=args.data_parallel_size)]
         app = build_app(engine, models, api_key=api_key, chat_template=chat_template, metrics=metrics, limits=limits,
                         traffic=traffic, protect_metrics=ns.protect_metrics,
                         auto_tool_parser=ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                         allow_runtime_lora_updating=allow_lora_updating, web_ui=not ns.disable_web_ui)
+        server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
+                                                timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
+        freeze_startup_objects()  # the app and its libraries live as long as the process
+        engine.wait_until_ready()
         host, port = sock.getsockname()[:2]
         served = [model.name for model in models]
         logger.info("serving %s on http://%s:%d%s", ", ".join(served), host, port,
@@ -325,19 +292,17 @@ async def _serve(ns: argparse.Namespace, sock: socket.socket) -> int:
         if allow_lora_updating:
             logger.warning("runtime LoRA updating is on: clients may load adapters from any folder this server "
                            "can read (/v1/load_lora_adapter)")
-        server = _DrainingServer(uvicorn.Config(app, log_level=ns.uvicorn_log_level,
-                                                timeout_graceful_shutdown=ns.shutdown_timeout), traffic)
         watcher = asyncio.create_task(_stop_when_engine_dies(engine, server))
-        phases = server_startup_phases(engine.startup_phases, time.perf_counter() - started)
+        phases = server_startup_phases(engine.startup_phases, time.perf_counter() - start.started)
         metrics.record_startup(phases)
         logger.info("ready in %s", startup.describe(phases))
-        freeze_startup_objects()  # the app and its libraries live as long as the process
         try:
             await server.serve(sockets=[sock])
         finally:
             watcher.cancel()
         return 0 if engine.is_running else ENGINE_DEAD_EXIT_CODE
     finally:
+        # Here, in the event loop: its sockets are the loop's.
         engine.shutdown()
 
 
@@ -382,22 +347,3 @@ async def _stop_when_engine_dies(engine: AsyncLLM, server: uvicorn.Server) -> No
     logger.error("%s; stopping the server (exit status %d) so that a supervisor restarts it", reason,
                  ENGINE_DEAD_EXIT_CODE)
     server.should_exit = True
-
-
-def _exit_cleanly(signum: int, frame: object) -> None:
-    # uvicorn re-raises the signal that stopped it once it has shut down. Exiting through
-    # SystemExit, rather than dying from the signal, runs the `finally` that stops the engine
-    # process (also when the signal comes during start-up).
-    raise SystemExit(0)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host") from None
-    return sock
-
