@@ -52,6 +52,20 @@ def test_stream_passes_through_chunk_by_chunk(fakes, router) -> None:
     assert routed.content == direct.content.replace(b"cmpl-2", b"cmpl-3").replace(b"a:2:", b"a:3:")
 
 
+def test_gzip_backend_relayed_decoded(fakes, router) -> None:
+    a = fakes("a", stream_events=4, gzip=True)
+    r = router({"models": [{"name": "alpha", "backends": [a.url]}]})
+    stream = {"model": "alpha", "prompt": "x", "stream": True}
+    with httpx.Client(base_url=r.url) as http:
+        direct = http.post(f"{a.url}/v1/completions", json=stream)  # httpx decodes it
+        routed = http.post("/v1/completions", json=stream)
+        whole = http.post("/v1/completions", json={"model": "alpha", "prompt": "x"})
+    assert direct.headers["content-encoding"] == "gzip"
+    assert "content-encoding" not in routed.headers and "content-encoding" not in whole.headers
+    assert routed.content == direct.content.replace(b"cmpl-1", b"cmpl-2").replace(b"a:1:", b"a:2:")
+    assert whole.json()["choices"][0]["text"] == "a:3"
+
+
 def test_models_merged_over_backends(fakes, router) -> None:
     a, b = fakes("served-a"), fakes("b")
     r = router({"models": [{"name": "alpha", "backends": [a.url]}, {"name": "b", "backends": [b.url]}]})
