@@ -24,7 +24,8 @@ def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
                            {"name": "beta", "backends": [{"url": b.url}]}]})
     with httpx.Client(base_url=r.url) as http:
         for model, fake in (("alpha", a), ("beta", b), ("alpha", a)):
-            resp = http.post("/v1/completions", json={"model": model, "prompt": "hi"})
+            resp = http.post("/v1/completions", json={"model": model, "prompt": "hi"},
+                             headers={"x-request-id": f"rid-{model}", "x-other": "not forwarded"})
             assert resp.status_code == 200
             assert resp.json()["choices"][0]["text"].startswith(fake.name + ":")
             assert resp.headers["x-pagellm-backend"] == fake.url
@@ -35,6 +36,7 @@ def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
     assert error["param"] == "model" and "gamma" in error["message"] and error["code"] == 404
     assert len(a.bodies) == 2 and b.paths == ["/v1/completions", "/v1/embeddings"]
     assert a.bodies[0] == {"model": "alpha", "prompt": "hi"}  # forwarded unchanged
+    assert a.headers[0]["x-request-id"] == "rid-alpha" and "x-other" not in a.headers[0]
 
 
 def test_stream_passes_through_chunk_by_chunk(fakes, router) -> None:

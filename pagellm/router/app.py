@@ -317,7 +317,7 @@ async def _listed_models(state: RouterState, backend: Backend, config: BackendCo
     headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     try:
         async with state.http.get(f"{backend.url}/v1/models", headers=headers, timeout=MODELS_TIMEOUT) as response:
-            data = await response.json(content_type=None)  # whatever its content type says, as httpx did
+            data = await response.json(content_type=None)  # whatever content type it names
         listed = data.get("data") or []
     except (*UPSTREAM_ERRORS, ValueError, AttributeError):
         return None

@@ -58,7 +58,7 @@ async def open_upstream(state: RouterState, route: ModelRoute, path: str, body: 
         state.metrics.in_flight.labels(backend.url).set(backend.in_flight)
         started = time.monotonic()
         try:
-            # Headers read, body not; a redirect is the backend's answer, as it was under httpx.
+            # Headers read, body not; a redirect goes to the client as the backend sent it, not followed.
             response = await state.http.post(backend.url + path, json=body, headers=headers, allow_redirects=False)
         except UPSTREAM_ERRORS as e:
             last_error = f"{backend.url}: {type(e).__name__}"
