@@ -2,10 +2,12 @@
 prefix affinity, failover, streaming pass-through, /v1/models, reload, metrics."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -66,6 +68,27 @@ def test_gzip_backend_relayed_decoded(fakes, router) -> None:
     assert "content-encoding" not in routed.headers and "content-encoding" not in whole.headers
     assert routed.content == direct.content.replace(b"cmpl-1", b"cmpl-2").replace(b"a:1:", b"a:2:")
     assert whole.json()["choices"][0]["text"] == "a:3"
+
+
+def test_no_cap_on_connections_to_a_backend(fakes, router) -> None:
+    gate = threading.Event()
+    a = fakes("a", gate=gate)  # holds each request until the gate opens (or 10 s pass)
+    r = router({**QUIET, "models": [{"name": "alpha", "backends": [a.url]}]})
+    n = 110  # over aiohttp's default cap of 100 connections
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=r.url, timeout=30, limits=httpx.Limits(max_connections=None)) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={"model": "alpha", "prompt": f"p{i}"})
+                                          for i in range(n)))
+
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(asyncio.run, send_all())
+        try:
+            wait_until(lambda: len(a.bodies) == n, 8)  # all held at the backend at once, none queued
+        finally:
+            gate.set()
+        responses = sent.result(timeout=30)
+    assert [resp.status_code for resp in responses] == [200] * n
 
 
 def test_models_merged_over_backends(fakes, router) -> None:
