@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,7 +76,7 @@ class FakeBackend:
     requests until set), `hold` (hold each request until its client goes, counted in `disconnects`;
     a stream sends its first event first), `kv_params` (the top-level `kv_transfer_params` a P/D
     prefill request, one with `do_remote_decode`, is answered with), `break_after` also cuts a
-    non-streamed body short when 0."""
+    non-streamed body short when 0, `gzip` (answer gzip-encoded, a stream flushed event by event)."""
 
     name: str
     output_tokens: int = 5
@@ -86,6 +87,7 @@ class FakeBackend:
     gate: threading.Event | None = None
     hold: bool = False
     kv_params: dict[str, Any] | None = None
+    gzip: bool = False
     disconnects: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
@@ -130,7 +132,11 @@ class FakeBackend:
             n = len(self.bodies)
             if body.get("stream"):
                 usage = (body.get("stream_options") or {}).get("include_usage", False)
-                return StreamingResponse(self._events(n, usage), media_type="text/event-stream")
+                events = self._events(n, usage)
+                if self.gzip:
+                    return StreamingResponse(_gzipped(events), media_type="text/event-stream",
+                                             headers={"content-encoding": "gzip"})
+                return StreamingResponse(events, media_type="text/event-stream")
             if self.hold:
                 while (await request.receive())["type"] != "http.disconnect":
                     pass
@@ -145,6 +151,10 @@ class FakeBackend:
                                 "total_tokens": 1 + self.output_tokens}}
             if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
                 answer["kv_transfer_params"] = self.kv_params
+            if self.gzip:
+                compressor = zlib.compressobj(wbits=GZIP_WBITS)
+                return Response(compressor.compress(json.dumps(answer).encode()) + compressor.flush(),
+                                media_type="application/json", headers={"content-encoding": "gzip"})
             return JSONResponse(answer)
 
         for path in ("/v1/completions", "/v1/chat/completions", "/v1/embeddings"):
@@ -174,6 +184,18 @@ class FakeBackend:
                               "total_tokens": 1 + self.output_tokens}}
             yield f"data: {json.dumps(last)}\n\n".encode()
         yield b"data: [DONE]\n\n"
+
+
+GZIP_WBITS = 31
+"""zlib's gzip framing."""
+
+
+async def _gzipped(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """One gzip stream, flushed after each chunk so that each arrives when it is sent."""
+    compressor = zlib.compressobj(wbits=GZIP_WBITS)
+    async for chunk in chunks:
+        yield compressor.compress(chunk) + compressor.flush(zlib.Z_SYNC_FLUSH)
+    yield compressor.flush()
 
 
 class RouterUnderTest:

@@ -2,10 +2,12 @@
 prefix affinity, failover, streaming pass-through, /v1/models, reload, metrics."""
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -24,7 +26,8 @@ def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
                            {"name": "beta", "backends": [{"url": b.url}]}]})
     with httpx.Client(base_url=r.url) as http:
         for model, fake in (("alpha", a), ("beta", b), ("alpha", a)):
-            resp = http.post("/v1/completions", json={"model": model, "prompt": "hi"})
+            resp = http.post("/v1/completions", json={"model": model, "prompt": "hi"},
+                             headers={"x-request-id": f"rid-{model}", "x-other": "not forwarded"})
             assert resp.status_code == 200
             assert resp.json()["choices"][0]["text"].startswith(fake.name + ":")
             assert resp.headers["x-pagellm-backend"] == fake.url
@@ -35,6 +38,7 @@ def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
     assert error["param"] == "model" and "gamma" in error["message"] and error["code"] == 404
     assert len(a.bodies) == 2 and b.paths == ["/v1/completions", "/v1/embeddings"]
     assert a.bodies[0] == {"model": "alpha", "prompt": "hi"}  # forwarded unchanged
+    assert a.headers[0]["x-request-id"] == "rid-alpha" and "x-other" not in a.headers[0]
 
 
 def test_stream_passes_through_chunk_by_chunk(fakes, router) -> None:
@@ -50,6 +54,41 @@ def test_stream_passes_through_chunk_by_chunk(fakes, router) -> None:
     assert routed.headers["content-type"].startswith("text/event-stream")
     # Byte for byte what the backend sent (its request counter aside).
     assert routed.content == direct.content.replace(b"cmpl-2", b"cmpl-3").replace(b"a:2:", b"a:3:")
+
+
+def test_gzip_backend_relayed_decoded(fakes, router) -> None:
+    a = fakes("a", stream_events=4, gzip=True)
+    r = router({"models": [{"name": "alpha", "backends": [a.url]}]})
+    stream = {"model": "alpha", "prompt": "x", "stream": True}
+    with httpx.Client(base_url=r.url) as http:
+        direct = http.post(f"{a.url}/v1/completions", json=stream)  # httpx decodes it
+        routed = http.post("/v1/completions", json=stream)
+        whole = http.post("/v1/completions", json={"model": "alpha", "prompt": "x"})
+    assert direct.headers["content-encoding"] == "gzip"
+    assert "content-encoding" not in routed.headers and "content-encoding" not in whole.headers
+    assert routed.content == direct.content.replace(b"cmpl-1", b"cmpl-2").replace(b"a:1:", b"a:2:")
+    assert whole.json()["choices"][0]["text"] == "a:3"
+
+
+def test_no_cap_on_connections_to_a_backend(fakes, router) -> None:
+    gate = threading.Event()
+    a = fakes("a", gate=gate)  # holds each request until the gate opens (or 10 s pass)
+    r = router({**QUIET, "models": [{"name": "alpha", "backends": [a.url]}]})
+    n = 110  # over aiohttp's default cap of 100 connections
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=r.url, timeout=30, limits=httpx.Limits(max_connections=None)) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={"model": "alpha", "prompt": f"p{i}"})
+                                          for i in range(n)))
+
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(asyncio.run, send_all())
+        try:
+            wait_until(lambda: len(a.bodies) == n, 8)  # all held at the backend at once, none queued
+        finally:
+            gate.set()
+        responses = sent.result(timeout=30)
+    assert [resp.status_code for resp in responses] == [200] * n
 
 
 def test_models_merged_over_backends(fakes, router) -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -26,6 +26,7 @@ from pagellm.entrypoints.openai.web_pages import CHAT_PAGE, add_web_ui_routes
 from pagellm.router.balance import Backend, ModelRoute, prefix_hashes
 from pagellm.router.body import DEFAULT_MAX_TOKENS_ESTIMATE, estimate_tokens, prompt_text, requested_max_tokens
 from pagellm.router.cache import BYPASS_HEADER, STATUS_HEADER, CachedResponse
+from pagellm.router.client import UPSTREAM_ERRORS
 from pagellm.router.config import BackendConfig, KeyConfig
 from pagellm.router.length import Governed, LengthError, govern
 from pagellm.router.pd import open_disaggregated
@@ -37,6 +38,8 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 TRUNCATED_HEADER = "x-pagellm-truncated"
 """`<tokens before>-><tokens after>` when the prompt was truncated under the model's length policy."""
 BACKEND_HEADER = "x-pagellm-backend"
+MODELS_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+"""A backend's /v1/models answer, whole."""
 
 
 def build_app(state: RouterState, reload_on_sighup: bool = False, web_ui: bool = True) -> FastAPI:
@@ -222,7 +225,7 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
 
             async def on_done(output_tokens: int, content: bytes | None) -> None:
                 if cache_key is not None and content is not None:
-                    await table.cache.put(cache_key, CachedResponse(up.response.status_code, media_type, content))
+                    await table.cache.put(cache_key, CachedResponse(up.response.status, media_type, content))
                 await settle(output_tokens)
 
             return await respond(state, up, model, path, stream, load, headers, on_done)
@@ -313,8 +316,9 @@ async def _listed_models(state: RouterState, backend: Backend, config: BackendCo
     """The `data` of the backend's /v1/models, or None when it does not answer one."""
     headers = {"authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     try:
-        data = (await state.http.get(f"{backend.url}/v1/models", headers=headers, timeout=5.0)).json()
+        async with state.http.get(f"{backend.url}/v1/models", headers=headers, timeout=MODELS_TIMEOUT) as response:
+            data = await response.json(content_type=None)  # whatever content type it names
         listed = data.get("data") or []
-    except (httpx.HTTPError, ValueError, AttributeError):
+    except (*UPSTREAM_ERRORS, ValueError, AttributeError):
         return None
     return listed if isinstance(listed, list) else None

@@ -16,10 +16,9 @@ import json
 import time
 from typing import Any
 
-import httpx
-
 from pagellm.entrypoints.openai.errors import APIError
 from pagellm.router.balance import ModelRoute
+from pagellm.router.client import UPSTREAM_ERRORS
 from pagellm.router.proxy import Upstream, finish, open_upstream, release_load
 from pagellm.router.state import PDPools, RouterState
 
@@ -65,18 +64,18 @@ async def _prefill(state: RouterState, route: ModelRoute, path: str, body: dict[
     except APIError:
         return _fallback(state, "prefill_unavailable")
     try:
-        content = await up.response.aread()
-    except httpx.HTTPError as e:
+        content = await up.response.read()
+    except UPSTREAM_ERRORS as e:
         finish(state, up, route.config.name, load, error=type(e).__name__)
         return _fallback(state, "prefill_error")
     except BaseException:  # the client went away: closing the connection aborts the prefill
         release_load(state, up.backend, load)
         raise
     finally:
-        await up.response.aclose()
+        up.response.release()  # back to the pool when read whole, else closed
     finish(state, up, route.config.name, load)
     state.metrics.pd_prefill_latency.labels(up.backend.url).observe(time.monotonic() - up.started)
-    if up.response.status_code != 200:
+    if up.response.status != 200:
         return _fallback(state, "prefill_error")
     try:
         params = json.loads(content).get(KV_TRANSFER_FIELD)

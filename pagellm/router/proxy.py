@@ -13,11 +13,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 from fastapi.responses import Response, StreamingResponse
 
 from pagellm.entrypoints.openai.errors import APIError, sse_error
 from pagellm.router.balance import Backend, ModelRoute
+from pagellm.router.client import UPSTREAM_ERRORS, is_timeout
 from pagellm.router.state import RouterState
 
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -32,7 +33,7 @@ OnDone = Callable[[int, bytes | None], Awaitable[None]]
 @dataclass(slots=True)
 class Upstream:
     backend: Backend
-    response: httpx.Response
+    response: aiohttp.ClientResponse
     started: float
 
 
@@ -57,28 +58,28 @@ async def open_upstream(state: RouterState, route: ModelRoute, path: str, body: 
         state.metrics.in_flight.labels(backend.url).set(backend.in_flight)
         started = time.monotonic()
         try:
-            request = state.http.build_request("POST", backend.url + path, json=body, headers=headers)
-            response = await state.http.send(request, stream=True)
-        except httpx.HTTPError as e:
+            # Headers read, body not; a redirect goes to the client as the backend sent it, not followed.
+            response = await state.http.post(backend.url + path, json=body, headers=headers, allow_redirects=False)
+        except UPSTREAM_ERRORS as e:
             last_error = f"{backend.url}: {type(e).__name__}"
-            kind = "timeout" if isinstance(e, httpx.TimeoutException) else "connect"
+            kind = "timeout" if is_timeout(e) else "connect"
         except BaseException:  # the client went away while waiting: not the backend's failure
             release_load(state, backend, load_tokens)
             raise
         else:
             state.metrics.first_byte.labels(model, backend.url).observe(time.monotonic() - started)
-            if response.status_code not in RETRY_STATUSES:
+            if response.status not in RETRY_STATUSES:
                 backend.remember(hashes)
                 state.backend_succeeded(backend)
                 return Upstream(backend, response, started)
-            kind = f"http_{response.status_code}"
+            kind = f"http_{response.status}"
             state.metrics.errors.labels(model, backend.url, kind).inc()
             state.backend_failed(backend)
             if attempt == MAX_ATTEMPTS - 1:  # no retry left: the client gets the backend's own answer
                 return Upstream(backend, response, started)
-            await response.aclose()
+            response.close()
             release_load(state, backend, load_tokens)
-            last_error = f"{backend.url}: HTTP {response.status_code}"
+            last_error = f"{backend.url}: HTTP {response.status}"
             exclude.add(backend)
             continue
         release_load(state, backend, load_tokens)
@@ -110,8 +111,8 @@ async def respond(state: RouterState, up: Upstream, model: str, path: str, strea
     is_sse = up.response.headers.get("content-type", "").startswith("text/event-stream")
     if not (stream and is_sse):
         try:
-            content = await up.response.aread()
-        except httpx.HTTPError as e:
+            content = await up.response.read()
+        except UPSTREAM_ERRORS as e:
             finish(state, up, model, load_tokens, error=type(e).__name__)
             await on_done(0, None)
             raise APIError(f"backend {up.backend.url} broke off its response ({type(e).__name__})", 502) from e
@@ -119,12 +120,12 @@ async def respond(state: RouterState, up: Upstream, model: str, path: str, strea
             release_load(state, up.backend, load_tokens)
             raise
         finally:
-            await up.response.aclose()
+            up.response.release()  # back to the pool when read whole, else closed
         finish(state, up, model, load_tokens)
         await on_done(output_tokens_of(content), content)
-        return Response(content, up.response.status_code, headers,
+        return Response(content, up.response.status, headers,
                         media_type=up.response.headers.get("content-type", "application/json"))
-    return StreamingResponse(_relay(state, up, model, path, load_tokens, on_done), up.response.status_code,
+    return StreamingResponse(_relay(state, up, model, path, load_tokens, on_done), up.response.status,
                              headers, media_type="text/event-stream")
 
 
@@ -133,17 +134,17 @@ async def _relay(state: RouterState, up: Upstream, model: str, path: str, load_t
     chunks: list[bytes] = []
     events, usage_tokens, error = 0, None, None
     try:
-        async for chunk in up.response.aiter_bytes():  # decoded: a gzip-ing backend streams plain SSE too
+        async for chunk in up.response.content.iter_any():  # decoded: a gzip-ing backend streams plain SSE too
             chunks.append(chunk)
             events += chunk.count(b"data: ")
             if b'"usage"' in chunk:  # the last chunk of a stream with include_usage
                 usage_tokens = _stream_usage(chunk) or usage_tokens
             yield chunk
-    except httpx.HTTPError as e:
+    except UPSTREAM_ERRORS as e:
         error = type(e).__name__
         yield sse_error(APIError(f"backend {up.backend.url} broke off the stream ({error})", 502)).encode()
     finally:
-        await up.response.aclose()
+        up.response.release()  # back to the pool when read whole, else closed (which aborts the request)
         finish(state, up, model, load_tokens, error=error)
         complete = error is None and b"data: [DONE]" in b"".join(chunks[-2:])
         # Each event but [DONE] carries about one token: an estimate where the stream reports no usage.
@@ -163,7 +164,7 @@ def _stream_usage(chunk: bytes) -> int | None:
 def finish(state: RouterState, up: Upstream, model: str, load_tokens: int, error: str | None = None) -> None:
     release_load(state, up.backend, load_tokens)
     url = up.backend.url
-    state.metrics.requests.labels(model, url, str(up.response.status_code)).inc()
+    state.metrics.requests.labels(model, url, str(up.response.status)).inc()
     state.metrics.latency.labels(model, url).observe(time.monotonic() - up.started)
     if error is not None:
         state.metrics.errors.labels(model, url, "broken_stream").inc()

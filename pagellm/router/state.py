@@ -10,10 +10,11 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from pagellm.router.balance import Backend, ModelRoute
 from pagellm.router.cache import ResponseCache
+from pagellm.router.client import UPSTREAM_ERRORS, make_session
 from pagellm.router.config import KeyConfig, ModelConfig, RouterConfig, load_config
 from pagellm.router.limits import RateLimiter
 from pagellm.router.metrics import RouterMetrics
@@ -21,7 +22,7 @@ from pagellm.router.store import RedisStore, Store, make_store
 from pagellm.tokenizer import Tokenizer, load_tokenizer_at
 
 logger = logging.getLogger(__name__)
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,8 +59,7 @@ class RouterState:
         self.metrics = RouterMetrics()
         self._tokenizers_by_path: dict[str, Tokenizer] = {}
         self.table = self._build(load_config(config_path, overrides, extra_backends), None)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.table.config.request_timeout_s, connect=5.0),
-                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self._http: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
 
     def _build(self, config: RouterConfig, old: RoutingTable | None) -> RoutingTable:
@@ -92,14 +92,24 @@ class RouterState:
         if isinstance(self.table.store, RedisStore):
             await self.table.store.check()
 
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The backends' client, from `start` on."""
+        if self._http is None:
+            raise RuntimeError("RouterState.start() has not run")
+        return self._http
+
     async def start(self) -> None:
-        """Start the health checks (on the serving loop)."""
+        """Open the backends' client and start the health checks (on the serving loop: an aiohttp
+        session belongs to the loop it was made on)."""
+        self._http = make_session(self.table.config.request_timeout_s)
         self._health_task = asyncio.create_task(self._health_loop())
 
     async def stop(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-        await self.http.aclose()
+        if self._http is not None:
+            await self._http.close()
         await self.table.store.close()
 
     async def reload(self) -> RoutingTable:
@@ -129,8 +139,9 @@ class RouterState:
 
     async def _probe(self, backend: Backend) -> None:
         try:
-            ok = (await self.http.get(f"{backend.url}/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
-        except httpx.HTTPError:
+            async with self.http.get(f"{backend.url}/health", timeout=HEALTH_TIMEOUT) as response:
+                ok = response.status == 200
+        except UPSTREAM_ERRORS:
             ok = False
         if ok:
             self.backend_succeeded(backend)
