@@ -18,6 +18,7 @@ from server_utils import metric_samples
 from pagellm.cli.main import main
 from pagellm.router.balance import Backend, ModelRoute, prefix_hashes
 from pagellm.router.config import parse_config
+from pagellm.router.proxy import open_upstream, respond
 
 
 def test_routes_by_model_and_404s_unknown(fakes, router) -> None:
@@ -188,6 +189,34 @@ def test_broken_stream_ends_with_an_error_event(fakes, router) -> None:
             received.append(chunk.choices[0].delta.content)
     assert received == ["a:1:0 ", "a:1:1 "]
     assert r.state.table.backends[a.url].in_flight == 0  # its load is given back
+
+
+def test_client_gone_before_the_stream_starts_gives_the_backend_back(fakes, router) -> None:
+    """A client that leaves between the backend's answer and the relay's first chunk: the relay never
+    starts, yet its backend request is closed and its load and limits settled."""
+    a = fakes("a", hold=True)
+    r = router({"models": [{"name": "m", "backends": [a.url]}]})
+    done: list[tuple[int, bytes | None]] = []
+
+    async def on_done(tokens: int, content: bytes | None) -> None:
+        done.append((tokens, content))
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0)  # a checkpoint, as a real socket's write may be: the disconnect's cancel lands here
+
+    async def scenario() -> None:
+        body = {"model": "m", "prompt": "x", "max_tokens": 4, "stream": True}
+        up = await open_upstream(r.state, r.state.table.routes["m"], "/v1/completions", body, {}, [], None, 10)
+        response = await respond(r.state, up, "m", "/v1/completions", True, 10, {}, on_done)
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    r.call(scenario())
+    assert done == [(0, None)]
+    assert r.state.table.backends[a.url].in_flight == 0
+    wait_until(lambda: a.disconnects == 1, 10)  # the backend's request was closed, not left generating
 
 
 def test_reload_by_admin_route_keeps_requests_in_flight(fakes, router) -> None:

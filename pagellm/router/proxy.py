@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pagellm.entrypoints.openai.errors import APIError, sse_error
 from pagellm.router.balance import Backend, ModelRoute
@@ -125,31 +126,66 @@ async def respond(state: RouterState, up: Upstream, model: str, path: str, strea
         await on_done(output_tokens_of(content), content)
         return Response(content, up.response.status, headers,
                         media_type=up.response.headers.get("content-type", "application/json"))
-    return StreamingResponse(_relay(state, up, model, path, load_tokens, on_done), up.response.status,
-                             headers, media_type="text/event-stream")
+    relay = _Relay(state, up, model, load_tokens, on_done)
+    return _RelayResponse(relay, up.response.status, headers)
 
 
-async def _relay(state: RouterState, up: Upstream, model: str, path: str, load_tokens: int,
-                 on_done: OnDone) -> AsyncIterator[bytes]:
-    chunks: list[bytes] = []
-    events, usage_tokens, error = 0, None, None
-    try:
-        async for chunk in up.response.content.iter_any():  # decoded: a gzip-ing backend streams plain SSE too
-            chunks.append(chunk)
-            events += chunk.count(b"data: ")
-            if b'"usage"' in chunk:  # the last chunk of a stream with include_usage
-                usage_tokens = _stream_usage(chunk) or usage_tokens
-            yield chunk
-    except UPSTREAM_ERRORS as e:
-        error = type(e).__name__
-        yield sse_error(APIError(f"backend {up.backend.url} broke off the stream ({error})", 502)).encode()
-    finally:
-        up.response.release()  # back to the pool when read whole, else closed (which aborts the request)
-        finish(state, up, model, load_tokens, error=error)
-        complete = error is None and b"data: [DONE]" in b"".join(chunks[-2:])
-        # Each event but [DONE] carries about one token: an estimate where the stream reports no usage.
-        tokens = usage_tokens if usage_tokens is not None else max(0, events - 2)
-        await on_done(tokens, b"".join(chunks) if complete else None)
+@dataclass(slots=True)
+class _Relay:
+    """A backend's stream passed to the client chunk by chunk, and its accounting when it ends."""
+
+    state: RouterState
+    up: Upstream
+    model: str
+    load_tokens: int
+    on_done: OnDone
+    started: bool = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        self.started = True
+        chunks: list[bytes] = []
+        events, usage_tokens, error = 0, None, None
+        up = self.up
+        try:
+            async for chunk in up.response.content.iter_any():  # decoded: a gzip-ing backend streams plain SSE too
+                chunks.append(chunk)
+                events += chunk.count(b"data: ")
+                if b'"usage"' in chunk:  # the last chunk of a stream with include_usage
+                    usage_tokens = _stream_usage(chunk) or usage_tokens
+                yield chunk
+        except UPSTREAM_ERRORS as e:
+            error = type(e).__name__
+            yield sse_error(APIError(f"backend {up.backend.url} broke off the stream ({error})", 502)).encode()
+        finally:
+            up.response.release()  # back to the pool when read whole, else closed (which aborts the request)
+            finish(self.state, up, self.model, self.load_tokens, error=error)
+            complete = error is None and b"data: [DONE]" in b"".join(chunks[-2:])
+            # Each event but [DONE] carries about one token: an estimate where the stream reports no usage.
+            tokens = usage_tokens if usage_tokens is not None else max(0, events - 2)
+            await self.on_done(tokens, b"".join(chunks) if complete else None)
+
+    async def abandon(self) -> None:
+        """The response ended before its first chunk was asked for (the client went away): the
+        stream never started, so its `finally` will not run; close the backend's request here."""
+        if not self.started:
+            self.started = True
+            self.up.response.release()
+            finish(self.state, self.up, self.model, self.load_tokens)
+            await self.on_done(0, None)
+
+
+class _RelayResponse(StreamingResponse):
+    """The relay's stream as the client's response; the relay is closed however the response ends."""
+
+    def __init__(self, relay: _Relay, status: int, headers: dict[str, str]) -> None:
+        super().__init__(relay.chunks(), status, headers, media_type="text/event-stream")
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.relay.abandon()
 
 
 def _stream_usage(chunk: bytes) -> int | None:
