@@ -6,6 +6,7 @@ The engine's prefix cache and the router's response cache are off, so that a pro
 time (to the other target, or in the next round) costs what it cost the first time.
 
     python -m benchmarks.router_overhead            # the CPU, the embedded SmolLM2
+    python -m benchmarks.router_overhead --backend null   # a backend that answers at once: the router alone
     python -m benchmarks.router_overhead --smoke
 
 Prints a table and writes JSON under benchmarks/results/ (hardware, date, command, commit).
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          num_warmups=args.num_warmups, disable_tqdm=True)
     workload = make_workload(config)  # the same prompts for both targets and every round
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in TARGETS}
-    with ServerProcess(args.model or None, engine_flags) as server, RouterProcess(server.url) as router:
+    backend = (ServerProcess(args.model or None, engine_flags) if args.backend == "engine" else
+               ServerProcess(None, ["--model", MODEL_NAME], launcher=[sys.executable, "-m", "benchmarks.null_backend"]))
+    with backend as server, RouterProcess(server.url) as router:
         urls = {"direct": server.url, "router": router.url}
         for round_ in range(args.rounds):
             # Alternate which goes first, so that a drift of the machine's speed over the run
@@ -149,6 +152,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="", help="model path; '': the embedded SmolLM2")
+    p.add_argument("--backend", choices=["engine", "null"], default="engine",
+                   help="engine: `pagellm serve`; null: benchmarks.null_backend, which answers at once, so the "
+                        "router's own cost shows")
     p.add_argument("--tokenizer", default="", help="the prompts' tokenizer (a .gguf file or a directory with "
                    "tokenizer.json; with --load-format dummy also the server's); '': the embedded SmolLM2's")
     p.add_argument("--device", default="cpu")

@@ -31,3 +31,12 @@ def test_non_positive_sizes_are_refused_naming_the_flag(flag, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([flag, "0"])
     assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.slow  # the embedded model's tokenizer makes the prompts
+def test_null_backend_run_counts_every_token_through_both_targets(tmp_path) -> None:
+    payload = main(["--smoke", "--backend", "null", "--out-dir", str(tmp_path)])
+    for run in (*payload["runs"]["direct"], *payload["runs"]["router"]):
+        assert run["completed"] == _SMOKE["num_prompts"] and run["failed"] == 0
+        assert run["total_output_tokens"] == _SMOKE["num_prompts"] * _SMOKE["output_len"]
+    assert payload["parameters"]["backend"] == "null"

@@ -20,14 +20,17 @@ class ServerProcess:
     file whose tail a failure quotes."""
 
     def __init__(self, model: str | None, args: list[str], startup_timeout_s: float = 300.0,
-                 poll_s: float = _POLL_S) -> None:
-        """`poll_s`: how often /health/ready is asked while the server starts."""
+                 poll_s: float = _POLL_S, launcher: list[str] | None = None) -> None:
+        """`poll_s`: how often /health/ready is asked while the server starts. `launcher`: another
+        server's command (it takes --host and --port and answers /health/ready), in place of
+        `pagellm serve [model]`."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "pagellm.cli", "serve", *([model] if model else []),
-                        "--host", "127.0.0.1", "--port", str(self.port), *args]
+        launcher = launcher or [sys.executable, "-m", "pagellm.cli", "serve", *([model] if model else [])]
+        self.command = [*launcher, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self._name = " ".join(launcher[2:4])  # `pagellm.cli serve`, or the module of another launcher
         self._startup_timeout_s = startup_timeout_s
         self._poll_s = poll_s
         self._log = tempfile.NamedTemporaryFile("w+", prefix="pagellm-sweep-", suffix=".log")
@@ -56,7 +59,7 @@ class ServerProcess:
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self._process.poll() is not None:
-                    raise ValueError(f"pagellm serve exited with code {self._process.returncode} "
+                    raise ValueError(f"{self._name} exited with code {self._process.returncode} "
                                      f"({' '.join(self.command)}):\n{self.log_tail()}")
                 try:
                     if client.get(f"{self.url}/health/ready").status_code == 200:
@@ -64,7 +67,7 @@ class ServerProcess:
                 except httpx.TransportError:
                     pass  # not listening yet
                 time.sleep(self._poll_s)
-        raise ValueError(f"pagellm serve was not ready within {self._startup_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ValueError(f"{self._name} was not ready within {self._startup_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def _stop(self) -> None:
         """SIGTERM (a graceful drain), then SIGKILL after a deadline."""
