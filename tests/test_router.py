@@ -210,7 +210,7 @@ def test_client_gone_before_the_stream_starts_gives_the_backend_back(fakes, rout
     async def scenario() -> None:
         body = {"model": "m", "prompt": "x", "max_tokens": 4, "stream": True}
         up = await open_upstream(r.state, r.state.table.routes["m"], "/v1/completions", body, {}, [], None, 10)
-        response = await respond(r.state, up, "m", "/v1/completions", True, 10, {}, on_done)
+        response = await respond(r.state, up, "m", True, 10, {}, on_done)
         await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
 
     r.call(scenario())

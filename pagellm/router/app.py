@@ -228,7 +228,7 @@ async def _handle(state: RouterState, table: RoutingTable, path: str, request: R
                     await table.cache.put(cache_key, CachedResponse(up.response.status, media_type, content))
                 await settle(output_tokens)
 
-            return await respond(state, up, model, path, stream, load, headers, on_done)
+            return await respond(state, up, model, stream, load, headers, on_done)
 
         return await _unless_disconnected(request, answer())
     except BaseException:

@@ -106,7 +106,7 @@ def output_tokens_of(body: bytes) -> int:
     return tokens if isinstance(tokens, int) else 0
 
 
-async def respond(state: RouterState, up: Upstream, model: str, path: str, stream: bool, load_tokens: int,
+async def respond(state: RouterState, up: Upstream, model: str, stream: bool, load_tokens: int,
                   headers: dict[str, str], on_done: OnDone) -> Response:
     """The client's response: the backend's whole body, or its stream passed through."""
     is_sse = up.response.headers.get("content-type", "").startswith("text/event-stream")
